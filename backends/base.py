@@ -1,0 +1,227 @@
+"""The rollout-backend interface: the contract every inference engine meets.
+
+A backend turns token-id prompts into completions and takes new weights from the trainer.
+It knows nothing of the trainer; the trainer knows backends only through this module.
+
+Log-prob convention (checked by ``tests/test_backend_contract.py`` for every backend):
+``Completion.logprobs[i]`` is the log-probability of ``Completion.token_ids[i]`` under the
+*temperature-scaled* distribution ``softmax(logits / temperature)``, taken *before* top-p / top-k
+truncation, in fp32. That is exactly what the trainer recomputes from the same weights, so the
+ratio between engine and trainer log-probs measures only numerical mismatch, never a
+convention gap. With ``temperature == 0`` (greedy) the scale is 1.
+
+Weights move as flat buckets (see :class:`TensorSpec` / :class:`BucketManifest`): one contiguous
+1-D buffer of one dtype plus a manifest naming each tensor (Hugging Face parameter names) by
+shape and element offset. Three transports carry them:
+
+* collective — the engine's workers join a side process group with the trainer's sender rank
+  (:class:`WeightGroupSpec`), and the sender broadcasts each flat bucket;
+* tensor — a colocated hand-off of the bucket itself (shared memory on CPU, CUDA IPC on GPU);
+* disk — a directory of safetensors files, reloaded by the engine.
+
+After the last bucket of a sync the trainer calls :meth:`RolloutBackend.finish_weight_update`,
+which records the new ``weight_version`` and resets the prefix cache.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = [
+    "BackendConfig",
+    "BackendError",
+    "BucketManifest",
+    "Completion",
+    "RolloutBackend",
+    "SamplingParams",
+    "TensorSpec",
+    "WeightGroupSpec",
+]
+
+
+class BackendError(RuntimeError):
+    """A backend could not do what was asked; the message says what and what to do."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``n`` completions are returned per prompt, prompt-major.
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p >= 1`` disable truncation.
+    ``seed`` makes a call reproducible on the same backend and weights (same prompts, same params
+    -> same tokens); ``None`` draws fresh randomness.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass
+class Completion:
+    """One sampled answer to one prompt.
+
+    token_ids: the generated tokens (the stop token, when one ended the answer, is included).
+    logprobs: one float per token in ``token_ids``, in the convention of this module's docstring.
+    finish_reason: ``"stop"`` (a stop token or EOS) or ``"length"`` (``max_new_tokens`` reached).
+    weight_version: the engine's weight version when the answer was sampled.
+    prompt_index: index of the prompt in the ``generate`` call that produced it.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+    prompt_index: int
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor inside a flat bucket: its HF name, shape, dtype and element offset."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # in elements, into the bucket's 1-D buffer
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class BucketManifest:
+    """What a flat bucket holds. All tensors share one dtype; ``numel`` is the buffer length."""
+
+    tensors: tuple[TensorSpec, ...]
+    dtype: torch.dtype
+    numel: int
+
+    def unflatten(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Views of ``flat`` ([numel] of ``dtype``) as (name, tensor) pairs; no copy."""
+        if flat.dim() != 1 or flat.numel() != self.numel or flat.dtype != self.dtype:
+            raise BackendError(
+                f"bucket buffer is {tuple(flat.shape)} {flat.dtype}, manifest expects "
+                f"[{self.numel}] {self.dtype}"
+            )
+        return [(t.name, flat[t.offset : t.offset + t.numel].view(t.shape)) for t in self.tensors]
+
+
+@dataclass(frozen=True)
+class WeightGroupSpec:
+    """A side process group for the collective transport (never the default group).
+
+    The trainer's sender is rank 0; the engine's workers take ranks ``rank_offset ..
+    rank_offset + engine_world_size - 1``. ``backend`` is ``"gloo"`` on CPU, ``"nccl"`` on GPU.
+    """
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str = "gloo"
+    timeout_s: float = 600.0
+
+
+@dataclass
+class BackendConfig:
+    """What every backend needs to start. ``extra`` carries engine-specific keywords verbatim."""
+
+    model_path: str
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    max_model_len: int = 4096
+    seed: int = 0
+    device: str = "cpu"  # "cpu" | "cuda"
+    tensor_parallel_size: int = 1
+    num_threads: int | None = None  # CPU threads for this engine process; None = leave as is
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class RolloutBackend(abc.ABC):
+    """An inference engine behind one interface. Subclass it to add an engine.
+
+    Subclasses set ``name`` and implement the abstract methods. The weight-update methods a
+    backend does not support raise :class:`BackendError` saying which transport to use instead.
+    Methods are called from one thread; a backend may run its own processes underneath.
+    """
+
+    name: ClassVar[str] = ""
+    #: transports this backend accepts, a subset of {"collective", "tensor", "disk"}
+    transports: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, config: BackendConfig):
+        self.config = config
+        self._weight_version = 0
+
+    # ---- rollout -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Sample ``params.n`` completions per prompt; prompt-major order, len = len(prompts) * n."""
+
+    # ---- weights -------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def init_weight_update_group(self, spec: WeightGroupSpec) -> None:
+        raise BackendError(f"backend {self.name!r} has no collective transport; use one of {sorted(self.transports)}")
+
+    def update_weights_from_collective(self, manifest: BucketManifest, src_rank: int = 0) -> None:
+        """Receive one flat bucket broadcast from ``src_rank`` of the weight-update group and load it."""
+        raise BackendError(f"backend {self.name!r} has no collective transport; use one of {sorted(self.transports)}")
+
+    def destroy_weight_update_group(self) -> None:
+        """Leave the weight-update group (a no-op when none was joined)."""
+
+    def update_weights_from_tensor(self, manifest: BucketManifest, flat: torch.Tensor) -> None:
+        """Load one flat bucket handed over in-process or through shared memory / CUDA IPC."""
+        raise BackendError(f"backend {self.name!r} has no tensor transport; use one of {sorted(self.transports)}")
+
+    def update_weights_from_disk(self, path: str) -> None:
+        """Reload all weights from a directory of safetensors files in HF naming."""
+        raise BackendError(f"backend {self.name!r} has no disk transport; use one of {sorted(self.transports)}")
+
+    def finish_weight_update(self, version: int) -> None:
+        """Close a sync: record ``version`` and reset the prefix cache (stale KV must not be reused)."""
+        self.reset_prefix_cache()
+        self._weight_version = int(version)
+
+    def get_weights_by_name(self, name: str) -> torch.Tensor:
+        """A CPU copy of one parameter as the engine holds it (for checks and debugging)."""
+        raise BackendError(f"backend {self.name!r} cannot read its weights back")
+
+    # ---- memory and lifetime ---------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free what memory the engine can (weights and KV cache) while the trainer runs."""
+
+    def wake(self) -> None:
+        """Restore what :meth:`sleep` freed; weights must then be pushed again if they changed."""
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV so nothing computed with old weights is reused."""
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its resources; the object is unusable afterwards."""

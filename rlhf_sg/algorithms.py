@@ -1,0 +1,445 @@
+"""The RL algorithm core: KL estimators, reward shaping, advantages and losses.
+
+Pure torch, batched and masked; nothing here knows about Ray, DeepSpeed or engines.
+
+Conventions. Per-token tensors are ``[B, T]`` over the *response* block of a rollout batch:
+row ``b``, column ``j`` is the ``j``-th generated token of sample ``b`` (responses are
+right-padded; prompts, left-padded, are not part of these tensors). ``action_mask`` ``[B, T]``
+(bool or 0/1) marks the tokens the policy chose; it may also have holes (e.g. tool output in a
+multi-turn rollout), which the recursions below skip over in time. Masked positions never
+influence any output, even when they hold NaN or inf: every reduction selects with
+``torch.where`` instead of multiplying by the mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "GROUP_KINDS",
+    "KL_KINDS",
+    "approx_kl",
+    "discounted_returns",
+    "gae",
+    "group_advantages",
+    "masked_mean",
+    "masked_whiten",
+    "policy_loss",
+    "shape_rewards",
+    "value_loss",
+]
+
+KL_KINDS = ("k1", "k2", "k3")
+GROUP_KINDS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")
+#: every estimator the trainer accepts; "gae" needs a critic, "reinforce" (REINFORCE++) does not
+ADVANTAGE_ESTIMATORS = ("gae", "reinforce") + GROUP_KINDS
+AGGREGATIONS = ("token_mean", "seq_mean")
+
+_KL_CLAMP = 10.0
+_LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: large enough to never bind in practice, small enough to stay finite
+_WHITEN_EPS = 1e-8
+_GROUP_STD_EPS = 1e-6
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+
+def _check_same_shape(fn: str, **tensors: torch.Tensor) -> None:
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    ref_name, ref = items[0]
+    for name, t in items[1:]:
+        if t.shape != ref.shape:
+            raise ValueError(
+                f"{fn}: {name} has shape {tuple(t.shape)} but {ref_name} has shape {tuple(ref.shape)}; "
+                "they must match"
+            )
+
+
+def _as_bool_mask(fn: str, mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.dtype.is_floating_point or mask.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        return mask != 0
+    raise ValueError(f"{fn}: mask must be bool or 0/1 numbers, got dtype {mask.dtype}")
+
+
+def _check_2d(fn: str, name: str, t: torch.Tensor) -> None:
+    if t.dim() != 2:
+        raise ValueError(f"{fn}: {name} must be [B, T], got shape {tuple(t.shape)}")
+
+
+def _check_rows_nonempty(fn: str, mask: torch.Tensor, name: str = "action_mask") -> None:
+    empty = (~mask.any(dim=-1)).nonzero().flatten()
+    if empty.numel():
+        rows = empty[:8].tolist()
+        more = "" if empty.numel() <= 8 else f" (and {empty.numel() - 8} more)"
+        raise ValueError(f"{fn}: {name} has no token set in row(s) {rows}{more}; every sample needs >= 1 action token")
+
+
+def _check_kind(fn: str, arg: str, kind: str, allowed: tuple[str, ...]) -> None:
+    if kind not in allowed:
+        raise ValueError(f"{fn}: unknown {arg} {kind!r}; expected one of {list(allowed)}")
+
+
+# ---- masked statistics -------------------------------------------------------------------------
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over positions where ``mask`` is set.
+
+    x, mask: the same shape. dim=None -> a scalar over everything; dim=d -> reduce that dimension,
+    every slice along it must hold at least one set position.
+    Raises ValueError on shape mismatch or an empty mask (slice).
+    """
+    _check_same_shape("masked_mean", x=x, mask=mask)
+    m = _as_bool_mask("masked_mean", mask)
+    total = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    if dim is None:
+        count = m.sum()
+        if count.item() == 0:
+            raise ValueError("masked_mean: mask is empty (no position set); nothing to average")
+        return total.sum() / count
+    count = m.sum(dim=dim)
+    if (count == 0).any():
+        bad = (count == 0).nonzero().flatten()[:8].tolist()
+        raise ValueError(f"masked_mean: mask is empty along dim {dim} at index {bad}; nothing to average there")
+    return total.sum(dim=dim) / count
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise ``x`` to zero mean, unit variance over the masked positions.
+
+    Statistics are the masked mean and the (biased) masked variance over all set positions.
+    shift_mean=False keeps the original mean (only the scale changes). Masked-out positions are 0.
+    """
+    _check_same_shape("masked_whiten", x=x, mask=mask)
+    m = _as_bool_mask("masked_whiten", mask)
+    mean = masked_mean(x, m)
+    var = masked_mean((torch.where(m, x, mean) - mean) ** 2, m)
+    out = (x - mean) * torch.rsqrt(var + _WHITEN_EPS)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(m, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+# ---- KL and rewards ------------------------------------------------------------------------------
+
+
+def approx_kl(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled-token log-probs.
+
+    logp, ref_logp: [B, T] (any matching shape). With d = ref_logp - logp:
+      k1 = -d = logp - ref_logp                 (unbiased, can be negative)
+      k2 = d^2 / 2                              (>= 0, biased)
+      k3 = exp(d) - 1 - d                       (>= 0, unbiased)
+    The result is clamped to [-10, 10]; d is clamped to +-20 before exp so k3 stays finite.
+    """
+    _check_same_shape("approx_kl", logp=logp, ref_logp=ref_logp)
+    _check_kind("approx_kl", "kind", kind, KL_KINDS)
+    d = ref_logp.float() - logp.float()
+    if kind == "k1":
+        kl = -d
+    elif kind == "k2":
+        kl = 0.5 * d.square()
+    else:
+        d = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        kl = torch.expm1(d) - d
+    return kl.clamp(-_KL_CLAMP, _KL_CLAMP)
+
+
+def _last_action_index(fn: str, mask: torch.Tensor) -> torch.Tensor:
+    """[B] column of the last set position of each row of a bool [B, T] mask."""
+    _check_rows_nonempty(fn, mask)
+    cols = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask, cols, torch.full_like(cols, -1)).amax(dim=1)
+
+
+def shape_rewards(
+    score: torch.Tensor,
+    kl: torch.Tensor,
+    action_mask: torch.Tensor,
+    kl_coef: float,
+    score_clip: float | None = None,
+) -> torch.Tensor:
+    """Per-token rewards: ``-kl_coef * kl`` on every action token, plus the sequence score
+    (clipped to ``[-score_clip, score_clip]`` when given) on the last action token of each row.
+
+    score: [B]; kl, action_mask: [B, T]. Returns [B, T] float32, 0 where action_mask is 0.
+    """
+    _check_2d("shape_rewards", "kl", kl)
+    _check_same_shape("shape_rewards", kl=kl, action_mask=action_mask)
+    if score.shape != (kl.shape[0],):
+        raise ValueError(f"shape_rewards: score must be [B] = [{kl.shape[0]}], got shape {tuple(score.shape)}")
+    if score_clip is not None and score_clip <= 0:
+        raise ValueError(f"shape_rewards: score_clip must be > 0 or None, got {score_clip}")
+    m = _as_bool_mask("shape_rewards", action_mask)
+    last = _last_action_index("shape_rewards", m)
+    s = score.float()
+    if score_clip is not None:
+        s = s.clamp(-score_clip, score_clip)
+    rewards = torch.where(m, -kl_coef * kl.float(), torch.zeros((), device=kl.device))
+    rows = torch.arange(kl.shape[0], device=kl.device)
+    rewards[rows, last] += s
+    return rewards
+
+
+# ---- advantages ------------------------------------------------------------------------------------
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    action_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over action tokens.
+
+    rewards, values, action_mask: [B, T]; values[b, t] is V(state before token t).
+    Returns (advantages, returns), both [B, T] float32 and 0 where action_mask is 0;
+    returns = advantages + values. The value after a row's last action token is 0 (terminal).
+    Masked positions inside a row are skipped: the next action token's value and advantage carry
+    across them, so a hole changes nothing.
+    """
+    _check_2d("gae", "rewards", rewards)
+    _check_same_shape("gae", rewards=rewards, values=values, action_mask=action_mask)
+    m = _as_bool_mask("gae", action_mask)
+    r = torch.where(m, rewards.float(), 0.0)
+    v = torch.where(m, values.float(), 0.0)
+    B, T = r.shape
+    advantages = torch.zeros_like(r)
+    next_value = torch.zeros(B, device=r.device)
+    running = torch.zeros(B, device=r.device)
+    for t in reversed(range(T)):
+        mt = m[:, t]
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        candidate = delta + gamma * lam * running
+        running = torch.where(mt, candidate, running)
+        next_value = torch.where(mt, v[:, t], next_value)
+        advantages[:, t] = torch.where(mt, candidate, 0.0)
+    returns = torch.where(m, advantages + v, 0.0)
+    return advantages, returns
+
+
+def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Reward-to-go ``G_t = r_t + gamma * G_{t+1}`` over action tokens (REINFORCE++, no critic).
+
+    rewards, action_mask: [B, T]. Returns [B, T] float32, 0 where action_mask is 0; holes are
+    skipped as in :func:`gae`.
+    """
+    _check_2d("discounted_returns", "rewards", rewards)
+    _check_same_shape("discounted_returns", rewards=rewards, action_mask=action_mask)
+    m = _as_bool_mask("discounted_returns", action_mask)
+    r = torch.where(m, rewards.float(), 0.0)
+    returns = torch.zeros_like(r)
+    running = torch.zeros(r.shape[0], device=r.device)
+    for t in reversed(range(r.shape[1])):
+        running = torch.where(m[:, t], r[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(m[:, t], running, 0.0)
+    return returns
+
+
+def group_advantages(scores: torch.Tensor, group_size: int, kind: str = "grpo") -> torch.Tensor:
+    """Sequence-level advantages from the scores of groups of samples of the same prompt.
+
+    scores: [B] with B = num_prompts * group_size and each prompt's samples contiguous.
+    kind:
+      grpo                (s - mean_g) / (std_g + 1e-6), std unbiased
+      dr_grpo             s - mean_g                  (no std: no length/difficulty bias)
+      rloo                s - mean of the other group_size - 1 samples
+      reinforce_baseline  s - mean_g, then whitened over the whole batch
+    Returns [B] float32; a group of equal scores gets 0 everywhere. Broadcast to tokens with
+    ``adv[:, None] * action_mask``.
+    """
+    _check_kind("group_advantages", "kind", kind, GROUP_KINDS)
+    if scores.dim() != 1:
+        raise ValueError(f"group_advantages: scores must be [B], got shape {tuple(scores.shape)}")
+    if not isinstance(group_size, int) or group_size < 2:
+        raise ValueError(
+            f"group_advantages: group_size must be an int >= 2 (samples per prompt), got {group_size!r}"
+        )
+    if scores.numel() % group_size:
+        raise ValueError(
+            f"group_advantages: group_size {group_size} does not divide the batch of {scores.numel()} scores; "
+            "each prompt needs exactly group_size samples"
+        )
+    s = scores.float().view(-1, group_size)
+    mean = s.mean(dim=1, keepdim=True)
+    if kind == "grpo":
+        adv = (s - mean) / (s.std(dim=1, keepdim=True) + _GROUP_STD_EPS)
+    elif kind == "dr_grpo":
+        adv = s - mean
+    elif kind == "rloo":
+        adv = s - (s.sum(dim=1, keepdim=True) - s) / (group_size - 1)
+    else:
+        adv = s - mean
+        adv = (adv - adv.mean()) / (adv.std(unbiased=False) + _GROUP_STD_EPS)
+    return adv.reshape(-1)
+
+
+# ---- losses ------------------------------------------------------------------------------------------
+
+
+def _aggregate(fn: str, per_token: torch.Tensor, m: torch.Tensor, aggregation: str, normalizer: float | None):
+    _check_kind(fn, "aggregation", aggregation, AGGREGATIONS)
+    per_token = torch.where(m, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+    if aggregation == "token_mean":
+        denom = m.sum() if normalizer is None else normalizer
+        return per_token.sum() / denom
+    per_seq = per_token.sum(dim=1) / m.sum(dim=1)
+    denom = per_seq.numel() if normalizer is None else normalizer
+    return per_seq.sum() / denom
+
+
+def _check_normalizer(fn: str, normalizer: float | None) -> None:
+    if normalizer is not None and not normalizer > 0:
+        raise ValueError(f"{fn}: normalizer must be > 0 or None, got {normalizer}")
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    aggregation: str = "token_mean",
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped PPO surrogate, with clip-higher, dual clip and truncated importance sampling.
+
+    logp: [B, T] current policy (carries the gradient); old_logp: [B, T] the policy that the
+    advantages belong to (the trainer's recomputation at rollout time); advantages, action_mask: [B, T].
+    ratio = exp(logp - old_logp) (log-ratio clamped to +-20), per token
+      loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
+    dual_clip = c > 1: for A < 0 the loss is also capped at -c * A (Ye et al. 2020).
+    rollout_logp + tis_cap: multiply each token's loss by min(exp(old_logp - rollout_logp), tis_cap),
+    detached, to correct for the engine sampling from slightly different numerics than the trainer.
+    aggregation: "token_mean" (sum over tokens / number of action tokens) or "seq_mean" (mean over
+    rows of each row's token mean). normalizer overrides the denominator (action tokens or rows)
+    so that micro-batches of one optimizer step add up to one exact mean.
+    Returns (loss scalar, metrics of detached scalars: clip_frac, dual_clip_frac, ppo_kl, ratio_mean,
+    and tis_weight_mean when TIS is on).
+    """
+    fn = "policy_loss"
+    _check_2d(fn, "logp", logp)
+    _check_same_shape(
+        fn, logp=logp, old_logp=old_logp, advantages=advantages, action_mask=action_mask, rollout_logp=rollout_logp
+    )
+    if clip_low < 0 or clip_low >= 1 or clip_high < 0:
+        raise ValueError(
+            f"{fn}: need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}"
+        )
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"{fn}: dual_clip must be > 1 (or None), got {dual_clip}")
+    if (rollout_logp is None) != (tis_cap is None):
+        raise ValueError(f"{fn}: rollout_logp and tis_cap go together; pass both for truncated IS or neither")
+    if tis_cap is not None and tis_cap <= 0:
+        raise ValueError(f"{fn}: tis_cap must be > 0, got {tis_cap}")
+    _check_normalizer(fn, normalizer)
+    m = _as_bool_mask(fn, action_mask)
+    _check_rows_nonempty(fn, m)
+
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    log_ratio = torch.where(m, logp.float() - old_logp.float(), zero).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(m, advantages.float(), zero)
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    loss_tok = -torch.minimum(surr1, surr2)
+    dual_active = torch.zeros_like(m)
+    if dual_clip is not None:
+        cap = -dual_clip * adv
+        dual_active = (adv < 0) & (loss_tok > cap)
+        loss_tok = torch.where(dual_active, cap, loss_tok)
+    metrics: dict[str, torch.Tensor] = {}
+    if rollout_logp is not None:
+        is_log = torch.where(m, old_logp.float() - rollout_logp.float(), zero)
+        is_log = is_log.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        weight = torch.exp(is_log).clamp(max=tis_cap).detach()
+        loss_tok = loss_tok * weight
+        metrics["tis_weight_mean"] = masked_mean(weight, m).detach()
+    loss = _aggregate(fn, loss_tok, m, aggregation, normalizer)
+    with torch.no_grad():
+        metrics["clip_frac"] = masked_mean((surr2 < surr1).float(), m)
+        metrics["dual_clip_frac"] = masked_mean(dual_active.float(), m)
+        metrics["ppo_kl"] = masked_mean(-log_ratio, m)
+        metrics["ratio_mean"] = masked_mean(ratio, m)
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    action_mask: torch.Tensor,
+    clip: float | None = None,
+    aggregation: str = "token_mean",
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Critic loss ``0.5 * max((v - R)^2, (v_clip - R)^2)`` with
+    ``v_clip = old_values + clamp(v - old_values, -clip, clip)`` (clip=None: plain 0.5 * (v - R)^2).
+
+    values: [B, T] current critic (carries the gradient); old_values, returns, action_mask: [B, T].
+    aggregation / normalizer as in :func:`policy_loss`. Returns (loss, metrics: clip_frac, value_mean).
+    """
+    fn = "value_loss"
+    _check_2d(fn, "values", values)
+    _check_same_shape(fn, values=values, old_values=old_values, returns=returns, action_mask=action_mask)
+    if clip is not None and clip <= 0:
+        raise ValueError(f"{fn}: clip must be > 0 or None, got {clip}")
+    _check_normalizer(fn, normalizer)
+    m = _as_bool_mask(fn, action_mask)
+    _check_rows_nonempty(fn, m)
+    zero = torch.zeros((), dtype=torch.float32, device=values.device)
+    v = torch.where(m, values.float(), zero)
+    old = torch.where(m, old_values.float(), zero)
+    ret = torch.where(m, returns.float(), zero)
+    unclipped = (v - ret).square()
+    if clip is None:
+        loss_tok = 0.5 * unclipped
+        clipped_active = torch.zeros_like(m)
+    else:
+        v_clip = old + (v - old).clamp(-clip, clip)
+        clipped = (v_clip - ret).square()
+        loss_tok = 0.5 * torch.maximum(unclipped, clipped)
+        clipped_active = clipped > unclipped
+    loss = _aggregate(fn, loss_tok, m, aggregation, normalizer)
+    with torch.no_grad():
+        metrics = {"clip_frac": masked_mean(clipped_active.float(), m), "value_mean": masked_mean(v, m)}
+    return loss, metrics
+
+
+# ---- KL coefficient controllers ------------------------------------------------------------------------
+
+
+class FixedKLController:
+    """A constant KL coefficient."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+
+class AdaptiveKLController:
+    """Proportional control of the KL coefficient toward ``target`` (Ziegler et al. 2019):
+    ``value *= 1 + clip(current / target - 1, -0.2, 0.2) * n_steps / horizon``."""
+
+    def __init__(self, kl_coef: float, target: float, horizon: int):
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"AdaptiveKLController: target and horizon must be > 0, got {target}, {horizon}")
+        self.value = float(kl_coef)
+        self.target = float(target)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon

@@ -1,0 +1,103 @@
+"""Tiny causal LMs and a character-level tokenizer, built locally from configs.
+
+There is no model hub on CI machines, so tests, benchmarks and the CPU quickstart build their
+models here and ``save_pretrained`` them. The tokenizer maps one character to one token, so a
+round trip text -> ids -> text is exact; load it with :func:`load_tokenizer` (``AutoTokenizer``
+would attach the architecture's own pre-tokenizer and silently drop spaces).
+"""
+
+from __future__ import annotations
+
+import os
+import string
+
+import torch
+
+#: parameter-count presets (vocab is the character set below, ~100 tokens)
+SIZES = {
+    # name: (hidden, layers, heads, kv_heads, intermediate)
+    "tiny": (64, 2, 4, 2, 128),  # ~0.1M, unit tests
+    "small": (256, 4, 8, 4, 768),  # ~3M, end-to-end tests and the quickstart
+    "25m": (512, 8, 8, 4, 1536),  # ~25M, generate / e2e benchmarks
+    "50m": (640, 10, 10, 5, 1920),  # ~50M, packing benchmark
+    "100m": (768, 14, 12, 4, 2304),  # ~100M, weight-sync benchmark
+}
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+CHARSET = string.printable.replace("\x0b", "").replace("\x0c", "")
+
+
+def char_vocab() -> dict[str, int]:
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARSET:
+        vocab.setdefault(ch, len(vocab))
+    return vocab
+
+
+def build_tokenizer():
+    """A fast tokenizer with one token per character of :data:`CHARSET` plus pad/bos/eos."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = char_vocab()
+    # BPE with no merges splits text into single characters and keeps every space.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+    )
+
+
+def load_tokenizer(path: str):
+    """Load a tokenizer saved by :func:`save_tiny_model` (or any tokenizer.json) without swaps."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(path)
+
+
+def tiny_config(arch: str = "qwen2", size: str = "tiny", vocab_size: int | None = None, max_len: int = 2048):
+    """A transformers config for ``arch`` in {"qwen2", "llama"} at one of :data:`SIZES`."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if size not in SIZES:
+        raise ValueError(f"size {size!r} unknown; choose one of {sorted(SIZES)}")
+    hidden, layers, heads, kv_heads, inter = SIZES[size]
+    common = dict(
+        vocab_size=vocab_size or len(char_vocab()),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=inter,
+        max_position_embeddings=max_len,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        tie_word_embeddings=False,
+    )
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    raise ValueError(f"arch {arch!r} unknown; choose 'qwen2' or 'llama'")
+
+
+def build_tiny_model(arch: str = "qwen2", size: str = "tiny", seed: int = 0, **config_kw):
+    """A randomly initialised causal LM (fp32, eval mode) from :func:`tiny_config`."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, size, **config_kw)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def save_tiny_model(path: str, arch: str = "qwen2", size: str = "tiny", seed: int = 0, model=None) -> str:
+    """Build (or take) a tiny model, save it with the character tokenizer under ``path``."""
+    os.makedirs(path, exist_ok=True)
+    model = model if model is not None else build_tiny_model(arch, size, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    build_tokenizer().save_pretrained(path)
+    return path
