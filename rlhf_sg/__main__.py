@@ -1,0 +1,3 @@
+from rlhf_sg.cli import main
+
+main()

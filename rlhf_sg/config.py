@@ -1,0 +1,359 @@
+"""One typed config for a training run, filled from a YAML file and/or CLI flags.
+
+Every field is reachable as a dotted flag (``--rollout.backend sglang``, ``--train.actor_lr 1e-6``);
+the most used ones also have a short alias (``--backend``, ``--model``). YAML files use the same
+nesting. :func:`validate` checks everything that can be checked before Ray starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlhf_sg.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS
+
+
+class ConfigError(ValueError):
+    """The configuration is wrong; the message names the flag and what to do."""
+
+
+@dataclass
+class ModelConfig:
+    #: the policy: a local HF causal-LM directory
+    pretrain: str = ""
+    #: critic initialisation (a causal LM or a saved value model); default: the reward model, else the policy
+    critic_pretrain: str | None = None
+    #: reward model (a value-head model); only with reward.kind == "model"
+    reward_pretrain: str | None = None
+    #: attention implementation for training forwards: "sdpa" (CPU), "flash_attention_2" (GPU), "eager"
+    attn_implementation: str = "sdpa"
+    dtype: str = "float32"  # "float32" | "bfloat16"
+
+
+@dataclass
+class RolloutConfig:
+    #: rollout engine: a built-in name (hf, sglang, vllm), an installed plugin, or module:Class
+    backend: str = "hf"
+    num_engines: int = 1
+    tensor_parallel_size: int = 1
+    #: prompts per step; each is sampled n_samples_per_prompt times
+    prompts_per_step: int = 8
+    n_samples_per_prompt: int = 4
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    #: extra stop tokens (the tokenizer's EOS always stops)
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_model_len: int = 2048
+    #: weight transport into the engines: "collective" | "tensor" | "disk"
+    weight_transport: str = "collective"
+    bucket_bytes: int = 512 * 2**20
+    #: engine-specific keywords passed verbatim to the backend (YAML mapping)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: free engine memory while training (colocated layouts)
+    sleep_engines_while_training: bool = False
+
+
+@dataclass
+class TrainConfig:
+    #: gae (PPO with a critic), reinforce (REINFORCE++), grpo, dr_grpo, rloo, reinforce_baseline
+    advantage_estimator: str = "gae"
+    actor_num_ranks: int = 2
+    critic_num_ranks: int = 1
+    ref_num_ranks: int = 1
+    #: ref model ZeRO-3 parameters offloaded to CPU memory (GPU runs)
+    ref_offload: bool = False
+    max_steps: int = 20
+    ppo_epochs: int = 1
+    #: optimizer steps per rollout batch (the batch is split evenly)
+    num_minibatches: int = 1
+    max_tokens_per_microbatch: int = 4096
+    actor_lr: float = 1e-5
+    critic_lr: float = 1e-5
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    value_clip: float | None = 0.5
+    gamma: float = 1.0
+    lam: float = 0.95
+    #: KL to the reference: coefficient (0 = no reference model), estimator, and where it goes
+    kl_coef: float = 0.01
+    kl_estimator: str = "k1"
+    kl_mode: str = "reward"  # "reward" (penalty in the rewards) | "loss" (a term of the actor loss)
+    kl_target: float | None = None
+    kl_horizon: int = 10000
+    entropy_coef: float = 0.0
+    loss_aggregation: str = "token_mean"
+    score_clip: float | None = None
+    #: truncated importance sampling against the engine's log-probs (None = off)
+    tis_cap: float | None = None
+    #: drop groups whose scores are all equal (no signal for group estimators)
+    dynamic_filtering: bool = False
+    #: critic-only steps before the actor starts training (PPO)
+    critic_warmup_steps: int = 0
+    seed: int = 42
+    #: CPU: gloo + DeepSpeed's CPU accelerator; GPU: nccl
+    device: str = "cpu"
+    #: CPU threads per model worker process (match the CPU share Ray gives it)
+    worker_threads: int = 1
+    #: seconds any remote call / collective may take before the run stops with a message
+    timeout_s: float = 900.0
+
+
+@dataclass
+class DataConfig:
+    #: JSONL / Parquet file, or a `datasets` save_to_disk directory
+    prompt_data: str = ""
+    input_key: str = "prompt"
+    #: passed to the reward function as `label` (e.g. the reference answer); None = no label
+    label_key: str | None = None
+    apply_chat_template: bool = False
+    max_prompt_len: int = 1024
+    #: skip (and count) malformed rows instead of stopping at the first one
+    skip_bad_rows: bool = False
+    shuffle: bool = True
+
+
+@dataclass
+class RewardConfig:
+    #: "function" (a Python rule), "model" (a reward model group), "remote" (HTTP scorer)
+    kind: str = "function"
+    #: module:function taking (prompts, completions, labels) -> list of floats
+    function: str | None = None
+    url: str | None = None
+    num_ranks: int = 1
+
+
+@dataclass
+class LogConfig:
+    output_dir: str = "runs/rlhf_sg"
+    save_steps: int = 0  # 0 = only at the end
+    resume: bool = False
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    #: write a torch profiler trace of this step (None = off)
+    profile_step: int | None = None
+    export_hf: bool = True
+    progress_bar: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+ALIASES = {
+    "--backend": "rollout.backend",
+    "--model": "model.pretrain",
+    "--prompt-data": "data.prompt_data",
+    "--algo": "train.advantage_estimator",
+    "--output-dir": "log.output_dir",
+    "--max-steps": "train.max_steps",
+}
+
+
+# ---- filling ------------------------------------------------------------------------------------------
+
+
+def _section_classes() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def _coerce(flag: str, typ: Any, raw: Any) -> Any:
+    """Turn a YAML value or a CLI string into ``typ``; errors name the flag."""
+    origin = typing.get_origin(typ)
+    args = typing.get_args(typ)
+    if origin in (typing.Union, types.UnionType):
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null")):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(flag, inner[0], raw)
+    try:
+        if typ is bool:
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(raw).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            if isinstance(raw, float) and not raw.is_integer():
+                raise ValueError
+            return int(float(raw)) if isinstance(raw, str) and "e" in raw.lower() else int(raw)
+        if typ is float:
+            return float(raw)
+        if typ is str:
+            return str(raw)
+        if origin is list:
+            items = raw if isinstance(raw, list) else [x for x in str(raw).replace(",", " ").split() if x]
+            return [_coerce(flag, args[0], x) for x in items]
+        if origin is dict:
+            if isinstance(raw, dict):
+                return dict(raw)
+            import json
+
+            return json.loads(raw)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{flag}: cannot read {raw!r} as {getattr(typ, '__name__', typ)}") from e
+    return raw
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any], source: str) -> Config:
+    """Set dotted keys (``rollout.backend``) on ``cfg``; unknown keys are errors naming ``source``."""
+    classes = _section_classes()
+    for dotted, raw in overrides.items():
+        section, _, key = dotted.partition(".")
+        if section not in classes or not key:
+            raise ConfigError(f"{source}: unknown setting {dotted!r}; sections are {sorted(classes)}")
+        hints = typing.get_type_hints(classes[section])
+        if key not in hints:
+            raise ConfigError(
+                f"{source}: unknown setting {dotted!r}; {section} has {sorted(hints)}"
+            )
+        setattr(getattr(cfg, section), key, _coerce(f"{source} {dotted}", hints[key], raw))
+    return cfg
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Flatten a YAML file of sections into dotted keys."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: file {path!r} does not exist")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections ({', '.join(SECTIONS)})")
+    flat: dict[str, Any] = {}
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: section {section!r} must be a mapping, got {type(values).__name__}")
+        for key, value in values.items():
+            flat[f"{section}.{key}"] = value
+    return flat
+
+
+def build_parser(prog: str = "rlhf-sg train-ppo") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Train a policy with PPO / GRPO / Dr.GRPO / RLOO / REINFORCE++. Every setting is a dotted flag "
+        "(--section.key value); a YAML file (--config) fills the same keys; flags win over the file.",
+    )
+    parser.add_argument("--config", help="YAML file with sections " + ", ".join(SECTIONS))
+    for alias, dotted in ALIASES.items():
+        parser.add_argument(alias, dest=dotted, default=argparse.SUPPRESS, help=f"alias of --{dotted}")
+    for section, cls in _section_classes().items():
+        group = parser.add_argument_group(section)
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            default = getattr(defaults, f.name)
+            group.add_argument(
+                f"--{section}.{f.name}", dest=f"{section}.{f.name}", default=argparse.SUPPRESS, metavar="V",
+                help=f"(default: {default!r})",
+            )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Config from CLI flags (and ``--config`` YAML); validated."""
+    ns = vars(build_parser().parse_args(argv))
+    cfg = Config()
+    path = ns.pop("config", None)
+    if path:
+        apply_overrides(cfg, load_yaml(path), path)
+    apply_overrides(cfg, ns, "flag")
+    validate(cfg)
+    return cfg
+
+
+# ---- validation ----------------------------------------------------------------------------------------
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config) -> Config:
+    """Everything checkable without starting Ray; raises ConfigError naming the flag."""
+    m, r, t, d, rw = cfg.model, cfg.rollout, cfg.train, cfg.data, cfg.reward
+    _need(bool(m.pretrain), "--model.pretrain is required: a local Hugging Face model directory")
+    for flag, path in (("--model.pretrain", m.pretrain), ("--model.critic_pretrain", m.critic_pretrain),
+                       ("--model.reward_pretrain", m.reward_pretrain)):
+        if path:
+            _need(os.path.isfile(os.path.join(path, "config.json")),
+                  f"{flag}: {path!r} is not a model directory (no config.json there); save the model with "
+                  "save_pretrained or point at its directory")
+    _need(m.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {m.dtype!r}")
+    _need(m.attn_implementation in ("sdpa", "eager", "flash_attention_2"),
+          f"--model.attn_implementation must be sdpa, eager or flash_attention_2, got {m.attn_implementation!r}")
+    _need(t.advantage_estimator in ADVANTAGE_ESTIMATORS,
+          f"--train.advantage_estimator {t.advantage_estimator!r} unknown; choose one of {list(ADVANTAGE_ESTIMATORS)}")
+    if t.advantage_estimator not in ("gae", "reinforce"):
+        _need(r.n_samples_per_prompt >= 2,
+              f"--train.advantage_estimator {t.advantage_estimator} compares samples of the same prompt: set "
+              f"--rollout.n_samples_per_prompt >= 2 (got {r.n_samples_per_prompt})")
+    _need(t.kl_estimator in KL_KINDS, f"--train.kl_estimator must be one of {list(KL_KINDS)}, got {t.kl_estimator!r}")
+    _need(t.kl_mode in ("reward", "loss"), f"--train.kl_mode must be 'reward' or 'loss', got {t.kl_mode!r}")
+    _need(t.kl_coef >= 0, f"--train.kl_coef must be >= 0, got {t.kl_coef}")
+    _need(t.loss_aggregation in ("token_mean", "seq_mean"),
+          f"--train.loss_aggregation must be token_mean or seq_mean, got {t.loss_aggregation!r}")
+    for flag, v in (("--train.actor_num_ranks", t.actor_num_ranks), ("--train.critic_num_ranks", t.critic_num_ranks),
+                    ("--train.ref_num_ranks", t.ref_num_ranks), ("--rollout.num_engines", r.num_engines),
+                    ("--rollout.prompts_per_step", r.prompts_per_step), ("--train.max_steps", t.max_steps),
+                    ("--train.ppo_epochs", t.ppo_epochs), ("--train.num_minibatches", t.num_minibatches),
+                    ("--rollout.max_new_tokens", r.max_new_tokens), ("--train.worker_threads", t.worker_threads),
+                    ("--rollout.tensor_parallel_size", r.tensor_parallel_size)):
+        _need(v >= 1, f"{flag} must be >= 1, got {v}")
+    samples = r.prompts_per_step * r.n_samples_per_prompt
+    _need(samples % t.num_minibatches == 0,
+          f"--train.num_minibatches {t.num_minibatches} must divide "
+          f"prompts_per_step x n_samples_per_prompt = {samples}")
+    _need(t.clip_low >= 0 and t.clip_low < 1 and t.clip_high >= 0,
+          f"--train.clip_low must be in [0, 1) and --train.clip_high >= 0 (got {t.clip_low}, {t.clip_high})")
+    _need(t.dual_clip is None or t.dual_clip > 1, f"--train.dual_clip must be > 1 (got {t.dual_clip})")
+    _need(t.tis_cap is None or t.tis_cap > 0, f"--train.tis_cap must be > 0 (got {t.tis_cap})")
+    _need(r.weight_transport in ("collective", "tensor", "disk"),
+          f"--rollout.weight_transport must be collective, tensor or disk, got {r.weight_transport!r}")
+    _need(r.bucket_bytes >= 2**16, f"--rollout.bucket_bytes must be >= 65536, got {r.bucket_bytes}")
+    _need(t.device in ("cpu", "cuda"), f"--train.device must be cpu or cuda, got {t.device!r}")
+    _need(r.temperature >= 0, f"--rollout.temperature must be >= 0, got {r.temperature}")
+    _need(d.max_prompt_len + r.max_new_tokens <= r.max_model_len,
+          f"--data.max_prompt_len ({d.max_prompt_len}) + --rollout.max_new_tokens ({r.max_new_tokens}) exceeds "
+          f"--rollout.max_model_len ({r.max_model_len}); raise max_model_len or shorten one of them")
+    _need(t.max_tokens_per_microbatch >= d.max_prompt_len + r.max_new_tokens,
+          f"--train.max_tokens_per_microbatch ({t.max_tokens_per_microbatch}) must hold one full sequence "
+          f"(max_prompt_len + max_new_tokens = {d.max_prompt_len + r.max_new_tokens})")
+    _need(bool(d.prompt_data), "--data.prompt_data is required: a JSONL / Parquet file or a datasets directory")
+    _need(os.path.exists(d.prompt_data), f"--data.prompt_data: {d.prompt_data!r} does not exist")
+    _need(rw.kind in ("function", "model", "remote"),
+          f"--reward.kind must be function, model or remote, got {rw.kind!r}")
+    if rw.kind == "function":
+        _need(bool(rw.function), "--reward.function is required with --reward.kind function (module:function)")
+        _need(":" in rw.function, f"--reward.function must look like module:function, got {rw.function!r}")
+    if rw.kind == "model":
+        _need(bool(m.reward_pretrain), "--model.reward_pretrain is required with --reward.kind model")
+    if rw.kind == "remote":
+        _need(bool(rw.url) and rw.url.startswith(("http://", "https://")),
+              f"--reward.url must be an http(s) URL with --reward.kind remote, got {rw.url!r}")
+    _need(cfg.log.save_steps >= 0, f"--log.save_steps must be >= 0, got {cfg.log.save_steps}")
+    return cfg

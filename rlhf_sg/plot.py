@@ -1,0 +1,48 @@
+"""Pictures of a run from its ``metrics.jsonl``: reward and KL per step, and where each step's time went."""
+
+from __future__ import annotations
+
+import json
+
+from rlhf_sg.timing import PHASES
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_run(metrics_path: str, png_path: str, title: str = "") -> str:
+    """Write a PNG: reward and KL curves per step (left), stacked phase times per step (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    steps = [r["step"] for r in rows]
+    fig, (ax_r, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax_r.plot(steps, [r["reward/mean"] for r in rows], "o-", color="tab:blue", label="mean reward")
+    ax_r.set_xlabel("step")
+    ax_r.set_ylabel("mean reward", color="tab:blue")
+    if any("kl" in r for r in rows):
+        ax_kl = ax_r.twinx()
+        ax_kl.plot(steps, [r.get("kl", 0.0) for r in rows], "s--", color="tab:red", label="KL to reference")
+        ax_kl.set_ylabel("KL to reference", color="tab:red")
+    ax_r.set_title("reward and KL")
+    bottom = [0.0] * len(rows)
+    for phase in (*PHASES, "other"):
+        heights = [r.get(f"time/{phase}", 0.0) for r in rows]
+        if any(heights):
+            ax_t.bar(steps, heights, bottom=bottom, label=phase)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    ax_t.set_xlabel("step")
+    ax_t.set_ylabel("seconds")
+    ax_t.set_title("time per step, by phase")
+    ax_t.legend(fontsize=8, loc="upper right")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path

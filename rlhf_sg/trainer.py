@@ -1,0 +1,550 @@
+"""The controller: one process drives the PPO loop over Ray actor groups.
+
+One step::
+
+    prompts -> engines.generate (n samples each) -> reward -> [reference log-probs, critic values,
+    actor log-probs] on packed rows -> advantages -> PPO epochs (actor, critic) -> weight sync
+
+Each arrow is a phase of :class:`rlhf_sg.timing.StepTimer`; a phase ends only when every remote
+call it launched has returned, and workers synchronise their device before returning, so no
+phase is charged another's time.
+
+Extend by subclassing :class:`PPOTrainer`: override :meth:`compute_rewards`,
+:meth:`compute_advantages`, or the hooks :meth:`on_step_start`, :meth:`on_experience`,
+:meth:`on_step_end`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+from typing import Any
+
+import torch
+
+from rlhf_sg import algorithms as algo
+from rlhf_sg.config import Config, validate
+from rlhf_sg.data import Prompt, PromptStream, load_prompts
+from rlhf_sg.timing import StepTimer
+
+log = logging.getLogger("rlhf_sg")
+
+GROUP_ESTIMATORS = algo.GROUP_KINDS
+
+
+def load_tokenizer(path: str):
+    """The model's tokenizer. A plain ``tokenizer.json`` saved as PreTrainedTokenizerFast is loaded as
+    such: AutoTokenizer would attach the architecture's own pre-tokenizer to it."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(cfg_path):
+        with open(cfg_path) as f:
+            if json.load(f).get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+                return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def build_rollout_batch(
+    prompts: list[list[int]], responses: list[list[int]], rollout_logps: list[list[float]], pad_id: int
+) -> dict[str, torch.Tensor]:
+    """Left-padded prompts + right-padded responses.
+
+    Returns sequences [B, P + T] int64, attention_mask [B, P + T], action_mask [B, T] bool,
+    rollout_logp [B, T] float32 (0 on padding).
+    """
+    B = len(prompts)
+    P = max(len(p) for p in prompts)
+    T = max(len(r) for r in responses)
+    sequences = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, P + T), dtype=torch.long)
+    action_mask = torch.zeros((B, T), dtype=torch.bool)
+    rollout_logp = torch.zeros((B, T), dtype=torch.float32)
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, rollout_logps)):
+        if not r:
+            raise ValueError(f"rollout sample {i}: the engine returned an empty completion")
+        sequences[i, P - len(p) : P] = torch.as_tensor(p)
+        sequences[i, P : P + len(r)] = torch.as_tensor(r)
+        attention_mask[i, P - len(p) : P + len(r)] = 1
+        action_mask[i, : len(r)] = True
+        rollout_logp[i, : len(r)] = torch.as_tensor(lp, dtype=torch.float32)
+    return {
+        "sequences": sequences,
+        "attention_mask": attention_mask,
+        "action_mask": action_mask,
+        "rollout_logp": rollout_logp,
+    }
+
+
+class PPOTrainer:
+    """PPO / GRPO / Dr.GRPO / RLOO / REINFORCE++ over Ray actor groups and rollout engines."""
+
+    def __init__(self, cfg: Config, reward_fn=None):
+        self.cfg = validate(cfg)
+        self.reward_fn = reward_fn
+        self.step = 0
+        self.actor = self.critic = self.ref = self.reward_model = None
+        self.engines: list = []
+        self.kl_ctl = (
+            algo.AdaptiveKLController(cfg.train.kl_coef, cfg.train.kl_target, cfg.train.kl_horizon)
+            if cfg.train.kl_target
+            else algo.FixedKLController(cfg.train.kl_coef)
+        )
+        self.rng = random.Random(cfg.train.seed)
+        self._writer = None
+        self._metrics_file = None
+
+    # ---- set-up ------------------------------------------------------------------------------------
+    @property
+    def uses_critic(self) -> bool:
+        return self.cfg.train.advantage_estimator == "gae"
+
+    @property
+    def uses_ref(self) -> bool:
+        return self.cfg.train.kl_coef > 0
+
+    def setup(self) -> None:
+        """Load data (errors surface here, before any process starts), then start Ray and every group."""
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.model.pretrain)
+        if self.reward_fn is None and cfg.reward.kind == "function":
+            from rlhf_sg.rewards import load_reward_function
+
+            self.reward_fn = load_reward_function(cfg.reward.function)
+        prompts, skipped = load_prompts(
+            cfg.data.prompt_data,
+            self.tokenizer,
+            input_key=cfg.data.input_key,
+            label_key=cfg.data.label_key,
+            apply_chat_template=cfg.data.apply_chat_template,
+            max_prompt_len=cfg.data.max_prompt_len,
+            skip_bad_rows=cfg.data.skip_bad_rows,
+        )
+        if skipped:
+            log.warning("%s: skipped %d malformed rows (--data.skip_bad_rows)", cfg.data.prompt_data, skipped)
+        self.skipped_rows = skipped
+        self.stream = PromptStream(prompts, cfg.rollout.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        os.makedirs(cfg.log.output_dir, exist_ok=True)
+        with open(os.path.join(cfg.log.output_dir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+        self._start_ray()
+        self._start_groups()
+        if cfg.log.resume:
+            self._resume()
+
+    def _start_ray(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(
+                num_cpus=max(os.cpu_count() or 1, self._cpus_needed()),
+                include_dashboard=False,
+                log_to_driver=True,
+                runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+            )
+
+    def _cpus_needed(self) -> int:
+        t = self.cfg.train
+        ranks = t.actor_num_ranks + (t.critic_num_ranks if self.uses_critic else 0)
+        ranks += t.ref_num_ranks if self.uses_ref else 0
+        ranks += self.cfg.reward.num_ranks if self.cfg.reward.kind == "model" else 0
+        return ranks + self.cfg.rollout.num_engines
+
+    def _worker_spec(self, role: str, path: str, world: int, train: bool, lr: float = 0.0):
+        from rlhf_sg.distributed import free_port
+        from rlhf_sg.workers import WorkerSpec
+
+        t, m = self.cfg.train, self.cfg.model
+        return WorkerSpec(
+            role=role, model_path=path, world_size=world, master_addr="127.0.0.1", master_port=free_port(),
+            train=train, dtype=m.dtype, attn_implementation=m.attn_implementation, lr=lr,
+            weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, offload=(role == "ref" and t.ref_offload),
+            seed=t.seed, threads=t.worker_threads, device=t.device, timeout_s=t.timeout_s,
+        )
+
+    def _group(self, spec):
+        from rlhf_sg.workers import ModelGroup
+
+        gpus = 1.0 if self.cfg.train.device == "cuda" else 0.0
+        # On CPU every rank asks for one Ray CPU; Ray is started with at least as many CPUs as ranks,
+        # and each worker runs `worker_threads` OpenMP threads, so phases never oversubscribe the cores.
+        return ModelGroup(spec, num_cpus=1.0 if gpus == 0 else 1.0, num_gpus=gpus)
+
+    def _start_groups(self) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        from rlhf_sg.engine_actor import start_engine_actors
+
+        self.engines = start_engine_actors(cfg, self.tokenizer)
+        self.actor = self._group(self._worker_spec("actor", cfg.model.pretrain, t.actor_num_ranks, True, t.actor_lr))
+        if self.uses_critic:
+            critic_path = cfg.model.critic_pretrain or cfg.model.reward_pretrain or cfg.model.pretrain
+            self.critic = self._group(self._worker_spec("critic", critic_path, t.critic_num_ranks, True, t.critic_lr))
+        if self.uses_ref:
+            self.ref = self._group(self._worker_spec("ref", cfg.model.pretrain, t.ref_num_ranks, False))
+        if cfg.reward.kind == "model":
+            self.reward_model = self._group(
+                self._worker_spec("reward", cfg.model.reward_pretrain, cfg.reward.num_ranks, False)
+            )
+        self.actor.call(
+            "setup_weight_sync", self.engines, cfg.rollout.weight_transport, cfg.rollout.bucket_bytes, t.timeout_s,
+            what="weight-sync set-up",
+        )
+
+    # ---- one step ------------------------------------------------------------------------------------
+    def generate(self, prompts: list[Prompt]) -> list:
+        """Completions for every prompt, n each, prompt-major; prompts are spread over the engines."""
+        import ray
+
+        from backends.base import SamplingParams
+
+        r = self.cfg.rollout
+        params = SamplingParams(
+            n=r.n_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(r.stop_token_ids) + (self.eos_id,),
+            seed=self.cfg.train.seed * 1_000_003 + self.step,
+        )
+        shards = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
+        refs = [
+            engine.generate.remote([prompts[j].token_ids for j in shard], params)
+            for engine, shard in zip(self.engines, shards)
+            if shard
+        ]
+        try:
+            results = ray.get(refs, timeout=self.cfg.train.timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise TimeoutError(f"generate: engines did not answer within {self.cfg.train.timeout_s:.0f} s") from e
+        by_prompt: dict[int, list] = {}
+        for shard, completions in zip([s for s in shards if s], results):
+            for c in completions:
+                by_prompt.setdefault(shard[c.prompt_index], []).append(c)
+        return [c for j in range(len(prompts)) for c in by_prompt[j]]
+
+    def compute_rewards(self, prompts: list[Prompt], completions: list, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Scores [B], one per completion. Override for custom scoring."""
+        from rlhf_sg.rewards import check_scores, remote_reward
+
+        cfg = self.cfg
+        n = cfg.rollout.n_samples_per_prompt
+        if cfg.reward.kind == "model":
+            plans = self._plans(batch, cfg.reward.num_ranks)
+            return self.reward_model.forward(self._put(batch), plans, len(completions))
+        texts_p = [prompts[i // n].text for i in range(len(completions))]
+        texts_c = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        labels = [prompts[i // n].label for i in range(len(completions))]
+        if cfg.reward.kind == "remote":
+            scores = remote_reward(cfg.reward.url, texts_p, texts_c, labels, cfg.train.timeout_s)
+        else:
+            scores = check_scores(self.reward_fn(texts_p, texts_c, labels), len(completions), "reward function")
+        return torch.tensor(scores, dtype=torch.float32)
+
+    def compute_advantages(self, batch: dict[str, torch.Tensor]) -> None:
+        """Fill batch["advantages"] (and batch["returns"] with a critic). Override for a custom estimator."""
+        t = self.cfg.train
+        mask = batch["action_mask"]
+        est = t.advantage_estimator
+        kl = batch.get("kl")
+        kl_in_reward = kl is not None and t.kl_mode == "reward"
+        kl_coef = self.kl_ctl.value if kl_in_reward else 0.0
+        kl_term = kl if kl_in_reward else torch.zeros_like(batch["rollout_logp"])
+        if est in GROUP_ESTIMATORS:
+            seq_adv = algo.group_advantages(batch["scores"], self.cfg.rollout.n_samples_per_prompt, est)
+            rewards = algo.shape_rewards(seq_adv, kl_term, mask, kl_coef)
+            batch["advantages"] = algo.discounted_returns(rewards, mask, 1.0)
+            return
+        rewards = algo.shape_rewards(batch["scores"], kl_term, mask, kl_coef, t.score_clip)
+        if est == "gae":
+            adv, returns = algo.gae(rewards, batch["values"], mask, t.gamma, t.lam)
+            batch["returns"] = returns
+        else:
+            adv = algo.discounted_returns(rewards, mask, t.gamma)
+        batch["advantages"] = algo.masked_whiten(adv, mask)
+
+    def _put(self, batch):
+        import ray
+
+        return ray.put(batch)
+
+    def _plans(self, batch: dict[str, torch.Tensor], world: int, rows: list[int] | None = None):
+        from rlhf_sg.packing import token_budget_microbatches
+
+        rows = list(range(batch["sequences"].shape[0])) if rows is None else rows
+        lengths = batch["attention_mask"][rows].sum(dim=1).tolist()
+        local = token_budget_microbatches(lengths, self.cfg.train.max_tokens_per_microbatch, world)
+        return [[[rows[i] for i in micro] for micro in rank] for rank in local]
+
+    def _train_steps(self, batch, world: int, normalize_rows: bool = False) -> list[list[dict[str, Any]]]:
+        """Per rank, the list of optimizer steps of all PPO epochs: {"plan", "normalizer"}."""
+        t = self.cfg.train
+        B = batch["sequences"].shape[0]
+        per_rank: list[list[dict[str, Any]]] = [[] for _ in range(world)]
+        for _ in range(t.ppo_epochs):
+            order = list(range(B))
+            self.rng.shuffle(order)
+            size = B // t.num_minibatches
+            for k in range(t.num_minibatches):
+                rows = sorted(order[k * size : (k + 1) * size])
+                if normalize_rows:
+                    normalizer = len(rows) / world
+                else:
+                    normalizer = float(batch["action_mask"][rows].sum()) / world
+                for rank, plan in enumerate(self._plans(batch, world, rows)):
+                    per_rank[rank].append({"plan": plan, "normalizer": normalizer})
+        return per_rank
+
+    def train_step(self) -> dict[str, float]:
+        cfg, t = self.cfg, self.cfg.train
+        timer = StepTimer(sync=lambda: None)  # every phase below waits on its remote calls itself
+        timer.start_step()
+        self.on_step_start(self.step)
+        profiling = cfg.log.profile_step is not None and cfg.log.profile_step == self.step
+        if profiling:
+            self.actor.call("start_profile")
+        prompts = self.stream.next_batch()
+
+        with timer.phase("generate"):
+            completions = self.generate(prompts)
+        batch = build_rollout_batch(
+            [prompts[i // cfg.rollout.n_samples_per_prompt].token_ids for i in range(len(completions))],
+            [c.token_ids for c in completions],
+            [c.logprobs for c in completions],
+            self.pad_id,
+        )
+        with timer.phase("reward"):
+            batch["scores"] = self.compute_rewards(prompts, completions, batch)
+        scores = batch["scores"]
+        metrics: dict[str, float] = {"reward/mean": scores.mean().item(), "reward/std": scores.std().item()}
+
+        if t.dynamic_filtering:
+            batch, kept = self._filter_groups(batch)
+            metrics["rollout/groups_kept_frac"] = kept
+            if batch is None:
+                self.step += 1
+                metrics.update({f"time/{k}": v for k, v in timer.end_step().items()})
+                self._log(metrics)
+                return metrics
+
+        batch_ref = self._put(batch)
+        B = batch["sequences"].shape[0]
+        temperature = cfg.rollout.temperature or 1.0
+        if self.uses_ref:
+            with timer.phase("reference"):
+                batch["ref_logp"] = self.ref.forward(batch_ref, self._plans(batch, t.ref_num_ranks), B, temperature)
+        if self.uses_critic:
+            with timer.phase("critic"):
+                batch["values"] = self.critic.forward(batch_ref, self._plans(batch, t.critic_num_ranks), B)
+        with timer.phase("actor_logprob"):
+            batch["old_logp"] = self.actor.forward(batch_ref, self._plans(batch, t.actor_num_ranks), B, temperature)
+
+        mask = batch["action_mask"]
+        if self.uses_ref:
+            batch["kl"] = torch.where(mask, algo.approx_kl(batch["old_logp"], batch["ref_logp"], t.kl_estimator), 0.0)
+            metrics["kl"] = algo.masked_mean(batch["kl"], mask).item()
+        self.compute_advantages(batch)
+        self.on_experience(batch)
+        metrics["rollout/logp_gap_engine_vs_trainer"] = algo.masked_mean(
+            (batch["rollout_logp"] - batch["old_logp"]).abs(), mask
+        ).item()
+
+        hp = {
+            "temperature": temperature, "clip_low": t.clip_low, "clip_high": t.clip_high, "dual_clip": t.dual_clip,
+            "tis_cap": t.tis_cap, "loss_aggregation": t.loss_aggregation, "kl_mode": t.kl_mode,
+            "kl_coef": self.kl_ctl.value, "kl_estimator": t.kl_estimator, "entropy_coef": t.entropy_coef,
+            "value_clip": t.value_clip,
+        }
+        train_ref = self._put(batch)
+        with timer.phase("train"):
+            import ray
+
+            refs = []
+            if self.uses_critic:
+                steps = self._train_steps(batch, t.critic_num_ranks)
+                refs += [w.train_critic.remote(train_ref, steps[i], hp) for i, w in enumerate(self.critic.workers)]
+            if not (self.uses_critic and self.step < t.critic_warmup_steps):
+                steps = self._train_steps(batch, t.actor_num_ranks, normalize_rows=t.loss_aggregation == "seq_mean")
+                refs += [w.train_actor.remote(train_ref, steps[i], hp) for i, w in enumerate(self.actor.workers)]
+            try:
+                results = ray.get(refs, timeout=t.timeout_s)
+            except ray.exceptions.GetTimeoutError as e:
+                raise TimeoutError(f"train: actor/critic updates did not finish within {t.timeout_s:.0f} s") from e
+            for r in results:
+                for k, v in r.items():
+                    metrics.setdefault(k, v)
+
+        self.step += 1
+        with timer.phase("weight_sync"):
+            sync_stats = self.actor.call("sync_weights", self.step, what=f"weight sync to version {self.step}")
+        metrics["weight_sync/GBps"] = float(sync_stats[0].get("GBps", 0.0)) if sync_stats else 0.0
+        if profiling:
+            self.actor.call("stop_profile", os.path.join(cfg.log.output_dir, "profile", f"step{self.step}.json"))
+
+        if metrics.get("kl") is not None:
+            self.kl_ctl.update(metrics["kl"], B)
+        times = timer.end_step()
+        lengths = mask.sum(dim=1).float()
+        metrics.update({
+            "rollout/response_len": lengths.mean().item(),
+            "rollout/samples": B,
+            "kl_coef": self.kl_ctl.value,
+            "throughput/tokens_per_s": float(batch["attention_mask"].sum()) / times["step"],
+            "throughput/samples_per_s": B / times["step"],
+            "weight_version": self.step,
+        })
+        metrics.update({f"time/{k}": v for k, v in times.items()})
+        self.on_step_end(self.step, metrics)
+        self._log(metrics)
+        if cfg.log.save_steps and self.step % cfg.log.save_steps == 0:
+            self.save_checkpoint()
+        return metrics
+
+    def _filter_groups(self, batch):
+        n = self.cfg.rollout.n_samples_per_prompt
+        scores = batch["scores"].view(-1, n)
+        keep_groups = (scores.max(dim=1).values - scores.min(dim=1).values) > 0
+        kept = keep_groups.float().mean().item()
+        if not keep_groups.any():
+            return None, kept
+        rows = torch.repeat_interleave(keep_groups, n).nonzero().flatten()
+        return {k: v.index_select(0, rows) for k, v in batch.items()}, kept
+
+    # ---- hooks -------------------------------------------------------------------------------------
+    def on_step_start(self, step: int) -> None:
+        """Called before a step generates."""
+
+    def on_experience(self, batch: dict[str, torch.Tensor]) -> None:
+        """Called with the finished experience (advantages filled) before training."""
+
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
+        """Called after a step with its metrics (add keys to log them)."""
+
+    # ---- loop, logging, checkpoints -------------------------------------------------------------------
+    def fit(self) -> list[dict[str, float]]:
+        from tqdm import tqdm
+
+        history = []
+        bar = tqdm(total=self.cfg.train.max_steps, initial=self.step, disable=not self.cfg.log.progress_bar,
+                   desc="ppo", dynamic_ncols=True)
+        while self.step < self.cfg.train.max_steps:
+            metrics = self.train_step()
+            history.append(metrics)
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl', 0.0):.4f}",
+                            tok_s=f"{metrics.get('throughput/tokens_per_s', 0.0):.0f}")
+        bar.close()
+        if not self.cfg.log.save_steps or self.step % self.cfg.log.save_steps:
+            self.save_checkpoint()
+        if self.cfg.log.export_hf:
+            self.export_hf(os.path.join(self.cfg.log.output_dir, "final_hf"))
+        return history
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        out = self.cfg.log.output_dir
+        if self._metrics_file is None:
+            self._metrics_file = open(os.path.join(out, "metrics.jsonl"), "a")
+            if self.cfg.log.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._writer = SummaryWriter(os.path.join(out, "tensorboard"))
+            if self.cfg.log.wandb_project:
+                import wandb
+
+                wandb.init(project=self.cfg.log.wandb_project, config=self.cfg.to_dict())
+        record = {"step": self.step, **metrics}
+        self._metrics_file.write(json.dumps(record) + "\n")
+        self._metrics_file.flush()
+        if self._writer is not None:
+            for k, v in metrics.items():
+                self._writer.add_scalar(k, v, self.step)
+            self._writer.flush()
+        if self.cfg.log.wandb_project:
+            import wandb
+
+            wandb.log(metrics, step=self.step)
+
+    def _ckpt_root(self) -> str:
+        return os.path.join(self.cfg.log.output_dir, "checkpoints")
+
+    def save_checkpoint(self) -> str:
+        tag = f"step{self.step}"
+        root = self._ckpt_root()
+        state = {"step": self.step}
+        self.actor.call("save_checkpoint", os.path.join(root, "actor"), tag, state, what="actor checkpoint")
+        if self.critic is not None:
+            self.critic.call("save_checkpoint", os.path.join(root, "critic"), tag, state, what="critic checkpoint")
+        trainer_state = {
+            "step": self.step,
+            "data": self.stream.state(),
+            "rng": self.rng.getstate(),
+            "kl_coef": self.kl_ctl.value,
+            "tag": tag,
+        }
+        with open(os.path.join(root, f"{tag}.trainer.json"), "w") as f:
+            json.dump(trainer_state, f, default=list)
+        with open(os.path.join(root, "latest"), "w") as f:
+            f.write(tag)
+        return os.path.join(root, tag)
+
+    def _resume(self) -> None:
+        root = self._ckpt_root()
+        latest = os.path.join(root, "latest")
+        if not os.path.isfile(latest):
+            log.warning("--log.resume: no checkpoint under %s; starting from step 0", root)
+            return
+        with open(latest) as f:
+            tag = f.read().strip()
+        with open(os.path.join(root, f"{tag}.trainer.json")) as f:
+            state = json.load(f)
+        self.actor.call("load_checkpoint", os.path.join(root, "actor"), tag, what="actor checkpoint load")
+        if self.critic is not None:
+            self.critic.call("load_checkpoint", os.path.join(root, "critic"), tag, what="critic checkpoint load")
+        self.step = int(state["step"])
+        self.stream.load_state(state["data"])
+        rng_state = state["rng"]
+        self.rng.setstate((rng_state[0], tuple(rng_state[1]), rng_state[2]))
+        self.kl_ctl.value = float(state["kl_coef"])
+        # engines started from the initial weights: give them the checkpoint's
+        self.actor.call("sync_weights", self.step, what=f"weight sync after resume (version {self.step})")
+        log.info("resumed from %s at step %d", tag, self.step)
+
+    def export_hf(self, path: str) -> str:
+        self.actor.call("export_hf", path, what="HF export")
+        self.tokenizer.save_pretrained(path)
+        return path
+
+    def shutdown(self) -> None:
+        import ray
+
+        for group in (self.actor, self.critic, self.ref, self.reward_model):
+            if group is not None:
+                group.shutdown()
+        for e in self.engines:
+            try:
+                ray.get(e.shutdown.remote(), timeout=60)
+            except Exception:  # the engine may already be gone; shutting down must not fail the run
+                log.warning("an engine did not shut down cleanly", exc_info=True)
+            ray.kill(e)
+        self.engines = []
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+def train(cfg: Config, trainer_cls: type[PPOTrainer] = PPOTrainer, **kwargs) -> list[dict[str, float]]:
+    """Validate, start, train, shut down. Returns the per-step metrics."""
+    trainer = trainer_cls(cfg, **kwargs)
+    t0 = time.time()
+    try:
+        trainer.setup()
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    log.info("training finished in %.0f s; logs and checkpoints in %s", time.time() - t0, cfg.log.output_dir)
+    return history
+
+
+__all__ = ["PPOTrainer", "build_rollout_batch", "load_tokenizer", "train"]

@@ -1,0 +1,369 @@
+"""Model workers: one Ray actor per DeepSpeed ZeRO-3 rank of the actor, critic, reference or reward model.
+
+A :class:`ModelGroup` starts ``world_size`` workers of one role in a placement group and calls them
+together: under ZeRO-3 every forward gathers parameters collectively, so every rank must run the
+same number of forwards. The controller guarantees it by giving each rank a plan with the same
+number of token-budget micro-batches (:func:`rlhf_sg.packing.token_budget_microbatches`).
+
+Batches travel as one dict of padded CPU tensors through Ray's object store (shared memory on a
+node); each rank takes the rows of its plan, packs them (no compute on padding) and returns its
+results by global row index.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+ROLES = ("actor", "critic", "ref", "reward")
+
+
+@dataclass
+class WorkerSpec:
+    role: str
+    model_path: str
+    world_size: int
+    master_addr: str
+    master_port: int
+    train: bool = False
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    offload: bool = False
+    seed: int = 42
+    threads: int = 1
+    device: str = "cpu"
+    timeout_s: float = 900.0
+
+
+def _rows(batch: dict[str, torch.Tensor], idx: list[int]) -> dict[str, torch.Tensor]:
+    index = torch.as_tensor(idx, dtype=torch.long)
+    return {k: v.index_select(0, index) for k, v in batch.items()}
+
+
+class ModelWorker:
+    """One ZeRO-3 rank. Created through :class:`ModelGroup`; every public method is a Ray call."""
+
+    def __init__(self, spec: dict[str, Any], rank: int):
+        self.spec = WorkerSpec(**spec)
+        self.rank = rank
+        torch.set_num_threads(self.spec.threads)
+        if self.spec.device == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        torch.manual_seed(self.spec.seed + rank)
+
+        import deepspeed
+        from transformers.integrations import HfDeepSpeedConfig
+
+        from rlhf_sg.distributed import init_torch_distributed, zero3_config
+
+        init_torch_distributed(
+            rank=rank,
+            world_size=self.spec.world_size,
+            master_addr=self.spec.master_addr,
+            master_port=self.spec.master_port,
+            backend="nccl" if self.spec.device == "cuda" else "gloo",
+            timeout_s=self.spec.timeout_s,
+        )
+        if self.spec.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        self.ds_config = zero3_config(
+            dtype=self.spec.dtype,
+            offload=self.spec.offload,
+            train=self.spec.train,
+            max_grad_norm=self.spec.max_grad_norm,
+        )
+        # Keep the reference alive while loading: transformers then builds the model partitioned (zero.Init)
+        # instead of materialising it whole on every rank.
+        self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
+        model = self._load_model()
+        optimizer = None
+        if self.spec.train:
+            optimizer = torch.optim.AdamW(
+                [p for p in model.parameters() if p.requires_grad],
+                lr=self.spec.lr,
+                weight_decay=self.spec.weight_decay,
+                betas=(0.9, 0.95),
+            )
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
+        if not self.spec.train:
+            self.engine.eval()
+        self.syncer = None
+        self._profiler = None
+
+    # ---- model -------------------------------------------------------------------------------------
+    def _load_model(self):
+        dtype = torch.bfloat16 if self.spec.dtype == "bfloat16" else torch.float32
+        if self.spec.role in ("actor", "ref"):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(
+                self.spec.model_path, dtype=dtype, attn_implementation=self.spec.attn_implementation
+            )
+            model.config.use_cache = False
+        else:
+            from rlhf_sg.models import ValueHeadModel
+
+            model = ValueHeadModel.from_pretrained(
+                self.spec.model_path, dtype=dtype, attn_implementation=self.spec.attn_implementation
+            )
+        if not self.spec.train:
+            model.requires_grad_(False)
+        return model
+
+    @property
+    def module(self):
+        return self.engine.module
+
+    def ping(self) -> int:
+        return self.rank
+
+    # ---- forwards ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, batch: dict[str, torch.Tensor], plan: list[list[int]], temperature: float = 1.0):
+        """Run this role's forward over the rows of ``plan`` (micro-batches of global row indices).
+
+        Returns (row indices, result): log-probs [n, T] (actor, ref), values [n, T] (critic) or
+        scores [n] (reward), rows in the order of the flattened plan.
+        """
+        from rlhf_sg.packing import critic_values, response_logprobs, reward_scores
+
+        width = batch["action_mask"].shape[1]
+        outputs, order = [], []
+        for micro in plan:
+            mb = _rows(batch, micro)
+            if self.spec.role in ("actor", "ref"):
+                out = response_logprobs(self.module, mb["sequences"], mb["attention_mask"], width, temperature)
+            elif self.spec.role == "critic":
+                out = critic_values(self.module, mb["sequences"], mb["attention_mask"], width)
+            else:
+                out = reward_scores(self.module, mb["sequences"], mb["attention_mask"])
+            outputs.append(out.float().cpu())
+            order.extend(micro)
+        result = torch.cat(outputs) if outputs else torch.empty(0)
+        return order, result
+
+    # ---- training -----------------------------------------------------------------------------------
+    def train_actor(self, batch, steps: list[dict[str, Any]], hp: dict[str, Any]) -> dict[str, float]:
+        """PPO updates. ``steps``: one entry per optimizer step, {"plan": micro-batches of this rank,
+        "normalizer": the step's action tokens (or rows) across all ranks / world_size}."""
+        from rlhf_sg.algorithms import approx_kl, masked_mean, policy_loss
+        from rlhf_sg.packing import response_logprobs
+
+        self.engine.train()
+        width = batch["action_mask"].shape[1]
+        sums: dict[str, float] = {}
+        count = 0
+        for step in steps:
+            micro_batches = step["plan"]
+            for i, micro in enumerate(micro_batches):
+                mb = _rows(batch, micro)
+                mask = mb["action_mask"].bool()
+                self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+                logp, entropy = response_logprobs(
+                    self.engine, mb["sequences"], mb["attention_mask"], width, hp["temperature"], with_entropy=True
+                )
+                loss, metrics = policy_loss(
+                    logp,
+                    mb["old_logp"],
+                    mb["advantages"],
+                    mask,
+                    clip_low=hp["clip_low"],
+                    clip_high=hp["clip_high"],
+                    dual_clip=hp["dual_clip"],
+                    rollout_logp=mb["rollout_logp"] if hp["tis_cap"] is not None else None,
+                    tis_cap=hp["tis_cap"],
+                    aggregation=hp["loss_aggregation"],
+                    normalizer=step["normalizer"],
+                )
+                scale = mask.sum() / step["normalizer"] if hp["loss_aggregation"] == "token_mean" else (
+                    mask.shape[0] / step["normalizer"]
+                )
+                if hp["kl_mode"] == "loss" and hp["kl_coef"] > 0:
+                    kl = masked_mean(approx_kl(logp, mb["ref_logp"], hp["kl_estimator"]), mask)
+                    loss = loss + hp["kl_coef"] * kl * scale
+                    metrics["kl_loss"] = kl.detach()
+                if hp["entropy_coef"] > 0:
+                    loss = loss - hp["entropy_coef"] * masked_mean(entropy, mask) * scale
+                metrics["entropy"] = masked_mean(entropy.detach(), mask)
+                self.engine.backward(loss, scale_wrt_gas=False)
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                count += 1
+            self.engine.step()
+        return {f"actor/{k}": v / max(count, 1) for k, v in sums.items()}
+
+    def train_critic(self, batch, steps: list[dict[str, Any]], hp: dict[str, Any]) -> dict[str, float]:
+        from rlhf_sg.algorithms import value_loss
+        from rlhf_sg.packing import critic_values
+
+        self.engine.train()
+        width = batch["action_mask"].shape[1]
+        sums: dict[str, float] = {}
+        count = 0
+        for step in steps:
+            micro_batches = step["plan"]
+            for i, micro in enumerate(micro_batches):
+                mb = _rows(batch, micro)
+                self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+                values = critic_values(self.engine, mb["sequences"], mb["attention_mask"], width)
+                loss, metrics = value_loss(
+                    values,
+                    mb["values"],
+                    mb["returns"],
+                    mb["action_mask"].bool(),
+                    clip=hp["value_clip"],
+                    aggregation="token_mean",
+                    normalizer=step["normalizer"],
+                )
+                self.engine.backward(loss, scale_wrt_gas=False)
+                metrics["loss"] = loss.detach() * step["normalizer"] / mb["action_mask"].sum()
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                count += 1
+            self.engine.step()
+        return {f"critic/{k}": v / max(count, 1) for k, v in sums.items()}
+
+    # ---- weight sync (actor) --------------------------------------------------------------------------
+    def setup_weight_sync(self, engines: list, transport: str, bucket_bytes: int, timeout_s: float) -> None:
+        from rlhf_sg.weight_sync import WeightSyncer
+
+        self.syncer = WeightSyncer(
+            rank=self.rank,
+            world_size=self.spec.world_size,
+            engines=engines,
+            transport=transport,
+            bucket_bytes=bucket_bytes,
+            timeout_s=timeout_s,
+        )
+        self.syncer.setup()
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        if self.syncer is None:
+            raise RuntimeError(f"actor rank {self.rank}: setup_weight_sync was not called")
+        return self.syncer.sync(self.engine, version)
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str, tag: str, client_state: dict[str, Any]) -> None:
+        state = dict(client_state, torch_rng=torch.get_rng_state())
+        self.engine.save_checkpoint(path, tag=tag, client_state=state)
+
+    def load_checkpoint(self, path: str, tag: str) -> dict[str, Any]:
+        load_path, client_state = self.engine.load_checkpoint(path, tag=tag)
+        if load_path is None:
+            raise FileNotFoundError(f"{self.spec.role} rank {self.rank}: no DeepSpeed checkpoint {tag!r} in {path}")
+        if "torch_rng" in client_state:
+            torch.set_rng_state(client_state.pop("torch_rng"))
+        return client_state
+
+    def export_hf(self, path: str) -> str | None:
+        """Gather the full weights one tensor at a time and save an HF checkpoint from rank 0."""
+        import deepspeed
+
+        state = {}
+        for name, param in self.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                if self.rank == 0:
+                    state[name] = param.data.detach().to("cpu", copy=True)
+        if self.rank != 0:
+            return None
+        os.makedirs(path, exist_ok=True)
+        self.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+        return path
+
+    # ---- profiling ------------------------------------------------------------------------------------
+    def start_profile(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._profiler = profile(activities=activities, record_shapes=False)
+        self._profiler.__enter__()
+
+    def stop_profile(self, path: str) -> str | None:
+        if self._profiler is None:
+            return None
+        self._profiler.__exit__(None, None, None)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self._profiler.export_chrome_trace(path)
+        self._profiler = None
+        return path
+
+
+class ModelGroup:
+    """``world_size`` :class:`ModelWorker` ranks of one role, placed by a Ray placement group."""
+
+    def __init__(self, spec: WorkerSpec, num_cpus: float = 1.0, num_gpus: float = 0.0, strategy: str = "PACK",
+                 runtime_env: dict | None = None):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.spec = spec
+        self.timeout_s = spec.timeout_s
+        bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+        self.pg = placement_group([dict(bundle) for _ in range(spec.world_size)], strategy=strategy)
+        self._get([self.pg.ready()], "placement group ready (not enough CPUs/GPUs in the Ray cluster?)")
+        env = {"env_vars": {"OMP_NUM_THREADS": str(spec.threads), "TOKENIZERS_PARALLELISM": "false"}}
+        if spec.device == "cpu":
+            env["env_vars"]["DS_ACCELERATOR"] = "cpu"
+        if runtime_env:
+            env["env_vars"].update(runtime_env.get("env_vars", {}))
+        cls = ray.remote(ModelWorker)
+        self.workers = [
+            cls.options(
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                runtime_env=env,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            ).remote(asdict(spec), i)
+            for i in range(spec.world_size)
+        ]
+        self._get([w.ping.remote() for w in self.workers], "start-up")
+
+    def _get(self, refs, what: str):
+        import ray
+
+        t0 = time.monotonic()
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise TimeoutError(
+                f"{self.spec.role} group ({self.spec.world_size} ranks): {what} did not finish within "
+                f"{self.timeout_s:.0f} s (--train.timeout_s); a rank is stuck or the cluster lacks resources"
+            ) from e
+        finally:
+            self.last_wait_s = time.monotonic() - t0
+
+    def call(self, method: str, *args, what: str | None = None, per_rank: list[tuple] | None = None, **kwargs):
+        """Call ``method`` on every rank (the same args, or ``per_rank[i]`` for rank i) and wait."""
+        refs = []
+        for i, w in enumerate(self.workers):
+            a = per_rank[i] if per_rank is not None else args
+            refs.append(getattr(w, method).remote(*a, **kwargs))
+        return self._get(refs, what or method)
+
+    def forward(self, batch_ref, plans: list[list[list[int]]], batch_size: int, temperature: float = 1.0):
+        """Results of every rank reassembled in global row order: [B, T] or [B]."""
+        results = self.call("forward", per_rank=[(batch_ref, plans[i], temperature) for i in range(len(plans))])
+        out = None
+        for order, tensor in results:
+            if not order:
+                continue
+            if out is None:
+                out = torch.zeros((batch_size, *tensor.shape[1:]), dtype=tensor.dtype)
+            out[torch.as_tensor(order)] = tensor
+        return out
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for w in self.workers:
+            ray.kill(w)
+        remove_placement_group(self.pg)
