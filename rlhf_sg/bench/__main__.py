@@ -8,7 +8,8 @@ import rlhf_sg.bench as bench_pkg
 
 
 def available() -> list[str]:
-    return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(bench_pkg.__path__) if not m.name.startswith("_"))
+    modules = pkgutil.iter_modules(bench_pkg.__path__)
+    return sorted(m.name.replace("_", "-") for m in modules if not m.name.startswith("_"))
 
 
 def main(argv: list[str] | None = None) -> None:
