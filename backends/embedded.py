@@ -1,0 +1,580 @@
+"""The embedded rollout engine: pure torch + transformers, on CPU or one GPU.
+
+It is the default wherever no serving engine can run (a laptop, CI, a debugger), and it takes
+weight updates through the same three transports as the serving engines, so the whole weight-sync
+path is exercised without a GPU.
+
+Generation is its own batched decode loop over a Hugging Face causal LM with a KV cache
+(transformers' ``DynamicCache`` passed through the model's forward): prompts are left-padded with
+matching ``position_ids`` and attention mask, each prompt is prefilled once and its cache repeated
+for the ``n`` samples, every row stops on its own stop token, and finished rows are dropped from
+the batch so the rest decode faster.
+
+Sampling and reproducibility: each completion row draws its random numbers from its own
+``torch.Generator`` seeded from ``(seed, prompt index, sample index)``, where ``seed`` is
+``SamplingParams.seed`` or, when that is ``None``, the next draw of an engine-wide stream seeded by
+``BackendConfig.seed``. A row's draws therefore do not depend on the other prompts in the call,
+on ``max_batch_size`` or on which rows finish first. Its *logits* can still differ in the last bits
+when the padding width of its batch changes, which can flip a draw that lands on a probability
+boundary; on the same prompts, params and weights, a call is reproducible exactly.
+
+Engine-specific keys in ``BackendConfig.extra``:
+
+* ``max_batch_size`` (int, default 256): completion rows decoded together;
+* ``attn_implementation`` (str, default transformers' choice): e.g. ``"sdpa"`` or ``"eager"``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import os
+import random
+from collections.abc import Iterable
+
+import torch
+
+from backends.base import (
+    BackendConfig,
+    BackendError,
+    BucketManifest,
+    Completion,
+    RolloutBackend,
+    SamplingParams,
+    WeightGroupSpec,
+)
+
+__all__ = ["EmbeddedBackend", "open_weight_update_group", "sample_next_tokens"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_EXTRA_KEYS = {"max_batch_size", "attn_implementation"}
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """One SplitMix64 step: a well-spread 64-bit hash, the same in every process."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def row_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The generator seed of one completion row; depends on nothing else in the call."""
+    return _mix64(_mix64(_mix64(seed & _MASK64) ^ prompt_index) ^ sample_index)
+
+
+def sample_next_tokens(
+    logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row by inverse-CDF lookup of a given uniform draw.
+
+    logits: [B, V] (any float dtype); uniforms: [B] float32 in [0, 1).
+    Returns tokens [B] int64 and logp [B] float32, where logp is the log-prob of the token under
+    ``softmax(logits / temperature)`` *before* top-k / top-p truncation (the interface's
+    convention). ``temperature == 0`` is greedy and its log-prob uses temperature 1.
+    Top-k keeps the k most likely tokens; top-p then keeps the smallest prefix of those, by
+    descending probability, whose renormalised mass reaches ``top_p``.
+    """
+    logits = logits.float()
+    if temperature == 0:
+        logp_all = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+        return tokens, logp_all.gather(1, tokens[:, None]).squeeze(1)
+
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    probs = logp_all.exp()
+    vocab = probs.shape[-1]
+    if 0 < top_k < vocab or top_p < 1.0:
+        if 0 < top_k < vocab:
+            cand_probs, cand_ids = probs.topk(top_k, dim=-1)  # sorted, descending
+        else:
+            cand_probs, cand_ids = probs.sort(dim=-1, descending=True)
+        if top_p < 1.0:
+            mass = cand_probs.cumsum(dim=-1) / cand_probs.sum(dim=-1, keepdim=True)
+            prior_mass = mass - cand_probs / cand_probs.sum(dim=-1, keepdim=True)
+            cand_probs = cand_probs.masked_fill(prior_mass >= top_p, 0.0)
+    else:
+        cand_probs, cand_ids = probs, None
+    cdf = cand_probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # Keep the target strictly below the total so the lookup lands on a token of positive mass.
+    target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    pick = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
+    tokens = pick.squeeze(1) if cand_ids is None else cand_ids.gather(1, pick).squeeze(1)
+    return tokens, logp_all.gather(1, tokens[:, None]).squeeze(1)
+
+
+def open_weight_update_group(spec: WeightGroupSpec, rank: int) -> torch.distributed.ProcessGroup:
+    """Join (rank > 0) or host (rank 0, the TCP store master) a weight-update side group.
+
+    The group is built straight on a ``TCPStore`` at ``spec.master_address:spec.master_port``
+    and never touches the default process group, so trainer and engines can each have their own.
+    The trainer's sender calls this with ``rank=0``; every rank must call it concurrently.
+    Returns the backend group object (``ProcessGroupGloo`` or ``ProcessGroupNCCL``).
+    """
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    where = (
+        f"weight-update group {spec.group_name!r} ({spec.backend}) at "
+        f"{spec.master_address}:{spec.master_port} as rank {rank} of {spec.world_size}"
+    )
+    if spec.backend not in ("gloo", "nccl"):
+        raise BackendError(f"{where}: backend must be 'gloo' or 'nccl', got {spec.backend!r}")
+    try:
+        store = dist.TCPStore(
+            spec.master_address, spec.master_port, spec.world_size, is_master=rank == 0, timeout=timeout
+        )
+        if spec.backend == "gloo":
+            return dist.ProcessGroupGloo(store, rank, spec.world_size, timeout)
+        if not hasattr(dist, "ProcessGroupNCCL"):
+            raise BackendError(f"{where}: this torch build has no NCCL; use backend='gloo'")
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, spec.world_size, options)
+    except BackendError:
+        raise
+    except Exception as exc:  # store connect / rendezvous failures come as several types
+        raise BackendError(
+            f"joining {where} failed within timeout_s={spec.timeout_s}: {type(exc).__name__}: {exc}. "
+            "Is the trainer's sender (rank 0, the store master) started, and the port reachable?"
+        ) from exc
+
+
+class EmbeddedBackend(RolloutBackend):
+    """A Hugging Face causal LM decoded in-process with a KV cache (see the module docstring)."""
+
+    name = "hf"
+    transports = frozenset({"collective", "tensor", "disk"})
+
+    def __init__(self, config: BackendConfig):
+        super().__init__(config)
+        unknown = sorted(set(config.extra) - _EXTRA_KEYS)
+        if unknown:
+            raise BackendError(
+                f"BackendConfig.extra has key(s) {unknown} the embedded backend does not know; "
+                f"known: {sorted(_EXTRA_KEYS)}"
+            )
+        if config.dtype not in _DTYPES:
+            raise BackendError(f"BackendConfig.dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
+        self._max_batch_size = int(config.extra.get("max_batch_size", 256))
+        if self._max_batch_size < 1:
+            raise BackendError(f"BackendConfig.extra['max_batch_size'] must be >= 1, got {self._max_batch_size}")
+        self._device = torch.device(config.device)
+        if self._device.type == "cuda" and not torch.cuda.is_available():
+            raise BackendError(
+                f"BackendConfig.device={config.device!r} but torch sees no CUDA device; use device='cpu'"
+            )
+        if self._device.type not in ("cpu", "cuda"):
+            raise BackendError(f"BackendConfig.device must be 'cpu' or 'cuda[:i]', got {config.device!r}")
+        if not os.path.isdir(config.model_path):
+            raise BackendError(f"BackendConfig.model_path {config.model_path!r} is not a directory")
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+
+        from transformers import AutoModelForCausalLM, DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        load_kw = {}
+        if "attn_implementation" in config.extra:
+            load_kw["attn_implementation"] = config.extra["attn_implementation"]
+        self.model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=_DTYPES[config.dtype], **load_kw).to(
+            self._device
+        )
+        self.model.eval().requires_grad_(False)
+        model_config = self.model.config
+        self._vocab_size = int(model_config.vocab_size)
+        self._pad_id = model_config.pad_token_id if model_config.pad_token_id is not None else 0
+        self._eos_ids = _as_id_set(getattr(self.model.generation_config, "eos_token_id", None))
+        self._eos_ids |= _as_id_set(model_config.eos_token_id)
+        model_len = getattr(model_config, "max_position_embeddings", None)
+        self._context_len = min(config.max_model_len, model_len) if model_len else config.max_model_len
+        self._context_note = (
+            f"BackendConfig.max_model_len={config.max_model_len}, model max_position_embeddings={model_len}"
+        )
+        self._mergeable_cache = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model_config).layers)
+        self._unseeded = random.Random(config.seed)
+        self._group = None
+        self._group_spec: WeightGroupSpec | None = None
+        self._asleep = False
+        self._closed = False
+
+    # ---- rollout -------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Sample ``params.n`` completions per prompt; prompt-major, ``len(prompts) * n`` of them."""
+        self._check_usable("generate")
+        self._validate_prompts(prompts, params)
+        seed = params.seed if params.seed is not None else self._unseeded.getrandbits(63)
+        stop_ids = self._eos_ids | set(params.stop_token_ids)
+        per_chunk = max(1, self._max_batch_size // params.n)
+        # Similar lengths share a batch, so little compute goes to padding.
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        results: dict[int, list[Completion]] = {}
+        for start in range(0, len(order), per_chunk):
+            chunk = order[start : start + per_chunk]
+            for i, completions in zip(chunk, self._decode(prompts, chunk, params, seed, stop_ids)):
+                results[i] = completions
+        return [c for i in range(len(prompts)) for c in results[i]]
+
+    def _validate_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise BackendError(f"generate: params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+            raise BackendError("generate: prompts is empty; pass a non-empty list of token-id lists")
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+                raise BackendError(f"generate: prompt {i} is empty or not a list of token ids")
+            bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < self._vocab_size), None)
+            if bad is not None:
+                raise BackendError(f"generate: prompt {i} holds {bad!r}, not a token id in [0, {self._vocab_size})")
+            if len(prompt) + params.max_new_tokens > self._context_len:
+                raise BackendError(
+                    f"generate: prompt {i} has {len(prompt)} tokens; with max_new_tokens="
+                    f"{params.max_new_tokens} that is {len(prompt) + params.max_new_tokens} > the engine's "
+                    f"context of {self._context_len} ({self._context_note}); shorten the prompt or lower "
+                    "max_new_tokens"
+                )
+
+    def _prefill(self, prompts: list[list[int]]):
+        """Run the prompts (sorted by length) through the model; return their KV cache, the logits of
+        the last position [B, V] and the left-padded attention mask [B, W].
+
+        Prompts of similar length are prefilled together and their caches left-padded into one, so
+        little prefill compute goes to padding; models whose cache layers are not plain dynamic
+        layers (sliding windows, linear attention) are prefilled as one padded batch.
+        """
+        groups = _length_groups([len(p) for p in prompts]) if self._mergeable_cache else [range(len(prompts))]
+        width = len(prompts[-1])
+        caches, logits = [], []
+        for group in groups:
+            group_prompts = [prompts[i] for i in group]
+            input_ids, attention_mask = self._left_pad(group_prompts, len(group_prompts[-1]))
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=(attention_mask.cumsum(-1) - 1).clamp_(min=0),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            caches.append(out.past_key_values)
+            logits.append(out.logits[:, -1, :])
+        _, attention_mask = self._left_pad(prompts, width)
+        if len(caches) == 1:
+            return caches[0], logits[0], attention_mask
+        from transformers import DynamicCache
+
+        layers = []
+        for layer_idx in range(len(caches[0].layers)):
+            keys = [c.layers[layer_idx].keys for c in caches]
+            values = [c.layers[layer_idx].values for c in caches]
+            pad = lambda t: torch.nn.functional.pad(t, (0, 0, width - t.shape[-2], 0))  # left, on seq dim
+            layers.append((torch.cat([pad(k) for k in keys]), torch.cat([pad(v) for v in values])))
+        return DynamicCache(layers), torch.cat(logits), attention_mask
+
+    def _left_pad(self, prompts: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids and attention_mask, both [len(prompts), width] int64 on the engine's device."""
+        input_ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, prompt in enumerate(prompts):
+            input_ids[r, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            attention_mask[r, width - len(prompt) :] = 1
+        return input_ids.to(self._device), attention_mask.to(self._device)
+
+    @torch.inference_mode()
+    def _decode(
+        self, prompts: list[list[int]], chunk: list[int], params: SamplingParams, seed: int, stop_ids: set[int]
+    ) -> list[list[Completion]]:
+        """Decode ``params.n`` rows for each prompt index in ``chunk``; one list per prompt."""
+        device, n, max_new = self._device, params.n, params.max_new_tokens
+        cache, logits, attention_mask = self._prefill([prompts[i] for i in chunk])
+        if n > 1:  # one prefill per prompt, its cache shared by the n samples
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            attention_mask = attention_mask.repeat_interleave(n, dim=0)
+        next_position = attention_mask.sum(-1)
+
+        num_rows = len(chunk) * n
+        uniforms = torch.stack(
+            [
+                torch.rand(max_new, generator=torch.Generator().manual_seed(row_seed(seed, i, j)))
+                for i in chunk
+                for j in range(n)
+            ]
+        ).to(device)  # [num_rows, max_new]
+        stop_tensor = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        tokens = torch.zeros((num_rows, max_new), dtype=torch.long, device=device)
+        logps = torch.zeros((num_rows, max_new), dtype=torch.float32, device=device)
+        lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=device)
+        stopped = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        rows = torch.arange(num_rows, device=device)  # original row of each live batch position
+        done = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        for step in range(max_new):
+            token, logp = sample_next_tokens(
+                logits, uniforms[rows, step], params.temperature, params.top_k, params.top_p
+            )
+            # Rows already done also write here; everything past a row's length is ignored.
+            tokens[rows, step] = token
+            logps[rows, step] = logp
+            hit = torch.isin(token, stop_tensor) & ~done
+            lengths[rows[hit]] = step + 1
+            stopped[rows[hit]] = True
+            done |= hit
+            num_done = int(done.sum())
+            if num_done == len(rows) or step == max_new - 1:
+                break
+            if num_done >= max(1, len(rows) // 4):  # compact: finished rows stop costing compute
+                keep = (~done).nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                rows, done, token = rows[keep], done[keep], token[keep]
+                attention_mask, next_position = attention_mask[keep], next_position[keep]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=1)
+            out = self.model(
+                input_ids=token[:, None],
+                attention_mask=attention_mask,
+                position_ids=next_position[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache, logits = out.past_key_values, out.logits[:, -1, :]
+            next_position = next_position + 1
+
+        tokens_l, logps_l = tokens.tolist(), logps.tolist()
+        lengths_l, stopped_l = lengths.tolist(), stopped.tolist()
+        version = self._weight_version
+        completions: list[list[Completion]] = []
+        for r, i in enumerate(chunk):
+            per_prompt = []
+            for row in range(r * n, (r + 1) * n):
+                length = lengths_l[row]
+                per_prompt.append(
+                    Completion(
+                        token_ids=tokens_l[row][:length],
+                        logprobs=logps_l[row][:length],
+                        finish_reason="stop" if stopped_l[row] else "length",
+                        weight_version=version,
+                        prompt_index=i,
+                    )
+                )
+            completions.append(per_prompt)
+        return completions
+
+    # ---- weights -------------------------------------------------------------------------
+    def _named_params(self) -> dict[str, torch.nn.Parameter]:
+        # remove_duplicate=False: tied weights answer to every HF name they are saved under.
+        return dict(self.model.named_parameters(remove_duplicate=False))
+
+    def _check_names_and_shapes(self, specs: Iterable[tuple[str, tuple[int, ...]]], source: str) -> None:
+        params = self._named_params()
+        for name, shape in specs:
+            if name not in params:
+                close = [p for p in params if p.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1]][:3]
+                raise BackendError(
+                    f"{source}: tensor {name!r} is not a parameter of this model "
+                    f"({type(self.model).__name__}; e.g. {close or list(params)[:3]}); nothing was loaded"
+                )
+            if tuple(params[name].shape) != tuple(shape):
+                raise BackendError(
+                    f"{source}: tensor {name!r} has shape {tuple(shape)}, the model's parameter is "
+                    f"{tuple(params[name].shape)}; nothing was loaded"
+                )
+
+    def _validate_manifest(self, manifest: BucketManifest, source: str) -> None:
+        for spec in manifest.tensors:
+            if spec.offset < 0 or spec.offset + spec.numel > manifest.numel:
+                raise BackendError(
+                    f"{source}: tensor {spec.name!r} spans elements [{spec.offset}, {spec.offset + spec.numel}) "
+                    f"outside the bucket of {manifest.numel}; nothing was loaded"
+                )
+        self._check_names_and_shapes(((t.name, t.shape) for t in manifest.tensors), source)
+
+    @torch.no_grad()
+    def _load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = self._named_params()
+        for name, value in named:
+            params[name].copy_(value)
+
+    def init_weight_update_group(self, spec: WeightGroupSpec) -> None:
+        """Join the trainer's side group as rank ``spec.rank_offset`` (this engine is one process)."""
+        self._check_usable("init_weight_update_group")
+        if self._group is not None:
+            raise BackendError(
+                f"already in weight-update group {self._group_spec.group_name!r}; "
+                "call destroy_weight_update_group() first"
+            )
+        if not 1 <= spec.rank_offset < spec.world_size:
+            raise BackendError(
+                f"WeightGroupSpec.rank_offset={spec.rank_offset} must be in [1, world_size={spec.world_size}): "
+                "rank 0 is the trainer's sender"
+            )
+        if spec.backend == "nccl" and self._device.type != "cuda":
+            raise BackendError("WeightGroupSpec.backend='nccl' needs an engine on device='cuda'; use 'gloo' on CPU")
+        if spec.backend == "nccl":
+            torch.cuda.set_device(self._device)
+        self._group = open_weight_update_group(spec, spec.rank_offset)
+        self._group_spec = spec
+
+    def update_weights_from_collective(self, manifest: BucketManifest, src_rank: int = 0) -> None:
+        """Receive one flat bucket broadcast from ``src_rank`` and load it by HF name.
+
+        The bucket is received even when its manifest does not match the model, so this rank stays
+        in step with the sender for the next bucket; the error is raised after, and no weight changes.
+        """
+        self._check_usable("update_weights_from_collective")
+        if self._group is None:
+            raise BackendError(
+                "update_weights_from_collective: no weight-update group; call init_weight_update_group first"
+            )
+        spec = self._group_spec
+        buffer_device = self._device if spec.backend == "nccl" else torch.device("cpu")
+        flat = torch.empty(manifest.numel, dtype=manifest.dtype, device=buffer_device)
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src_rank
+        opts.rootTensor = 0
+        opts.timeout = datetime.timedelta(seconds=spec.timeout_s)
+        try:
+            self._group.broadcast([flat], opts).wait(opts.timeout)
+        except Exception as exc:
+            raise BackendError(
+                f"receiving a bucket of {len(manifest.tensors)} tensors ({flat.numel() * flat.element_size()} "
+                f"bytes) from rank {src_rank} of weight-update group {spec.group_name!r} failed or timed out "
+                f"after timeout_s={spec.timeout_s}: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._validate_manifest(manifest, f"collective bucket from rank {src_rank}")
+        self._load(manifest.unflatten(flat))
+
+    def destroy_weight_update_group(self) -> None:
+        if self._group is not None:
+            self._group.shutdown()
+        self._group = None
+        self._group_spec = None
+
+    def update_weights_from_tensor(self, manifest: BucketManifest, flat) -> None:
+        """Load one flat bucket: a tensor, or a CUDA IPC handle from ``reduce_tensor(flat)``.
+
+        ``flat``: a 1-D tensor of ``manifest.dtype`` (in-process, or a CPU tensor that came through
+        shared memory), or the ``(rebuild_fn, args)`` pair that
+        ``torch.multiprocessing.reductions.reduce_tensor`` returns for a CUDA tensor in another process.
+        """
+        self._check_usable("update_weights_from_tensor")
+        self._validate_manifest(manifest, "tensor bucket")
+        if not isinstance(flat, torch.Tensor):
+            flat = _rebuild_ipc_tensor(flat)
+        self._load(manifest.unflatten(flat))
+
+    def update_weights_from_disk(self, path: str) -> None:
+        """Reload every parameter from the ``*.safetensors`` files in directory ``path`` (HF names)."""
+        self._check_usable("update_weights_from_disk")
+        from safetensors import safe_open
+
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise BackendError(f"update_weights_from_disk: no *.safetensors files in {path!r}")
+        shapes: dict[str, tuple[int, ...]] = {}
+        where: dict[str, str] = {}
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+                    where[key] = file
+        self._check_names_and_shapes(shapes.items(), f"update_weights_from_disk({path!r})")
+        missing = sorted(set(self._named_params()) - set(shapes) - self._tied_aliases(shapes))
+        if missing:
+            raise BackendError(
+                f"update_weights_from_disk({path!r}): {len(missing)} parameter(s) missing from the "
+                f"checkpoint, e.g. {missing[:3]}; nothing was loaded"
+            )
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                self._load((key, f.get_tensor(key)) for key in f.keys())
+
+    def _tied_aliases(self, present: Iterable[str]) -> set[str]:
+        """Names that share storage with a name in ``present`` (a tied lm_head, say)."""
+        params = self._named_params()
+        present_ptrs = {params[name].data_ptr() for name in present if name in params}
+        return {name for name, p in params.items() if p.data_ptr() in present_ptrs}
+
+    def get_weights_by_name(self, name: str) -> torch.Tensor:
+        self._check_usable("get_weights_by_name")
+        params = self._named_params()
+        if name not in params:
+            raise BackendError(f"get_weights_by_name: no parameter {name!r}; e.g. {list(params)[:3]}")
+        return params[name].detach().to("cpu", copy=True)
+
+    # ---- memory and lifetime ---------------------------------------------------------------
+    def sleep(self) -> None:
+        """Move the weights to host memory (on CUDA) and refuse to generate until :meth:`wake`.
+
+        The KV cache lives only inside a ``generate`` call, so there is none to drop. Weight
+        updates are accepted while asleep and land in the host copy.
+        """
+        self._check_usable("sleep")
+        if self._device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._asleep = True
+
+    def wake(self) -> None:
+        self._check_usable("wake")
+        if self._device.type == "cuda":
+            self.model.to(self._device)
+        self._asleep = False
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing to drop: the KV cache never outlives one ``generate`` call."""
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self.destroy_weight_update_group()
+        del self.model
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._closed = True
+
+    def _check_usable(self, what: str) -> None:
+        if self._closed:
+            raise BackendError(f"{what}: the embedded backend was shut down; create a new one")
+        if self._asleep and what == "generate":
+            raise BackendError("generate: the embedded backend is asleep; call wake() first")
+
+
+def _length_groups(lengths: list[int], max_growth: float = 1.25) -> list[range]:
+    """Split ascending ``lengths`` into runs whose longest is at most ``max_growth`` x the shortest."""
+    groups, start = [], 0
+    for i, length in enumerate(lengths):
+        if length > lengths[start] * max_growth:
+            groups.append(range(start, i))
+            start = i
+    groups.append(range(start, len(lengths)))
+    return groups
+
+
+def _as_id_set(ids) -> set[int]:
+    if ids is None:
+        return set()
+    if isinstance(ids, int):
+        return {ids}
+    return {int(i) for i in ids}
+
+
+def _rebuild_ipc_tensor(handle) -> torch.Tensor:
+    """Open a tensor from the ``(rebuild_fn, args)`` pair of ``reduce_tensor`` (CUDA IPC)."""
+    from torch.multiprocessing import reductions
+
+    ok = (
+        isinstance(handle, tuple)
+        and len(handle) == 2
+        and callable(handle[0])
+        and getattr(handle[0], "__module__", None) == reductions.__name__
+    )
+    if not ok:
+        raise BackendError(
+            "update_weights_from_tensor: flat must be a torch.Tensor or the (rebuild_fn, args) pair from "
+            f"torch.multiprocessing.reductions.reduce_tensor, got {type(handle).__name__}"
+        )
+    rebuild_fn, args = handle
+    return rebuild_fn(*args)

@@ -1,0 +1,918 @@
+"""The SGLang rollout backend: SGLang's offline engine in-process, or running SGLang HTTP servers.
+
+Two modes, one interface:
+
+* **engine** (default): ``sglang.Engine`` is started inside this process (the engine's Ray actor)
+  without its tokenizer (``skip_tokenizer_init=True``): token ids go in, token ids and log-probs come
+  out. SGLang starts its scheduler(s) and detokenizer as child processes.
+* **http** (``BackendConfig.extra["server_urls"]``): drives SGLang servers that are already running,
+  e.g. one per node of a disaggregated cluster. Rollouts go through SGLang's router when
+  ``extra["router_url"]`` is given (one request per completion, the router spreads them), else they
+  are split evenly over the servers (one batched request per server). Weight updates, cache flushes,
+  pause / continue and memory release go to every server; their TP ranks together form the engine's
+  side of the weight-update group, server after server, so ``BackendConfig.tensor_parallel_size``
+  must equal the sum of the servers' ``tp_size`` (checked at start).
+
+Log-probs. SGLang returns, for each sampled token, its log-prob under ``softmax(logits / T)`` before
+top-p / top-k truncation (greedy: ``T = 1``) unless ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` asks for the
+unscaled values. That default is this project's convention, so the backend pins the variable to
+``0`` in the engine's environment before SGLang starts (engine mode); servers must be launched
+without it (the recipes in ``recipes/`` set it to ``0``).
+
+Weights. Buckets arrive as one flat buffer each (see ``backends.base``) and SGLang loads them with
+its ``"flattened_bucket"`` format, in both transports:
+
+* collective: ``init_weights_update_group`` joins SGLang's side group (engine TP rank ``r`` is group
+  rank ``rank_offset + r``), and ``update_weights_from_distributed(names, dtypes, shapes,
+  load_format="flattened_bucket")`` receives each bucket as ONE broadcast of its bytes. The trainer
+  broadcasts the bucket buffer as it is (its bytes equal SGLang's ``uint8`` receive buffer); the
+  manifest's tensors must be packed back to back in manifest order, with no padding (checked). The
+  trainer's side of the group must be built the way SGLang builds its own: use
+  :func:`open_weight_update_group` on the trainer (it mirrors ``sglang.srt.utils.
+  init_custom_process_group``: a ``PrefixStore(group_name)`` over the TCP store, then torch's
+  process-group helper), otherwise the two sides rendezvous on different keys and hang.
+* tensor (engine mode, colocated): the bucket's bytes are handed to SGLang's workers through torch
+  multiprocessing (shared memory on CPU, CUDA IPC on GPU) with its metadata, one payload per TP rank.
+
+SGLang 0.5.23 accepts weights only between ``begin_weight_update`` and ``end_weight_update``: the
+first bucket of a sync pauses generation (mode ``"retract"``) and opens that window;
+:meth:`SGLangBackend.finish_weight_update` closes it, flushes the prefix cache once (buckets load
+with ``flush_cache=False``), records the version and continues generation.
+
+Sleep / wake call ``release_memory_occupation`` / ``resume_memory_occupation`` (weights, KV cache,
+CUDA graphs). They free memory only when the engine runs with ``enable_memory_saver=True``
+(``engine_kwargs``, GPU only); on CPU they run but free nothing. Released weights come back as
+garbage unless ``enable_weights_cpu_backup=True``; then a full weight sync must precede the next
+``generate`` (enforced).
+
+Seeds. SGLang honours a per-request seed only with ``enable_deterministic_inference=True``, which
+needs a GPU attention backend (fa3 / flashinfer / triton). With it, each completion row gets its own
+seed derived from ``SamplingParams.seed``; without it (always on CPU) the seed is ignored and the
+engine's own random stream (seeded once by ``BackendConfig.seed``) is used: see ``honours_seed``.
+
+CPU mode. On ``device="cpu"`` SGLang needs the shims of :mod:`backends.sglang_cpu` active in every
+process (``recipes/install/sglang_cpu.sh`` installs them) and ``SGLANG_USE_CPU_ENGINE=1``, which the
+backend sets. It runs the model in plain torch (no SGLang CPU kernels), float32 or bfloat16.
+
+``BackendConfig.extra`` keys:
+
+* ``engine_kwargs`` (dict): further ``sglang.Engine`` / ``ServerArgs`` fields, verbatim (engine mode),
+  e.g. ``mem_fraction_static``, ``enable_memory_saver``, ``max_running_requests``;
+* ``server_urls`` (list of str): switch to http mode, one URL per running server;
+* ``router_url`` (str, http mode): send rollouts through this SGLang router;
+* ``request_timeout_s`` (float, default 1800): the longest a generate or control call may take;
+* ``max_concurrency`` (int, default 256, router only): requests in flight at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import importlib.util
+import json
+import logging
+import os
+import re
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backends.base import (
+    BackendConfig,
+    BackendError,
+    BucketManifest,
+    Completion,
+    RolloutBackend,
+    SamplingParams,
+    WeightGroupSpec,
+)
+
+__all__ = ["SGLangBackend", "open_weight_update_group", "sglang_sampling_params"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_EXTRA_KEYS = {"engine_kwargs", "server_urls", "router_url", "request_timeout_s", "max_concurrency"}
+INSTALL_CPU = "bash recipes/install/sglang_cpu.sh"
+INSTALL_GPU = "pip install 'rlhf-sg[sglang]'"
+_MEMORY_TAGS = None  # None = every tag SGLang knows (weights, KV cache, CUDA graphs)
+_MASK64 = (1 << 64) - 1
+_DISCARD_NAME = "rlhf_sg.refused_bucket"  # matches no model's weight
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _mix64(x: int) -> int:
+    """One SplitMix64 step: a well-spread 64-bit hash, the same in every process."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sglang_sampling_params(params: SamplingParams, seed: int | None = None) -> dict[str, Any]:
+    """One SGLang ``sampling_params`` dict for ``params``; every field is explicit.
+
+    SGLang's default (``--sampling-defaults model``) fills missing fields from the model's
+    generation_config, which would silently change the sampling distribution, so none is left out.
+    ``seed`` is SGLang's per-request ``sampling_seed`` (honoured only with deterministic inference).
+    """
+    sampling = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": int(params.top_k) if params.top_k > 0 else -1,
+        "min_p": 0.0,
+        "min_new_tokens": 0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": False,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if seed is not None:
+        sampling["sampling_seed"] = seed
+    return sampling
+
+
+# ---- the trainer's side of the weight-update group ----------------------------------------------
+def open_weight_update_group(
+    spec: WeightGroupSpec, rank: int = 0, store: torch.distributed.Store | None = None
+) -> torch.distributed.ProcessGroup:
+    """Build (trainer side, ``rank=0``) a weight-update group that SGLang's engines can join.
+
+    SGLang's workers join with ``init_custom_process_group(init_method="tcp://addr:port",
+    group_name=...)``: a ``PrefixStore(group_name)`` over the TCP store, then torch's process-group
+    helper, which adds its own per-group and per-device key prefixes. This function builds the same
+    thing, so both sides meet on the same keys. ``store``: an existing TCP store whose master is
+    this rank (e.g. one bound to port 0; its port is then ``spec.master_port``); None creates one at
+    ``spec.master_address:spec.master_port`` (master when ``rank == 0``). It does not import sglang.
+
+    Blocks until all ``spec.world_size`` ranks have joined (at most ``spec.timeout_s``). The group is
+    registered with torch under ``spec.group_name``: destroy it with
+    ``torch.distributed.destroy_process_group(group)`` before reusing the name in this process.
+    Returns a ``ProcessGroup``; broadcast with ``group.broadcast([flat], opts)``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+
+    where = (
+        f"SGLang weight-update group {spec.group_name!r} ({spec.backend}) at {spec.master_address}:"
+        f"{spec.master_port} as rank {rank} of {spec.world_size}"
+    )
+    if spec.backend not in ("gloo", "nccl"):
+        raise BackendError(f"{where}: backend must be 'gloo' or 'nccl', got {spec.backend!r}")
+    if not 0 <= rank < spec.world_size:
+        raise BackendError(f"{where}: rank outside the group")
+    if not spec.group_name:
+        raise BackendError(f"{where}: group_name must be non-empty (SGLang refuses empty names)")
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    try:
+        if store is None:
+            store = dist.TCPStore(
+                spec.master_address, spec.master_port, spec.world_size, is_master=rank == 0, timeout=timeout
+            )
+        prefixed = dist.PrefixStore(spec.group_name, store)
+        group, _ = _new_process_group_helper(
+            spec.world_size,
+            rank,
+            [],
+            Backend(spec.backend),
+            prefixed,
+            group_name=spec.group_name,
+            backend_options=None,
+            timeout=timeout,
+        )
+    except Exception as exc:  # store connect / rendezvous / duplicate-name failures come as several types
+        raise BackendError(
+            f"building {where} failed (timeout_s={spec.timeout_s}): {type(exc).__name__}: {exc}. Are the "
+            "engines joining (init_weight_update_group) at the same time, and is the group name unused here?"
+        ) from exc
+    # dist.broadcast(..., group=group) maps global ranks through this table, as SGLang's helper sets it.
+    _world.pg_group_ranks[group] = {i: i for i in range(spec.world_size)}
+    return group
+
+
+# ---- drivers: the two ways of talking to SGLang ---------------------------------------------------
+class _EngineDriver:
+    """``sglang.Engine`` in this process. Every call runs on one dedicated thread, with a deadline.
+
+    SGLang's engine is driven through its own asyncio loop; keeping every call on one thread keeps
+    that loop single-threaded, and lets a call that overruns its deadline be reported instead of
+    hanging the actor (the engine is then unusable and must be shut down).
+    """
+
+    mode = "engine"
+
+    def __init__(self, engine_kwargs: dict[str, Any], timeout_s: float):
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-engine")
+        self._timeout_s = timeout_s
+        self._stuck: str | None = None
+        self.engine = None
+
+        def start():
+            from sglang.srt.entrypoints.engine import Engine
+
+            return Engine(**engine_kwargs)
+
+        self.engine = self.run("start sglang.Engine", start)
+        self.server_info = self.engine.get_server_info()
+        self.tp_sizes = [int(self.server_info["tp_size"])]
+
+    def run(self, what: str, fn: Callable[[], Any], timeout_s: float | None = None) -> Any:
+        if self._stuck is not None:
+            raise BackendError(
+                f"SGLang engine: {what}: an earlier call ({self._stuck}) overran its deadline; "
+                "the engine is unusable, shut the backend down and start a new one"
+            )
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        future = self._thread.submit(fn)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._stuck = what
+            raise BackendError(f"SGLang engine: {what} did not finish within {timeout_s} s") from None
+
+    def generate(self, input_ids: list[list[int]], sampling: list[dict]) -> list[dict]:
+        return self.run(
+            f"generate ({len(input_ids)} rows)",
+            lambda: self.engine.generate(
+                input_ids=input_ids, sampling_params=sampling, return_logprob=True, logprob_start_len=-1
+            ),
+        )
+
+    def call(self, method: str, timeout_s: float | None = None, **kwargs) -> Any:
+        """``Engine.<method>(**kwargs)``; SGLang's ``(success, message)`` answers are checked."""
+        result = self.run(method, lambda: getattr(self.engine, method)(**kwargs), timeout_s)
+        _check_answer(method, result)
+        return result
+
+    def init_group(self, spec: WeightGroupSpec) -> None:
+        self.call(
+            "init_weights_update_group",
+            timeout_s=spec.timeout_s,
+            master_address=spec.master_address,
+            master_port=spec.master_port,
+            rank_offset=spec.rank_offset,
+            world_size=spec.world_size,
+            group_name=spec.group_name,
+            backend=spec.backend,
+        )
+
+    def pause(self) -> None:
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        tm = self.engine.tokenizer_manager
+        self.run(
+            "pause_generation",
+            lambda: self.engine.loop.run_until_complete(tm.pause_generation(PauseGenerationReqInput(mode="retract"))),
+        )
+
+    def resume(self) -> None:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        tm = self.engine.tokenizer_manager
+        self.run(
+            "continue_generation",
+            lambda: self.engine.loop.run_until_complete(tm.continue_generation(ContinueGenerationReqInput())),
+        )
+
+    def update_from_bucket(self, manifest: BucketManifest, flat: torch.Tensor) -> None:
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+        itemsize = manifest.dtype.itemsize
+        metadata = [
+            FlattenedTensorMetadata(
+                name=t.name,
+                shape=torch.Size(t.shape),
+                dtype=manifest.dtype,
+                start_idx=t.offset * itemsize,
+                end_idx=(t.offset + t.numel) * itemsize,
+                numel=t.numel * itemsize,
+            )
+            for t in manifest.tensors
+        ]
+        payload = {"flattened_tensor": flat.view(torch.uint8), "metadata": metadata}
+        # One payload per TP rank: each rank deserialises (and, on GPU, opens the IPC handle of) its own.
+        per_rank = [MultiprocessingSerializer.serialize(payload) for _ in range(self.tp_sizes[0])]
+        self.call(
+            "update_weights_from_tensor", named_tensors=per_rank, load_format="flattened_bucket", flush_cache=False
+        )
+
+    def get_weights(self, name: str) -> Any:
+        return self.run(
+            f"get_weights_by_name({name!r})", lambda: self.engine.get_weights_by_name(name, truncate_size=2**31 - 1)
+        )
+
+    def flush_cache(self) -> None:
+        result = self.run("flush_cache", self.engine.flush_cache)
+        if not getattr(result, "success", True):
+            raise BackendError(f"SGLang engine: flush_cache failed: {getattr(result, 'message', result)}")
+
+    def shutdown(self) -> None:
+        if self.engine is not None and self._stuck is None:
+            self.run("shutdown", self.engine.shutdown, timeout_s=120)
+        self._thread.shutdown(wait=self._stuck is None, cancel_futures=True)
+
+
+class _HTTPDriver:
+    """Running SGLang servers (optionally behind SGLang's router), over their HTTP API."""
+
+    mode = "http"
+
+    def __init__(self, server_urls: list[str], router_url: str | None, timeout_s: float, max_concurrency: int):
+        self.server_urls = [u.rstrip("/") for u in server_urls]
+        self.router_url = router_url.rstrip("/") if router_url else None
+        self._timeout_s = timeout_s
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(max_concurrency, len(self.server_urls)), thread_name_prefix="sglang-http"
+        )
+        infos = self._on_every_server("get_server_info", "GET", None, timeout_s=60)
+        self.server_info = infos[0]
+        self.tp_sizes = [int(info["tp_size"]) for info in infos]
+
+    def request(self, url: str, method: str, body: Any, timeout_s: float | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                text = resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode()[:2000]
+            raise BackendError(f"SGLang server: {method} {url} answered {exc.code}: {detail}") from exc
+        except (urllib.error.URLError, TimeoutError, OSError) as exc:
+            raise BackendError(
+                f"SGLang server: {method} {url} failed within {timeout_s} s: {exc}; is the server running and "
+                "reachable from this node?"
+            ) from exc
+        try:
+            return json.loads(text) if text else None
+        except json.JSONDecodeError:
+            return text
+
+    def _on_every_server(self, endpoint: str, method: str, body: Any, timeout_s: float | None = None) -> list[Any]:
+        futures = [
+            self._pool.submit(self.request, f"{url}/{endpoint}", method, body, timeout_s) for url in self.server_urls
+        ]
+        return [f.result() for f in futures]
+
+    def generate(self, input_ids: list[list[int]], sampling: list[dict]) -> list[dict]:
+        if self.router_url is not None:
+            futures = [
+                self._pool.submit(
+                    self.request,
+                    f"{self.router_url}/generate",
+                    "POST",
+                    {"input_ids": ids, "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1},
+                )
+                for ids, sp in zip(input_ids, sampling)
+            ]
+            return [f.result() for f in futures]
+        n = len(self.server_urls)
+        bounds = [len(input_ids) * i // n for i in range(n + 1)]
+        futures = [
+            self._pool.submit(
+                self.request,
+                f"{url}/generate",
+                "POST",
+                {
+                    "input_ids": input_ids[lo:hi],
+                    "sampling_params": sampling[lo:hi],
+                    "return_logprob": True,
+                    "logprob_start_len": -1,
+                },
+            )
+            for url, lo, hi in zip(self.server_urls, bounds, bounds[1:])
+            if hi > lo
+        ]
+        return [out for f in futures for out in f.result()]
+
+    def call(self, method: str, timeout_s: float | None = None, **kwargs) -> Any:
+        answers = self._on_every_server(method, "POST", kwargs, timeout_s)
+        for url, answer in zip(self.server_urls, answers):
+            _check_answer(f"{method} on {url}", answer)
+        return answers
+
+    def init_group(self, spec: WeightGroupSpec) -> None:
+        """Every server joins at once (the group forms only when all ranks are in); ranks follow server order."""
+        futures = [
+            self._pool.submit(
+                self.request,
+                f"{url}/init_weights_update_group",
+                "POST",
+                {
+                    "master_address": spec.master_address,
+                    "master_port": spec.master_port,
+                    "rank_offset": spec.rank_offset + sum(self.tp_sizes[:i]),
+                    "world_size": spec.world_size,
+                    "group_name": spec.group_name,
+                    "backend": spec.backend,
+                },
+                spec.timeout_s,
+            )
+            for i, url in enumerate(self.server_urls)
+        ]
+        for url, future in zip(self.server_urls, futures):
+            _check_answer(f"init_weights_update_group on {url}", future.result())
+
+    def pause(self) -> None:
+        self._on_every_server("pause_generation", "POST", {"mode": "retract"})
+
+    def resume(self) -> None:
+        self._on_every_server("continue_generation", "POST", {})
+
+    def update_from_bucket(self, manifest: BucketManifest, flat: torch.Tensor) -> None:
+        raise BackendError("SGLang http mode has no tensor transport; use 'collective' or 'disk'")
+
+    def get_weights(self, name: str) -> Any:
+        return self.request(
+            f"{self.server_urls[0]}/get_weights_by_name", "POST", {"name": name, "truncate_size": 2**31 - 1}
+        )
+
+    def flush_cache(self) -> None:
+        self._on_every_server("flush_cache", "POST", None)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _check_answer(what: str, answer: Any) -> None:
+    """Raise on SGLang's ``(False, message)`` / ``{"success": False}`` answers."""
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise BackendError(f"SGLang: {what} failed: {answer.get('message')}")
+    if isinstance(answer, tuple) and answer and answer[0] is False:
+        raise BackendError(f"SGLang: {what} failed: {answer[1] if len(answer) > 1 else ''}")
+
+
+# ---- the backend ----------------------------------------------------------------------------------
+class SGLangBackend(RolloutBackend):
+    """SGLang behind the rollout-backend interface (see the module docstring)."""
+
+    name = "sglang"
+    transports = frozenset({"collective", "tensor", "disk"})
+
+    def __init__(self, config: BackendConfig):
+        super().__init__(config)
+        extra = dict(config.extra)
+        unknown = sorted(set(extra) - _EXTRA_KEYS)
+        if unknown:
+            raise BackendError(
+                f"BackendConfig.extra has key(s) {unknown} the SGLang backend does not know; known: "
+                f"{sorted(_EXTRA_KEYS)} (put sglang.Engine arguments under extra['engine_kwargs'])"
+            )
+        if config.dtype not in _DTYPES:
+            raise BackendError(f"BackendConfig.dtype must be one of {list(_DTYPES)}, got {config.dtype!r}")
+        if config.tensor_parallel_size < 1:
+            raise BackendError(f"BackendConfig.tensor_parallel_size must be >= 1, got {config.tensor_parallel_size}")
+        timeout_s = float(extra.get("request_timeout_s", 1800.0))
+        if timeout_s <= 0:
+            raise BackendError(f"BackendConfig.extra['request_timeout_s'] must be > 0, got {timeout_s}")
+        self._group_name: str | None = None
+        self._group_timeout_s = timeout_s
+        self._update_open = False  # inside begin_weight_update .. end_weight_update
+        self._asleep = False
+        self._weights_lost = False  # released without a CPU backup: a full sync must come first
+        self._closed = True  # until the driver is up
+        self._warned_seed = False
+
+        if "server_urls" in extra:
+            urls = extra["server_urls"]
+            if isinstance(urls, str) or not urls or not all(isinstance(u, str) and u for u in urls):
+                raise BackendError(f"BackendConfig.extra['server_urls'] must be a non-empty list of URLs, got {urls!r}")
+            if "engine_kwargs" in extra:
+                raise BackendError(
+                    "BackendConfig.extra: 'engine_kwargs' is for engine mode; the servers of "
+                    "'server_urls' take their arguments on their own command lines"
+                )
+            self._driver = _HTTPDriver(urls, extra.get("router_url"), timeout_s, int(extra.get("max_concurrency", 256)))
+            if sum(self._driver.tp_sizes) != config.tensor_parallel_size:
+                raise BackendError(
+                    f"BackendConfig.tensor_parallel_size={config.tensor_parallel_size}, but the servers of "
+                    f"server_urls run tp_size {self._driver.tp_sizes} (sum {sum(self._driver.tp_sizes)}): set it "
+                    "to the sum, the number of ranks the engine takes in a weight-update group"
+                )
+            self.transports = frozenset({"collective", "disk"})
+        else:
+            if "router_url" in extra:
+                raise BackendError("BackendConfig.extra['router_url'] needs extra['server_urls'] (http mode)")
+            engine_kwargs = self._engine_kwargs(config, extra.get("engine_kwargs", {}))
+            self._driver = _EngineDriver(engine_kwargs, timeout_s)
+        self._closed = False
+        info = self._driver.server_info
+        self._context_len = int(info.get("context_length") or config.max_model_len)
+        self._vocab_size = _vocab_size(config.model_path)
+        self._shapes = _checkpoint_shapes(config.model_path)
+        self._deterministic = bool(info.get("enable_deterministic_inference", False))
+        self._unseeded = torch.Generator().manual_seed(config.seed)
+
+    # ---- start-up ------------------------------------------------------------------------
+    @staticmethod
+    def _engine_kwargs(config: BackendConfig, user_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Check what can be checked before the (slow) engine start; return ``sglang.Engine``'s kwargs."""
+        if not isinstance(user_kwargs, dict):
+            raise BackendError(f"BackendConfig.extra['engine_kwargs'] must be a dict, got {type(user_kwargs).__name__}")
+        if importlib.util.find_spec("sglang") is None:
+            raise BackendError(
+                f"the SGLang backend needs the sglang package, not installed for {sys.executable}; install it "
+                f"with `{INSTALL_CPU}` (CPU, its own venv) or `{INSTALL_GPU}` (GPU)"
+            )
+        device = torch.device(config.device).type
+        if device not in ("cpu", "cuda"):
+            raise BackendError(f"BackendConfig.device must be 'cpu' or 'cuda', got {config.device!r}")
+        _check_model_path(config.model_path, allow_hub_id=device == "cuda")
+        tp = config.tensor_parallel_size
+        if device == "cuda":
+            visible = torch.cuda.device_count()
+            if visible == 0:
+                raise BackendError(
+                    "BackendConfig.device='cuda' but torch sees no CUDA device; use device='cpu' "
+                    f"(SGLang's CPU mode, installed by `{INSTALL_CPU}`)"
+                )
+            if tp > visible:
+                raise BackendError(
+                    f"BackendConfig.tensor_parallel_size={tp} but only {visible} CUDA device(s) are visible "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); lower it or give the "
+                    "engine more GPUs"
+                )
+        else:
+            from backends import sglang_cpu
+
+            problems = sglang_cpu.cpu_mode_problems()
+            if problems:
+                raise BackendError("SGLang on CPU needs its CPU mode set up: " + "; ".join(problems))
+            if "sglang" in sys.modules and os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+                raise BackendError(
+                    "sglang was imported in this process before SGLANG_USE_CPU_ENGINE=1 was set, so it chose "
+                    "its GPU code paths; start the SGLang backend before importing sglang, or export "
+                    "SGLANG_USE_CPU_ENGINE=1"
+                )
+            slots = _cpu_tp_slots()
+            if tp > slots:
+                raise BackendError(
+                    f"BackendConfig.tensor_parallel_size={tp} but SGLang's CPU mode runs one TP rank per NUMA "
+                    f"node or per SGLANG_CPU_OMP_THREADS_BIND core group, and this machine offers {slots}; "
+                    "use tensor_parallel_size=1"
+                )
+            os.environ.update(sglang_cpu.CPU_ENGINE_ENV)
+        # Our log-prob convention is SGLang's default; pin it against a stray environment setting.
+        os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "0"
+        if config.num_threads is not None:
+            # SGLang's CPU schedulers take their thread count from the environment they inherit.
+            os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
+            torch.set_num_threads(config.num_threads)
+        kwargs: dict[str, Any] = {
+            "model_path": config.model_path,
+            "dtype": config.dtype,
+            "device": device,
+            "tp_size": tp,
+            "random_seed": config.seed,
+            "skip_tokenizer_init": True,
+            "context_length": _context_length(config),
+            "log_level": "error",
+        }
+        if device == "cpu":
+            kwargs.update(
+                attention_backend="torch_native",
+                disable_cuda_graph=True,
+                sleep_on_idle=True,  # an idle scheduler otherwise spins a core
+                # SGLang sizes the KV cache from device memory; on CPU that reserves gigabytes.
+                max_total_tokens=max(32768, 4 * _context_length(config)),
+            )
+        overridden = sorted(k for k in ("model_path", "skip_tokenizer_init") if k in user_kwargs)
+        if overridden:
+            raise BackendError(
+                f"BackendConfig.extra['engine_kwargs'] may not set {overridden}: the backend "
+                "relies on them (set model_path on BackendConfig)"
+            )
+        kwargs.update(user_kwargs)
+        return kwargs
+
+    # ---- rollout -------------------------------------------------------------------------
+    @property
+    def honours_seed(self) -> bool:
+        """True when ``SamplingParams.seed`` makes a call reproducible (SGLang deterministic inference)."""
+        return self._deterministic
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Sample ``params.n`` completions per prompt; prompt-major, ``len(prompts) * n`` of them."""
+        self._check_usable("generate")
+        self._validate_prompts(prompts, params)
+        if self._weights_lost:
+            raise BackendError(
+                "generate: sleep() released the weights without a CPU backup; push a full weight sync first "
+                "(or start with engine_kwargs enable_weights_cpu_backup=True)"
+            )
+        if params.seed is not None and not self._deterministic and not self._warned_seed:
+            logger.warning(
+                "SGLang ignores SamplingParams.seed without enable_deterministic_inference (GPU attention "
+                "backends only); sampling uses the engine's own random stream"
+            )
+            self._warned_seed = True
+        base = sglang_sampling_params(params)
+        sampling = []
+        for i in range(len(prompts)):
+            for j in range(params.n):
+                sp = dict(base)
+                if self._deterministic:
+                    seed = params.seed
+                    if seed is None:
+                        seed = int(torch.randint(0, 2**62, (1,), generator=self._unseeded))
+                    # one seed per completion row, so the n samples of a prompt differ
+                    sp["sampling_seed"] = _mix64(_mix64(seed & _MASK64) ^ (i * params.n + j)) >> 1
+                sampling.append(sp)
+        input_ids = [list(map(int, p)) for p in prompts for _ in range(params.n)]
+        outputs = self._driver.generate(input_ids, sampling)
+        if len(outputs) != len(input_ids):
+            raise BackendError(f"SGLang returned {len(outputs)} outputs for {len(input_ids)} requests")
+        return [self._completion(out, row // params.n) for row, out in enumerate(outputs)]
+
+    def _completion(self, out: dict, prompt_index: int) -> Completion:
+        meta = out["meta_info"]
+        finish = meta.get("finish_reason") or {}
+        kind = finish.get("type")
+        if kind not in ("stop", "length"):
+            raise BackendError(f"SGLang aborted the completion of prompt {prompt_index}: {finish}")
+        token_ids = [int(t) for t in out["output_ids"]]
+        entries = meta["output_token_logprobs"]
+        if len(entries) != len(token_ids) or any(int(e[1]) != t for e, t in zip(entries, token_ids)):
+            raise BackendError(
+                f"SGLang's log-probs for prompt {prompt_index} do not line up with its tokens "
+                f"({len(entries)} log-probs, {len(token_ids)} tokens)"
+            )
+        return Completion(
+            token_ids=token_ids,
+            logprobs=[float(e[0]) for e in entries],
+            finish_reason=kind,
+            weight_version=self._weight_version,
+            prompt_index=prompt_index,
+        )
+
+    def _validate_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise BackendError(f"generate: params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+            raise BackendError("generate: prompts is empty; pass a non-empty list of token-id lists")
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+                raise BackendError(f"generate: prompt {i} is empty or not a list of token ids")
+            bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < self._vocab_size), None)
+            if bad is not None:
+                raise BackendError(f"generate: prompt {i} holds {bad!r}, not a token id in [0, {self._vocab_size})")
+            if len(prompt) + params.max_new_tokens > self._context_len:
+                raise BackendError(
+                    f"generate: prompt {i} has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} "
+                    f"that is {len(prompt) + params.max_new_tokens} > the engine's context of {self._context_len}; "
+                    "shorten the prompt or lower max_new_tokens"
+                )
+
+    def _check_usable(self, what: str) -> None:
+        if self._closed:
+            raise BackendError(f"{what}: the SGLang backend is shut down")
+        if self._asleep and what == "generate":
+            raise BackendError("generate: the SGLang backend is asleep; call wake() first")
+
+    # ---- weights -------------------------------------------------------------------------
+    def init_weight_update_group(self, spec: WeightGroupSpec) -> None:
+        """Join the trainer's weight-update group; returns once every rank has joined."""
+        self._check_usable("init_weight_update_group")
+        if self._group_name is not None:
+            raise BackendError(f"already in weight-update group {self._group_name!r}; destroy it first")
+        ranks = self.config.tensor_parallel_size
+        if spec.rank_offset < 1 or spec.rank_offset + ranks > spec.world_size:
+            raise BackendError(
+                f"WeightGroupSpec: this engine's {ranks} rank(s) from rank_offset={spec.rank_offset} do not fit in "
+                f"world_size={spec.world_size} with the trainer's sender at rank 0"
+            )
+        self._driver.init_group(spec)
+        self._group_name = spec.group_name
+        self._group_timeout_s = spec.timeout_s
+
+    def update_weights_from_collective(self, manifest: BucketManifest, src_rank: int = 0) -> None:
+        """Receive one bucket broadcast by group rank 0 (the trainer's sender) and load it."""
+        self._check_usable("update_weights_from_collective")
+        if self._group_name is None:
+            raise BackendError("update_weights_from_collective: no weight-update group; call init_weight_update_group")
+        if src_rank != 0:
+            raise BackendError(f"SGLang receives weight broadcasts from group rank 0 only, got src_rank={src_rank}")
+        _check_packed(manifest)
+        refusal = self._refusal([(t.name, t.shape) for t in manifest.tensors], "update_weights_from_collective")
+        if refusal is None:
+            names = [t.name for t in manifest.tensors]
+            dtypes = [str(manifest.dtype).removeprefix("torch.")] * len(names)
+            shapes = [list(t.shape) for t in manifest.tensors]
+        else:
+            # The sender broadcasts this bucket whatever we think of it; receive its bytes under a name
+            # no model has (SGLang's loaders skip unknown names), so nothing is copied and the group
+            # stays in step for the next bucket.
+            names, dtypes, shapes = [_DISCARD_NAME], ["uint8"], [[manifest.numel * manifest.dtype.itemsize]]
+        self._open_update()
+        self._driver.call(
+            "update_weights_from_distributed",
+            timeout_s=self._group_timeout_s,
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=self._group_name,
+            flush_cache=False,
+            load_format="flattened_bucket",
+        )
+        if refusal is not None:
+            raise BackendError(refusal)
+
+    def destroy_weight_update_group(self) -> None:
+        if self._group_name is None or self._closed:
+            return
+        name, self._group_name = self._group_name, None
+        self._driver.call("destroy_weights_update_group", group_name=name)
+
+    def update_weights_from_tensor(self, manifest: BucketManifest, flat: torch.Tensor) -> None:
+        """Load one bucket handed over in memory (colocated; engine mode only)."""
+        self._check_usable("update_weights_from_tensor")
+        if flat.dim() != 1 or flat.numel() != manifest.numel or flat.dtype != manifest.dtype:
+            raise BackendError(
+                f"update_weights_from_tensor: buffer is {tuple(flat.shape)} {flat.dtype}, manifest "
+                f"expects [{manifest.numel}] {manifest.dtype}"
+            )
+        refusal = self._refusal([(t.name, t.shape) for t in manifest.tensors], "update_weights_from_tensor")
+        if refusal is not None:
+            raise BackendError(refusal)
+        self._open_update()
+        self._driver.update_from_bucket(manifest, flat.contiguous())
+
+    def update_weights_from_disk(self, path: str) -> None:
+        """Reload every weight from a directory of HF-named safetensors files."""
+        self._check_usable("update_weights_from_disk")
+        if not os.path.isdir(path) or not any(Path(path).glob("*.safetensors")):
+            raise BackendError(f"update_weights_from_disk: {path!r} is not a directory of .safetensors files")
+        refusal = self._refusal(list(_checkpoint_shapes(path).items()), f"update_weights_from_disk({path!r})")
+        if refusal is not None:
+            raise BackendError(refusal)
+        self._driver.pause()
+        try:
+            self._driver.call("update_weights_from_disk", model_path=path)
+        finally:
+            self._driver.resume()
+        self._weights_lost = False
+
+    def finish_weight_update(self, version: int) -> None:
+        """Close the sync: end SGLang's update window, flush the prefix cache once, record ``version``."""
+        self._check_usable("finish_weight_update")
+        if self._update_open:
+            self._update_open = False
+            try:
+                self._driver.call("end_weight_update")
+                self._driver.flush_cache()
+            finally:
+                self._driver.resume()
+            self._weights_lost = False
+        else:
+            self._driver.flush_cache()
+        self._weight_version = int(version)
+
+    def _open_update(self) -> None:
+        if not self._update_open:
+            self._driver.pause()
+            try:
+                self._driver.call("begin_weight_update")
+            except BackendError:
+                self._driver.resume()
+                raise
+            self._update_open = True
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight the engine loads, HF name -> shape, read from the checkpoint it started from.
+
+        Cheap (safetensors headers only) and available for every model, unlike
+        :meth:`get_weights_by_name`; empty when ``model_path`` is not readable here (http mode).
+        """
+        return dict(self._shapes)
+
+    def _refusal(self, tensors: list[tuple[str, tuple[int, ...]]], what: str) -> str | None:
+        """Why SGLang must not load these (name, shape) pairs, or None; checked before any byte is copied."""
+        if not self._shapes:
+            return None
+        for name, shape in tensors:
+            if name not in self._shapes:
+                return f"{what}: tensor {name!r} is not a weight of this model ({self.config.model_path})"
+            if tuple(shape) != self._shapes[name]:
+                return (
+                    f"{what}: tensor {name!r} has shape {tuple(shape)}, the engine's weight is "
+                    f"{self._shapes[name]}; send the trainer's weights of the same model"
+                )
+        return None
+
+    def get_weights_by_name(self, name: str) -> torch.Tensor:
+        """A float32 CPU copy of one parameter (HF name), where SGLang's model class can export it."""
+        self._check_usable("get_weights_by_name")
+        values = self._driver.get_weights(name)
+        if values is None or (isinstance(values, dict) and "error" in str(values).lower()):
+            raise BackendError(
+                f"SGLang cannot read back {name!r}: not a parameter of the model, or its SGLang model class "
+                "has no get_weights_by_name (in 0.5.23: the Llama family, Granite, OPT, Exaone4)"
+            )
+        return torch.tensor(values, dtype=torch.float32)
+
+    # ---- memory and lifetime ---------------------------------------------------------------
+    def sleep(self) -> None:
+        """Release weights, KV cache and CUDA graphs (frees memory only with enable_memory_saver)."""
+        self._check_usable("sleep")
+        if self._asleep:
+            return
+        self._driver.pause()
+        self._driver.call("release_memory_occupation", tags=_MEMORY_TAGS)
+        self._asleep = True
+        saver = self._driver.server_info
+        if saver.get("enable_memory_saver") and not saver.get("enable_weights_cpu_backup"):
+            self._weights_lost = True
+
+    def wake(self) -> None:
+        self._check_usable("wake")
+        if not self._asleep:
+            return
+        self._driver.call("resume_memory_occupation", tags=_MEMORY_TAGS)
+        self._driver.resume()
+        self._asleep = False
+
+    def reset_prefix_cache(self) -> None:
+        self._check_usable("reset_prefix_cache")
+        self._driver.flush_cache()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._driver.shutdown()
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _check_packed(manifest: BucketManifest) -> None:
+    """SGLang's receive buffer packs the tensors back to back in manifest order; so must the bucket."""
+    offset = 0
+    for t in manifest.tensors:
+        if t.offset != offset:
+            raise BackendError(
+                f"bucket tensor {t.name!r} starts at element {t.offset}, SGLang expects {offset}: its collective "
+                "receive packs the manifest's tensors back to back in order, without padding"
+            )
+        offset += t.numel
+    if offset != manifest.numel:
+        raise BackendError(f"bucket holds {manifest.numel} elements, its tensors {offset}: SGLang expects no padding")
+
+
+def _check_model_path(path: str, allow_hub_id: bool) -> None:
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise BackendError(f"BackendConfig.model_path {path!r} has no config.json; point it at a saved HF model")
+        return
+    if allow_hub_id and _HUB_ID.match(path) and not os.path.exists(path):
+        return  # a model-hub id, fetched by SGLang on GPU machines
+    raise BackendError(f"BackendConfig.model_path {path!r} is not a directory (a saved HF model with config.json)")
+
+
+def _model_config(path: str) -> dict[str, Any]:
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return {}
+    with open(config_file) as f:
+        return json.load(f)
+
+
+def _context_length(config: BackendConfig) -> int:
+    model_len = _model_config(config.model_path).get("max_position_embeddings")
+    return min(config.max_model_len, int(model_len)) if model_len else config.max_model_len
+
+
+def _checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor in the safetensors files under ``path`` (headers only)."""
+    if not os.path.isdir(path):
+        return {}
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _vocab_size(path: str) -> int:
+    vocab = _model_config(path).get("vocab_size")
+    return int(vocab) if vocab else 2**31 - 1
+
+
+def _cpu_tp_slots() -> int:
+    """TP ranks SGLang's CPU mode can place: its core groups if given, else NUMA nodes."""
+    bind = os.environ.get("SGLANG_CPU_OMP_THREADS_BIND", "")
+    if bind and bind != "all":
+        return len(bind.split("|"))
+    nodes = list(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    return max(1, len(nodes))

@@ -1,0 +1,3 @@
+from backends.sglang_cpu import main
+
+main()

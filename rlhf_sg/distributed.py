@@ -1,0 +1,166 @@
+"""Process groups and DeepSpeed ZeRO-3 set-up shared by the model workers and the weight sync.
+
+Two kinds of group live side by side in a trainer process:
+
+* the default group of the trainer's ranks (:func:`init_torch_distributed`), over which DeepSpeed
+  partitions and gathers ZeRO-3 parameters;
+* side groups between one trainer rank and the rollout engines (:func:`create_group_store` +
+  :func:`open_side_group`), built straight on a ``TCPStore`` so they never touch the default group
+  and an engine never has to join the trainer's world.
+
+On CPU, DeepSpeed picks its accelerator when it is first imported, so ``DS_ACCELERATOR=cpu`` must be
+in the environment before that import (for Ray actors: in the actor's ``runtime_env`` env_vars).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["create_group_store", "free_port", "init_torch_distributed", "open_side_group", "zero3_config"]
+
+_BACKENDS = ("gloo", "nccl")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (another process may still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_torch_distributed(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+) -> None:
+    """Join the trainer's default process group (and DeepSpeed's view of it) as ``rank``.
+
+    Sets MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE / LOCAL_RANK for DeepSpeed, and
+    ``DS_ACCELERATOR=cpu`` for ``backend="gloo"`` when DeepSpeed is not imported yet. Every
+    collective on the group then fails after ``timeout_s`` instead of hanging.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"init_torch_distributed: backend must be one of {_BACKENDS}, got {backend!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"init_torch_distributed: rank {rank} outside world_size {world_size}")
+    if timeout_s <= 0:
+        raise ValueError(f"init_torch_distributed: timeout_s must be > 0, got {timeout_s}")
+    if backend == "gloo" and os.environ.get("DS_ACCELERATOR") != "cpu":
+        if "deepspeed" in sys.modules:
+            raise RuntimeError(
+                "init_torch_distributed(backend='gloo'): deepspeed was imported before DS_ACCELERATOR=cpu "
+                "was set, so it chose another accelerator; put DS_ACCELERATOR=cpu in the process environment "
+                "(for Ray actors: runtime_env={'env_vars': {'DS_ACCELERATOR': 'cpu'}})"
+            )
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    import deepspeed
+
+    where = f"rank {rank} of {world_size} at {master_addr}:{master_port} ({backend})"
+    try:
+        deepspeed.init_distributed(
+            dist_backend=backend,
+            auto_mpi_discovery=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            verbose=False,
+        )
+    except Exception as exc:  # the rendezvous reports a missing peer as several exception types
+        raise TimeoutError(
+            f"init_torch_distributed: {where} could not form the default group within {timeout_s} s: "
+            f"{type(exc).__name__}: {exc}. Are all {world_size} ranks started with the same master address?"
+        ) from exc
+
+
+def zero3_config(
+    dtype: str = "float32",
+    offload: bool = False,
+    train: bool = True,
+    max_grad_norm: float = 1.0,
+    param_persistence_threshold: int = 0,
+) -> dict[str, Any]:
+    """A DeepSpeed ZeRO stage-3 config dict for one model.
+
+    ``dtype``: "float32" or "bfloat16". ``offload``: parameters (and, when ``train``, optimizer states)
+    live in CPU memory between uses (a GPU memory saver; meaningless on the CPU accelerator).
+    ``param_persistence_threshold``: parameters with fewer elements stay whole on every rank;
+    0 partitions every parameter, which is what the weight sync and its tests must see.
+    The optimizer is the caller's (a torch optimizer passed to ``deepspeed.initialize``).
+    """
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"zero3_config: dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    zero: dict[str, Any] = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": int(param_persistence_threshold),
+        "contiguous_gradients": True,
+        "overlap_comm": False,
+    }
+    if offload:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        if train:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if train:
+        config["gradient_clipping"] = float(max_grad_norm)
+        # The optimizer is a plain torch one; DeepSpeed wraps it in its ZeRO-3 partitioned optimizer.
+        config["zero_allow_untested_optimizer"] = True
+    return config
+
+
+def create_group_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """The TCP store a side group's rank 0 hosts, on a port the OS picks (``store.port``).
+
+    Binding port 0 leaves no window in which another process can take the port between choosing
+    and binding it. Returns at once; peers connect when they join the group.
+    """
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def open_side_group(
+    store: dist.Store, rank: int, world_size: int, backend: str, timeout_s: float, group_name: str
+) -> dist.ProcessGroup:
+    """Build one side group on ``store`` (no key prefix: the store belongs to this group alone).
+
+    Blocks until all ``world_size`` ranks have joined, at most ``timeout_s``; every later collective
+    on the group also fails after ``timeout_s``. Returns a ``ProcessGroupGloo`` / ``ProcessGroupNCCL``.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"side group {group_name!r}: backend must be one of {_BACKENDS}, got {backend!r}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        if backend == "gloo":
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    except Exception as exc:  # store waits and rendezvous failures come as several exception types
+        raise TimeoutError(
+            f"side group {group_name!r} ({backend}, world_size {world_size}): rank {rank} could not form the "
+            f"group within timeout_s={timeout_s}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def side_broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int, timeout_s: float) -> dist.Work:
+    """Start a broadcast of ``tensor`` from group rank ``src``; returns the work handle (async)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    opts.timeout = datetime.timedelta(seconds=timeout_s)
+    return group.broadcast([tensor], opts)

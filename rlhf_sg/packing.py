@@ -1,0 +1,669 @@
+"""Padding removal by tensor slicing: padded rollout rows <-> packed rows, and forwards on packed rows.
+
+Three layouts of one batch:
+
+- **padded**: ``sequences`` [B, S] = a left-padded prompt block of width P followed by a right-padded
+  response block of width T (S = P + T); ``attention_mask`` [B, S] is 1 on real tokens, so each row's
+  real tokens are one contiguous run.
+- **token order**: the N real tokens, sequence after sequence (the row-major order of the padded batch).
+  Per-token results live here as ``[N, ...]``; :func:`pack_values` and :func:`unpack` move tensors
+  between this and the padded layout by gathering / scattering at ``PackedBatch.indices``.
+- **packed rows**: what the model sees, ``input_ids`` [R, L]: sequences laid end to end, position ids
+  restarting at 0 for each sequence, attention kept inside each sequence. How many rows depends on the
+  attention kernel:
+
+  * flash-attn varlen (``flash_attention_2``/``_3``) costs sum(len_i^2) whatever the row holds, so every
+    sequence goes into ONE row [1, N] and the kernel gets ``cu_seqlens``;
+  * ``sdpa`` and ``eager`` take an explicit 4D block-causal mask and cost R * L^2 (the masked-out pairs
+    are computed too). One [1, N] row would cost N^2: on the benchmark mix (16 rollouts) it was slower
+    than padding. So sequences are bin-packed (first-fit decreasing) into rows no longer than the
+    longest sequence, which keeps both the pad slots and the wasted attention small.
+
+Attention across sequences never happens: with transformers 5.19, ``sdpa``/``eager`` given packed
+``position_ids`` and no mask attend across sequences whenever the model builds a KV cache (the default
+``use_cache``), logits off by ~0.5. We therefore always pass ``use_cache=False`` AND an explicit 4D
+mask, which transformers hands to the attention function untouched (``masking_utils`` returns a 4D mask
+as-is): ``sdpa`` a bool mask (True = attend), ``eager`` an additive float mask in the model's dtype (a
+bool mask would be ADDED to the scores there, i.e. wrong).
+
+The functions the trainer calls, all taking the padded layout and answering in it:
+:func:`response_logprobs` (log-probs and entropy of response tokens, fp32, chunked over the vocabulary),
+:func:`critic_values`, :func:`reward_scores`; and for the training loop :func:`token_budget_microbatches`
+and :func:`microbatch_loss_scale`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+#: label of a sequence's last token: it has no next token in its own sequence
+IGNORE_LABEL = -100
+
+_FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
+_MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+@dataclass
+class PackedBatch:
+    """A padded batch with its padding removed.
+
+    Packed rows (model input):
+        input_ids: [R, L] long; slots after a row's last sequence hold 0.
+        position_ids: [R, L] long; restart at 0 for every sequence. The pad slots at a row's end count
+            0, 1, ... as if they were one more sequence, so the block-causal mask gives every query at
+            least one key (an all-masked query row would make sdpa return NaN).
+    Token order (N real tokens, sequence after sequence):
+        labels: [N] long; the next token of the same sequence, taken by shifting the PADDED rows before
+            unpadding, so no label crosses into another sequence; :data:`IGNORE_LABEL` at each
+            sequence's last token.
+        indices: [N] long; flat index ``b * S + s`` of each real token in the padded [B, S].
+        slots: [N] long; flat index ``r * L + c`` of each real token in the packed rows.
+        cu_seqlens: [B + 1] int32; sequence b is tokens ``cu_seqlens[b]:cu_seqlens[b + 1]``.
+        max_seqlen: length of the longest sequence.
+        padded_shape: (B, S).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    indices: torch.Tensor
+    slots: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    padded_shape: tuple[int, int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.indices.numel())
+
+    @property
+    def num_sequences(self) -> int:
+        return self.padded_shape[0]
+
+
+# ---- padded <-> packed ---------------------------------------------------------------------------------
+
+
+def _check_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Validate a padded batch; return the per-row lengths [B] (long)."""
+    if not isinstance(input_ids, torch.Tensor) or not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(
+            f"input_ids and attention_mask must be tensors, got {type(input_ids).__name__} and "
+            f"{type(attention_mask).__name__}"
+        )
+    if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both "
+            "be [batch, seq] of the same shape"
+        )
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.device != attention_mask.device:
+        raise ValueError(f"input_ids on {input_ids.device} but attention_mask on {attention_mask.device}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"empty batch: input_ids has shape {tuple(input_ids.shape)}")
+    mask = attention_mask.bool()
+    if (mask.to(attention_mask.dtype) != attention_mask).any():
+        raise ValueError("attention_mask must hold only 0 and 1")
+    lengths = mask.sum(dim=1)
+    empty = (lengths == 0).nonzero()
+    if empty.numel():
+        raise ValueError(f"attention_mask row {int(empty[0])} has no real token; drop empty rows before packing")
+    seq = mask.shape[1]
+    first = mask.int().argmax(dim=1)
+    last = seq - 1 - mask.flip(1).int().argmax(dim=1)
+    holes = (last - first + 1 != lengths).nonzero()
+    if holes.numel():
+        b = int(holes[0])
+        raise ValueError(
+            f"attention_mask row {b} has padding between its real tokens ({int(lengths[b])} real tokens "
+            f"spread over columns {int(first[b])}..{int(last[b])}); each row must be one contiguous run "
+            "(a left-padded prompt followed by a right-padded response)"
+        )
+    return lengths
+
+
+def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of item indices, each bin's total <= capacity; items longest first into the first bin with room."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r, load in enumerate(loads):
+            if load + lengths[i] <= capacity:
+                bins[r].append(i)
+                loads[r] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return bins
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens: int | None = None) -> PackedBatch:
+    """Remove the padding of ``input_ids`` [B, S] (real tokens where ``attention_mask`` [B, S] is 1).
+
+    ``row_tokens=None`` lays every sequence into one row [1, N] (for flash-attn varlen); an int bin-packs
+    the sequences into rows of at most ``row_tokens`` tokens (for a dense block-causal mask), which must
+    be at least the longest sequence. Raises ValueError on a mask that is not 0/1, a row without real
+    tokens, or a row whose real tokens are not contiguous.
+    """
+    lengths = _check_padded(input_ids, attention_mask)
+    device = input_ids.device
+    batch_size, seq = input_ids.shape
+    mask = attention_mask.bool()
+    indices = mask.flatten().nonzero().squeeze(1)
+    num_tokens = indices.numel()
+
+    # Shift in the padded layout, then gather: a token's label comes from its own row, never another's.
+    next_ids = torch.full_like(input_ids, IGNORE_LABEL)
+    next_ids[:, :-1] = torch.where(mask[:, 1:], input_ids[:, 1:], IGNORE_LABEL)
+    labels = next_ids.flatten()[indices]
+
+    cu_seqlens = torch.zeros(batch_size + 1, dtype=torch.int32, device=device)
+    cu_seqlens[1:] = lengths.cumsum(0)
+    seq_of_token = torch.repeat_interleave(torch.arange(batch_size, device=device), lengths)
+    starts = cu_seqlens[:-1].long()
+    token_position = torch.arange(num_tokens, device=device) - starts[seq_of_token]
+
+    lengths_list = lengths.tolist()
+    max_seqlen = max(lengths_list)
+    if row_tokens is None:
+        rows = [list(range(batch_size))]
+    else:
+        if row_tokens < max_seqlen:
+            b = lengths_list.index(max_seqlen)
+            raise ValueError(f"row_tokens={row_tokens} is shorter than sequence {b} ({max_seqlen} tokens)")
+        rows = _first_fit_decreasing(lengths_list, row_tokens)
+    row_of_seq = [0] * batch_size
+    offset_of_seq = [0] * batch_size
+    loads = []
+    for r, members in enumerate(rows):
+        offset = 0
+        for b in members:
+            row_of_seq[b], offset_of_seq[b] = r, offset
+            offset += lengths_list[b]
+        loads.append(offset)
+    num_rows, row_len = len(rows), max(loads)
+    row_of_seq_t = torch.tensor(row_of_seq, device=device)
+    offset_of_seq_t = torch.tensor(offset_of_seq, device=device)
+    slots = row_of_seq_t[seq_of_token] * row_len + offset_of_seq_t[seq_of_token] + token_position
+
+    packed_ids = input_ids.new_zeros(num_rows * row_len)
+    packed_ids[slots] = input_ids.flatten()[indices]
+    # pad slots: positions 0, 1, ... from each row's end of real tokens (see PackedBatch)
+    loads_t = torch.tensor(loads, device=device)
+    position_ids = (torch.arange(row_len, device=device)[None, :] - loads_t[:, None]).clamp(min=0).flatten()
+    position_ids[slots] = token_position
+    return PackedBatch(
+        input_ids=packed_ids.view(num_rows, row_len),
+        position_ids=position_ids.view(num_rows, row_len),
+        labels=labels,
+        indices=indices,
+        slots=slots,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        padded_shape=(batch_size, seq),
+    )
+
+
+def pack_values(values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """Gather the real tokens of a padded tensor: ``values`` [B, S, ...] -> [N, ...] in token order."""
+    if tuple(values.shape[:2]) != batch.padded_shape:
+        raise ValueError(
+            f"values of shape {tuple(values.shape)} do not match the packed batch's padded shape "
+            f"{batch.padded_shape}"
+        )
+    return values.reshape(-1, *values.shape[2:])[batch.indices.to(values.device)]
+
+
+def unpack(packed_values: torch.Tensor, batch: PackedBatch, pad_value: float | int | bool = 0) -> torch.Tensor:
+    """Scatter per-token values back: ``packed_values`` [N, ...] -> [B, S, ...], ``pad_value`` on padding.
+
+    The exact inverse of :func:`pack_values` on real tokens (a copy, no arithmetic); differentiable.
+    """
+    if packed_values.dim() == 0 or packed_values.shape[0] != batch.num_tokens:
+        raise ValueError(
+            f"packed_values of shape {tuple(packed_values.shape)} must have the batch's {batch.num_tokens} "
+            "real tokens in dim 0"
+        )
+    batch_size, seq = batch.padded_shape
+    rest = packed_values.shape[1:]
+    out = packed_values.new_full((batch_size * seq, *rest), pad_value)
+    out = out.index_copy(0, batch.indices.to(packed_values.device), packed_values)
+    return out.view(batch_size, seq, *rest)
+
+
+def _rows_to_tokens(row_values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """[R, L, ...] model outputs on packed rows -> [N, ...] in token order (row padding dropped)."""
+    return row_values.reshape(-1, *row_values.shape[2:])[batch.slots.to(row_values.device)]
+
+
+# ---- forward on packed rows ------------------------------------------------------------------------------
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The model itself when given a wrapper (DeepSpeedEngine, DDP) that keeps it as ``.module``."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(_unwrap(model).parameters()).device
+
+
+def _attn_implementation(module: nn.Module, override: str | None) -> str:
+    if override is not None:
+        return override
+    config = getattr(module, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl is None:
+        raise ValueError(
+            f"{type(module).__name__} has no config._attn_implementation; pass attn_implementation= "
+            f"(one of {_FLASH_IMPLEMENTATIONS + _MASKED_IMPLEMENTATIONS})"
+        )
+    return impl
+
+
+def _row_tokens(impl: str, attention_mask: torch.Tensor) -> int | None:
+    """One row for varlen kernels; rows of the longest sequence for dense masks (see the module doc)."""
+    if impl in _FLASH_IMPLEMENTATIONS:
+        return None
+    return int(attention_mask.sum(dim=1).max())
+
+
+def _block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """[R, 1, L, L] mask: query i sees key j iff j <= i and j is in i's sequence.
+
+    A slot's sequence starts at column ``c - position_ids[c]`` (positions restart at 0 per sequence).
+    ``dtype=None`` gives a bool mask (True = attend), else an additive mask (0 or the dtype's minimum).
+    """
+    row_len = position_ids.shape[1]
+    col = torch.arange(row_len, device=position_ids.device)
+    seq_start = col[None, :] - position_ids  # [R, L]
+    allowed = (col[None, None, :] <= col[None, :, None]) & (col[None, None, :] >= seq_start[:, :, None])
+    allowed = allowed[:, None]
+    if dtype is None:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min
+    )
+
+
+def _model_dtype(module: nn.Module) -> torch.dtype:
+    dtype = getattr(module, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else next(module.parameters()).dtype
+
+
+def packed_forward(model: nn.Module, batch: PackedBatch, attn_implementation: str | None = None, **forward_kwargs):
+    """Call ``model`` on the packed rows of ``batch`` with attention kept inside each sequence.
+
+    ``model``: a transformers model or a :class:`rlhf_sg.models.ValueHeadModel`, or a DeepSpeedEngine
+    around one (it is called through the wrapper so ZeRO-3's forward hooks run). The attention arguments
+    follow ``attn_implementation`` (default: the model's ``config._attn_implementation``; pass it when
+    the model uses a custom attention function that follows one of these conventions):
+
+    - ``flash_attention_2``/``_3``: no mask; ``cu_seq_lens_q/k`` and ``max_length_q/k`` go to the
+      varlen kernel (the batch must be one row: ``pack(..., row_tokens=None)``);
+    - ``sdpa``: a bool block-causal mask [R, 1, L, L];
+    - ``eager``: an additive float block-causal mask [R, 1, L, L] in the model's dtype.
+
+    Returns whatever the model returns (for row outputs of shape [R, L, ...]).
+    """
+    module = _unwrap(model)
+    impl = _attn_implementation(module, attn_implementation)
+    device = _model_device(model)
+    kwargs: dict[str, Any] = {}
+    if impl in _FLASH_IMPLEMENTATIONS:
+        if batch.input_ids.shape[0] != 1:
+            raise ValueError(
+                f"{impl} takes one packed row, got {batch.input_ids.shape[0]}; pack with row_tokens=None"
+            )
+        cu_seqlens = batch.cu_seqlens.to(device)
+        kwargs.update(
+            cu_seq_lens_q=cu_seqlens,
+            cu_seq_lens_k=cu_seqlens,
+            max_length_q=batch.max_seqlen,
+            max_length_k=batch.max_seqlen,
+        )
+    elif impl in _MASKED_IMPLEMENTATIONS:
+        config = getattr(module, "config", None)
+        window = getattr(config, "sliding_window", None)
+        if "sliding_attention" in (getattr(config, "layer_types", None) or ()) and batch.max_seqlen > window:
+            raise ValueError(
+                f"this model has sliding-window layers (window {window}) and a sequence of {batch.max_seqlen} "
+                f"tokens: the packed {impl} mask has no window; use flash_attention_2 or shorter sequences"
+            )
+        position_ids = batch.position_ids.to(device)
+        dtype = None if impl == "sdpa" else _model_dtype(module)
+        kwargs["attention_mask"] = _block_causal_mask(position_ids, dtype)
+    else:
+        raise ValueError(
+            f"attn_implementation {impl!r} is not supported on packed rows; use one of "
+            f"{_FLASH_IMPLEMENTATIONS + _MASKED_IMPLEMENTATIONS} (model.set_attn_implementation(...)), or "
+            "pass attn_implementation= naming the convention your attention function follows"
+        )
+    return model(
+        input_ids=batch.input_ids.to(device),
+        position_ids=batch.position_ids.to(device),
+        use_cache=False,
+        **kwargs,
+        **forward_kwargs,
+    )
+
+
+# ---- log-probs, entropy, values, rewards --------------------------------------------------------------
+
+
+def _check_rollout(sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int) -> None:
+    """The rollout layout: every row has a last prompt token at column P - 1 and a first response token at P."""
+    if not isinstance(response_width, int) or isinstance(response_width, bool):
+        raise TypeError(f"response_width must be an int, got {type(response_width).__name__}")
+    _check_padded(sequences, attention_mask)
+    seq = sequences.shape[1]
+    if not 1 <= response_width < seq:
+        raise ValueError(
+            f"response_width={response_width} must be in [1, {seq - 1}] for sequences of width {seq} "
+            "(at least one prompt column)"
+        )
+    prompt_width = seq - response_width
+    mask = attention_mask.bool()
+    no_response = (~mask[:, prompt_width]).nonzero()
+    if no_response.numel():
+        b = int(no_response[0])
+        raise ValueError(
+            f"attention_mask row {b} has no response token (response columns {prompt_width}..{seq - 1} start "
+            "with padding); drop empty completions, or check response_width and that responses are right-padded"
+        )
+    no_prompt = (~mask[:, prompt_width - 1]).nonzero()
+    if no_prompt.numel():
+        b = int(no_prompt[0])
+        raise ValueError(
+            f"attention_mask row {b}: the last prompt column ({prompt_width - 1}) is padding; prompts must be "
+            "non-empty and left-padded"
+        )
+
+
+def _response_predictors(attention_mask: torch.Tensor, response_width: int) -> torch.Tensor:
+    """[B, S] bool: positions whose next token is a real response token (columns P-1 .. S-2)."""
+    mask = attention_mask.bool()
+    prompt_width = mask.shape[1] - response_width
+    predicts = torch.zeros_like(mask)
+    predicts[:, prompt_width - 1 : -1] = mask[:, prompt_width:]
+    return predicts
+
+
+def _to_response_block(token_values: torch.Tensor, flat_positions: torch.Tensor, batch: PackedBatch,
+                       response_width: int) -> torch.Tensor:
+    """Values at predicting positions (padded flat index b*S+s, s = P-1+j) -> [B, T], 0 elsewhere."""
+    batch_size, seq = batch.padded_shape
+    row = flat_positions // seq
+    column = flat_positions % seq - (seq - response_width - 1)
+    out = token_values.new_zeros(batch_size * response_width)
+    return out.index_copy(0, row * response_width + column, token_values).view(batch_size, response_width)
+
+
+def _logprob_chunk(hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, temperature: float,
+                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = lm_head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_normalizer = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, labels[:, None]).squeeze(-1) - log_normalizer
+    if not with_entropy:
+        return logp, logp.new_zeros(())
+    # entropy = -sum p log p = logsumexp(z) - sum p z
+    entropy = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
+
+
+def _check_plain_lm_head(config: Any) -> None:
+    """Packed log-probs apply the lm_head alone; refuse heads that rescale logits after it."""
+    softcap = getattr(config, "final_logit_softcapping", None)
+    scale = getattr(config, "logit_scale", 1.0)
+    scaling = getattr(config, "logits_scaling", 1.0)
+    if softcap is not None or scale != 1.0 or scaling != 1.0:
+        raise ValueError(
+            f"{type(config).__name__} transforms logits after the lm_head (final_logit_softcapping={softcap}, "
+            f"logit_scale={scale}, logits_scaling={scaling}); packed log-probs do not support that yet"
+        )
+
+
+def response_logprobs(
+    model: nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_width: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int = 1024,
+    attn_implementation: str | None = None,
+):
+    """Log-probs (and entropy) of the response tokens under a causal LM, computed on packed rows.
+
+    sequences: [B, S] long (left-padded prompt block of width S - T, right-padded response block of width
+        T = ``response_width``); attention_mask: [B, S]. Every row needs >= 1 prompt and >= 1 response token.
+    model: a transformers causal LM (or a DeepSpeedEngine around one); inputs move to its device.
+    Returns ``logp`` [B, T] float32 with ``logp[b, j] = log softmax(logits / temperature)[token]`` for the
+    token at ``sequences[b, P + j]`` given ``sequences[b, :P + j]``, and 0 where the response is padding;
+    with ``with_entropy`` also ``entropy`` [B, T] float32 of that temperature-scaled distribution.
+
+    The model runs once through its own forward (so wrappers' hooks fire) with ``logits_to_keep`` empty;
+    a forward hook takes the backbone's last hidden state, and the lm_head is applied only at positions
+    that predict a response token, ``chunk_tokens`` at a time, log-softmax in fp32. Under autograd each
+    chunk is checkpointed, so neither forward nor backward holds more than one chunk's [chunk, vocab]
+    logits.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    module = _unwrap(model)
+    lm_head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    if lm_head is None:
+        raise TypeError(f"response_logprobs needs a causal LM with an lm_head, got {type(module).__name__}")
+    _check_plain_lm_head(module.config)
+    device = _model_device(model)
+    sequences, attention_mask = sequences.to(device), attention_mask.to(device)
+    _check_rollout(sequences, attention_mask, response_width)
+    impl = _attn_implementation(module, attn_implementation)
+    batch = pack(sequences, attention_mask, row_tokens=_row_tokens(impl, attention_mask))
+
+    captured: dict[str, torch.Tensor] = {}
+
+    def keep_hidden(_module, _args, output):
+        captured["hidden"] = output[0]
+
+    hook = module.base_model.register_forward_hook(keep_hidden)
+    try:
+        packed_forward(model, batch, impl, logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
+    finally:
+        hook.remove()
+    hidden = _rows_to_tokens(captured["hidden"], batch)
+    predicts = pack_values(_response_predictors(attention_mask, response_width), batch)
+    hidden, labels = hidden[predicts], batch.labels[predicts]
+
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters())
+    )
+    logps, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        args = (hidden[start : start + chunk_tokens], labels[start : start + chunk_tokens], lm_head,
+                temperature, with_entropy)
+        logp, entropy = checkpoint(_logprob_chunk, *args, use_reentrant=False) if needs_grad else _logprob_chunk(
+            *args
+        )
+        logps.append(logp)
+        entropies.append(entropy)
+    positions = batch.indices[predicts]
+    logp = _to_response_block(torch.cat(logps), positions, batch, response_width)
+    if not with_entropy:
+        return logp
+    return logp, _to_response_block(torch.cat(entropies), positions, batch, response_width)
+
+
+def _value_model(model: nn.Module, caller: str) -> nn.Module:
+    from rlhf_sg.models import ValueHeadModel
+
+    module = _unwrap(model)
+    if not isinstance(module, ValueHeadModel):
+        raise TypeError(
+            f"{caller} needs a rlhf_sg.models.ValueHeadModel (load it with ValueHeadModel.from_pretrained), "
+            f"got {type(module).__name__}"
+        )
+    return module
+
+
+def critic_values(
+    critic: nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_width: int,
+    attn_implementation: str | None = None,
+) -> torch.Tensor:
+    """Critic values of the response states, computed on packed rows.
+
+    ``values[b, j]`` [B, T] float32 is the value head's output at position P + j - 1: the state is the
+    prefix BEFORE response token j is emitted (PPO's convention). 0 where the response is padding.
+    ``critic``: a :class:`rlhf_sg.models.ValueHeadModel` (or a DeepSpeedEngine around one).
+    """
+    module = _value_model(critic, "critic_values")
+    device = _model_device(critic)
+    sequences, attention_mask = sequences.to(device), attention_mask.to(device)
+    _check_rollout(sequences, attention_mask, response_width)
+    impl = _attn_implementation(module, attn_implementation)
+    batch = pack(sequences, attention_mask, row_tokens=_row_tokens(impl, attention_mask))
+    values = _rows_to_tokens(packed_forward(critic, batch, impl), batch)
+    predicts = pack_values(_response_predictors(attention_mask, response_width), batch)
+    return _to_response_block(values[predicts], batch.indices[predicts], batch, response_width)
+
+
+def reward_scores(
+    reward_model: nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    attn_implementation: str | None = None,
+) -> torch.Tensor:
+    """Reward-model scores [B] float32: the value head's output at each row's last real token.
+
+    ``sequences`` [B, S] and ``attention_mask`` [B, S] in any contiguous-row padding (left, right or the
+    rollout layout). ``reward_model``: a :class:`rlhf_sg.models.ValueHeadModel` or an engine around one.
+    """
+    module = _value_model(reward_model, "reward_scores")
+    device = _model_device(reward_model)
+    sequences, attention_mask = sequences.to(device), attention_mask.to(device)
+    impl = _attn_implementation(module, attn_implementation)
+    _check_padded(sequences, attention_mask)
+    batch = pack(sequences, attention_mask, row_tokens=_row_tokens(impl, attention_mask))
+    values = _rows_to_tokens(packed_forward(reward_model, batch, impl), batch)
+    return values[batch.cu_seqlens[1:].long() - 1]
+
+
+# ---- token-budget micro-batches ------------------------------------------------------------------------
+
+
+def token_budget_microbatches(lengths: list[int], max_tokens_per_microbatch: int, dp_size: int) -> list[list[list[int]]]:
+    """Split an experience batch into micro-batches of at most ``max_tokens_per_microbatch`` real tokens.
+
+    ``lengths[i]``: real tokens of sample i. Returns ``plan[rank][k]`` = the sample indices (ascending) of
+    rank ``rank``'s k-th micro-batch. Every rank gets the same number M of micro-batches (ZeRO-3 gathers
+    parameters collectively, so ranks must run forwards in lockstep), none of them empty, and the
+    micro-batches hold nearly equal token counts:
+
+    1. K = M * dp_size micro-batches, M starting at the least that the total allows;
+    2. longest-processing-time bin packing: samples longest first, each into the micro-batch holding the
+       fewest tokens (if it does not fit there it fits nowhere: M += 1 and retry);
+    3. micro-batches heaviest first, each to the rank with the fewest tokens among those with < M.
+
+    A rank's micro-batches come heaviest first, so running out of memory shows on the first one. Raises
+    ValueError for a sample longer than the budget, fewer samples than ranks, or when dp_size * M
+    non-empty micro-batches cannot be formed (too few samples for the micro-batches their lengths need).
+    """
+    if max_tokens_per_microbatch < 1:
+        raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens_per_microbatch}")
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    lengths = [int(n) for n in lengths]
+    for i, n in enumerate(lengths):
+        if n < 1:
+            raise ValueError(f"sample {i} has {n} tokens; every sample needs at least one")
+        if n > max_tokens_per_microbatch:
+            raise ValueError(
+                f"sample {i} has {n} tokens, more than max_tokens_per_microbatch={max_tokens_per_microbatch}; "
+                "raise the budget to at least the longest sequence (prompt + response)"
+            )
+    if len(lengths) < dp_size:
+        raise ValueError(
+            f"{len(lengths)} samples cannot give each of dp_size={dp_size} ranks a micro-batch; use more "
+            "samples per optimizer step or fewer ranks"
+        )
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    per_rank = max(1, math.ceil(math.ceil(sum(lengths) / max_tokens_per_microbatch) / dp_size))
+    while True:
+        num_micro = per_rank * dp_size
+        if num_micro > len(lengths):
+            raise ValueError(
+                f"cannot split {len(lengths)} samples into {dp_size} ranks x {per_rank} non-empty micro-batches "
+                f"of at most {max_tokens_per_microbatch} tokens; raise max_tokens_per_microbatch"
+            )
+        micro = _least_loaded_bins(order, lengths, num_micro, max_tokens_per_microbatch)
+        if micro is not None:
+            break
+        per_rank += 1
+
+    loads = [sum(lengths[i] for i in m) for m in micro]
+    plan: list[list[list[int]]] = [[] for _ in range(dp_size)]
+    rank_loads = [0] * dp_size
+    for k in sorted(range(num_micro), key=lambda k: (-loads[k], k)):
+        rank = min((r for r in range(dp_size) if len(plan[r]) < per_rank), key=lambda r: (rank_loads[r], r))
+        plan[rank].append(sorted(micro[k]))
+        rank_loads[rank] += loads[k]
+    return plan
+
+
+def _least_loaded_bins(order: list[int], lengths: list[int], num_bins: int, capacity: int) -> list[list[int]] | None:
+    """Items (in ``order``) each into the least-loaded of ``num_bins`` bins; None if one does not fit."""
+    heap = [(0, k) for k in range(num_bins)]
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    for i in order:
+        load, k = heapq.heappop(heap)
+        if load + lengths[i] > capacity:
+            return None
+        bins[k].append(i)
+        heapq.heappush(heap, (load + lengths[i], k))
+    return bins
+
+
+def microbatch_loss_scale(total_action_tokens: int, dp_size: int, gradient_accumulation_steps: int = 1) -> float:
+    """Factor for one micro-batch's token-SUM loss so the optimizer step sees ONE token-mean.
+
+    With ``loss_mb = (sum of per-token losses in micro-batch mb) * scale`` handed to backward, where
+    ``scale = dp_size * gradient_accumulation_steps / total_action_tokens``:
+
+    - ``total_action_tokens``: action tokens of the whole optimizer step, summed over ALL ranks and all
+      their micro-batches;
+    - ``gradient_accumulation_steps``: the divisor the engine applies in backward, i.e. DeepSpeed's
+      ``engine.gradient_accumulation_steps()`` with ``engine.backward(loss)`` (``scale_wrt_gas=True``),
+      or 1 with ``engine.backward(loss, scale_wrt_gas=False)``;
+    - data parallelism averages gradients over ``dp_size`` ranks.
+
+    The step's gradient is then ``(1/dp) * sum_ranks sum_mb (1/gas) * grad(sum_mb * dp * gas / N)
+    = grad(sum over all action tokens / N)``: the token-mean over the step, whatever the split into
+    ranks and micro-batches.
+    """
+    if total_action_tokens < 1:
+        raise ValueError(f"total_action_tokens must be >= 1, got {total_action_tokens}")
+    if dp_size < 1 or gradient_accumulation_steps < 1:
+        raise ValueError(
+            f"dp_size ({dp_size}) and gradient_accumulation_steps ({gradient_accumulation_steps}) must be >= 1"
+        )
+    return dp_size * gradient_accumulation_steps / total_action_tokens

@@ -1,0 +1,382 @@
+"""Weight sync: bucket planning, and round trips from a 2-rank ZeRO-3 trainer into embedded engines.
+
+The round trips use real parts: Ray, DeepSpeed ZeRO-3 on its CPU accelerator (gloo), a tiny Qwen2
+saved to disk, and the embedded engine (through :class:`ResetCountingBackend`, which only adds a
+log of its prefix-cache resets so the test can see them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import pytest
+import torch
+
+from backends.base import BackendConfig, BucketManifest, SamplingParams, TensorSpec
+from backends.embedded import EmbeddedBackend
+from rlhf_sg.weight_sync import WeightSyncer, gather_bucket, hf_name, named_weights, plan_buckets
+
+F32, BF16 = torch.float32, torch.bfloat16
+TIMEOUT_S = 120.0
+
+
+class ResetCountingBackend(EmbeddedBackend):
+    """The embedded engine, logging every prefix-cache reset to ``<extra["reset_log_dir"]>/<seed>.log``.
+
+    Engine ``i`` of :func:`~rlhf_sg.engine_actor.start_engine_actors` has seed ``i``, so its log is ``i.log``.
+    """
+
+    name = "hf-reset-counting"
+
+    def __init__(self, config: BackendConfig):
+        extra = dict(config.extra)
+        self._reset_log = os.path.join(extra.pop("reset_log_dir"), f"{config.seed}.log")
+        super().__init__(dataclasses.replace(config, extra=extra))
+
+    def reset_prefix_cache(self) -> None:
+        super().reset_prefix_cache()
+        with open(self._reset_log, "a") as f:
+            f.write("reset\n")
+
+
+# ---- bucket planning (pure) --------------------------------------------------------------------
+def _layout(manifests):
+    return [(m.dtype, m.numel, [(t.name, t.offset) for t in m.tensors]) for m in manifests]
+
+
+def test_plan_buckets_fills_up_to_bucket_bytes_in_order():
+    meta = [("a", (2, 3), F32), ("b", (4,), F32), ("c", (2,), F32), ("d", (5,), F32)]
+    # 40 bytes: a (24 B) + b (16 B) fill one bucket; c + d (28 B) the next.
+    assert _layout(plan_buckets(meta, 40)) == [
+        (F32, 10, [("a", 0), ("b", 6)]),
+        (F32, 7, [("c", 0), ("d", 2)]),
+    ]
+
+
+def test_plan_buckets_oversized_tensor_gets_a_bucket_of_its_own():
+    meta = [("small", (2,), F32), ("big", (100,), F32), ("after", (3,), F32)]
+    assert _layout(plan_buckets(meta, 64)) == [
+        (F32, 2, [("small", 0)]),
+        (F32, 100, [("big", 0)]),
+        (F32, 3, [("after", 0)]),
+    ]
+
+
+def test_plan_buckets_one_dtype_per_bucket_order_kept_within_dtype():
+    meta = [("w1", (4,), F32), ("n1", (4,), BF16), ("w2", (4,), F32), ("n2", (4,), BF16), ("w3", (8,), F32)]
+    assert _layout(plan_buckets(meta, 32)) == [
+        (F32, 8, [("w1", 0), ("w2", 4)]),
+        (BF16, 8, [("n1", 0), ("n2", 4)]),
+        (F32, 8, [("w3", 0)]),
+    ]
+
+
+def test_plan_buckets_covers_every_element_once_and_unflattens_back():
+    model_meta = [(f"t{i}", (i % 3 + 1, 5), F32 if i % 4 else BF16) for i in range(23)]
+    tensors = {name: torch.randn(shape).to(dtype) for name, shape, dtype in model_meta}
+    plan = plan_buckets(model_meta, 48)
+    assert sorted(t.name for m in plan for t in m.tensors) == sorted(tensors)
+    for m in plan:
+        assert m.numel * m.dtype.itemsize <= 48 or len(m.tensors) == 1
+        assert all(t.dtype == m.dtype for t in m.tensors)
+        flat = torch.empty(m.numel, dtype=m.dtype)
+        for t in m.tensors:
+            flat[t.offset : t.offset + t.numel] = tensors[t.name].reshape(-1)
+        for name, view in m.unflatten(flat):
+            assert torch.equal(view, tensors[name])
+        ends = [t.offset + t.numel for t in m.tensors]
+        assert [t.offset for t in m.tensors] == [0, *ends[:-1]] and ends[-1] == m.numel
+
+
+def test_plan_buckets_rejects_bad_input():
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets([("a", (1,), F32)], 0)
+    with pytest.raises(ValueError, match="'a' appears twice"):
+        plan_buckets([("a", (1,), F32), ("a", (2,), F32)], 64)
+    with pytest.raises(ValueError, match="negative"):
+        plan_buckets([("a", (-1, 2), F32)], 64)
+    with pytest.raises(ValueError, match="not a torch.dtype"):
+        plan_buckets([("a", (1,), "float32")], 64)
+
+
+def test_hf_names_drop_wrapper_prefixes_and_tied_weights_appear_once():
+    assert hf_name("module.model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert hf_name("module._orig_mod.lm_head.weight") == "lm_head.weight"
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_sg.tiny import tiny_config
+
+    config = tiny_config("qwen2", "tiny")
+    config.tie_word_embeddings = True
+    model = AutoModelForCausalLM.from_config(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    names = [name for name, _ in named_weights(model)]
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert len(names) == len(set(names))
+
+
+def test_gather_bucket_copies_plain_parameters_at_their_offsets():
+    from rlhf_sg.tiny import build_tiny_model
+
+    named = named_weights(build_tiny_model("llama", "tiny"))
+    plan = plan_buckets([(n, p.shape, p.dtype) for n, p in named], 64 * 1024)
+    params = dict(named)
+    for manifest in plan:
+        out = torch.full((manifest.numel,), float("nan"))
+        gather_bucket([params[t.name] for t in manifest.tensors], manifest, out)
+        for name, view in manifest.unflatten(out):
+            assert torch.equal(view, params[name].detach())
+
+
+def test_weight_syncer_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="transport"):
+        WeightSyncer(0, 1, [object()], transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="engines is empty"):
+        WeightSyncer(0, 1, [])
+    with pytest.raises(ValueError, match="rank 2 outside"):
+        WeightSyncer(2, 2, [object()])
+    with pytest.raises(ValueError, match="per_tensor"):
+        WeightSyncer(0, 1, [object()], transport="disk", mode="per_tensor")
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        WeightSyncer(0, 1, [object()], bucket_bytes=-5)
+
+
+def test_weight_syncer_spreads_engines_over_sender_ranks():
+    engines = [object()] * 5
+    assert [WeightSyncer(r, 2, engines).my_engines for r in range(2)] == [[0, 2, 4], [1, 3]]
+    assert [WeightSyncer(r, 2, engines, num_senders=1).my_engines for r in range(2)] == [[0, 1, 2, 3, 4], []]
+    assert [WeightSyncer(r, 3, engines[:1]).my_engines for r in range(3)] == [[0], [], []]
+    assert [WeightSyncer(r, 2, engines, mode="per_tensor").my_engines for r in range(2)] == [[0, 1, 2, 3, 4], []]
+
+
+# ---- round trips with Ray + ZeRO-3 ----------------------------------------------------------------
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A 2-rank ZeRO-3 trainer and 2 embedded engines over one saved tiny Qwen2."""
+    from rlhf_sg.bench.weight_sync import start_trainer_ranks
+    from rlhf_sg.engine_actor import start_engine_actors
+    from rlhf_sg.tiny import save_tiny_model
+
+    root = tmp_path_factory.mktemp("weight_sync")
+    model_path = save_tiny_model(str(root / "model"), arch="qwen2", size="tiny")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    backend = f"{os.path.abspath(__file__)}:ResetCountingBackend"
+    config = BackendConfig(model_path=model_path, num_threads=1, extra={"reset_log_dir": str(root)})
+    engines = start_engine_actors(backend, config, 2)
+    logs = [str(root / f"{i}.log") for i in range(2)]
+    ranks = start_trainer_ranks(model_path, 2, timeout_s=TIMEOUT_S)
+    state = {"version": 0}
+    yield {"model_path": model_path, "engines": engines, "ranks": ranks, "logs": logs, "state": state}
+    ray.shutdown()
+
+
+def _get(refs):
+    return ray.get(refs, timeout=TIMEOUT_S)
+
+
+def _resets(log: str) -> int:
+    if not os.path.exists(log):
+        return 0
+    with open(log) as f:
+        return len(f.readlines())
+
+
+TIE_LOGIT = 1e-4  # two logits this close are a tie that last-bit differences may break either way
+
+
+def _assert_greedy_equals_hf(model_path: str, state: dict[str, torch.Tensor], prompt: list[int], completion) -> None:
+    """The engine's greedy completion is the HF model's with the same weights.
+
+    Exactly equal to ``generate(do_sample=False)`` unless the HF path meets a near-tie (two logits
+    within TIE_LOGIT), where the last bits of two correct implementations may pick either token;
+    in every case each engine token is an argmax of the HF logits given the engine's own prefix
+    (up to a tie) and its log-prob matches HF's.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_sg.tiny import EOS_ID, PAD_ID
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model.load_state_dict(state, strict=True)
+    tokens = completion.token_ids
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=len(tokens) if completion.finish_reason == "length" else len(tokens) + 8,
+            do_sample=False,
+            eos_token_id=EOS_ID,
+            pad_token_id=PAD_ID,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    hf_tokens = gen.sequences[0, len(prompt) :].tolist()
+    near_tie = any(float(sc[0].topk(2).values.diff().abs()) < TIE_LOGIT for sc in gen.scores)
+    if not near_tie:
+        assert tokens == hf_tokens, f"prompt {prompt}: engine {tokens} != HF greedy {hf_tokens}"
+    top = logits.max(dim=-1).values
+    picked = logits.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+    assert torch.all(picked >= top - TIE_LOGIT), f"prompt {prompt}: engine token is not HF's argmax: {tokens}"
+    hf_logp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(completion.logprobs), hf_logp, atol=1e-4, rtol=0)
+
+
+PROMPTS = [[1, 40, 41, 42, 43, 44], [1, 50, 12, 77, 13, 9]]
+
+
+@pytest.mark.slow
+def test_zero3_trainer_really_partitions_every_parameter(cluster):
+    shards = _get(cluster["ranks"][0].shard_numels.remote())
+    assert shards and all(local < full for local, full in shards.values()), shards
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "transport,kwargs",
+    [
+        ("collective", {"num_senders": 1}),
+        ("collective", {"num_senders": 2}),
+        ("collective", {"num_senders": 2, "overlap": False}),
+        ("collective", {"mode": "per_tensor"}),
+        ("tensor", {}),
+        ("disk", {}),
+    ],
+    ids=["collective-1-sender", "collective-2-senders", "collective-no-overlap", "per-tensor", "tensor", "disk"],
+)
+def test_round_trip_engines_hold_the_trainers_weights(cluster, transport, kwargs):
+    ranks, engines, state = cluster["ranks"], cluster["engines"], cluster["state"]
+    before = _get(engines[0].get_weights_by_name.remote("model.layers.1.mlp.down_proj.weight"))
+    resets_before = [_resets(log) for log in cluster["logs"]]
+    state["version"] += 1
+    version = state["version"]
+    _get([r.perturb.remote(seed=version) for r in ranks])
+    # ~8 KiB buckets: the tiny model spans many buckets, so double buffering is exercised.
+    _get(
+        [
+            r.setup_syncer.remote(engines, transport=transport, bucket_bytes=8192, timeout_s=TIMEOUT_S, **kwargs)
+            for r in ranks
+        ]
+    )
+    try:
+        stats = _get([r.sync.remote(version) for r in ranks])
+    finally:
+        _get([r.close_syncer.remote() for r in ranks])
+
+    assert stats[0]["buckets"] > 2 and stats[0]["bytes"] > 0
+    assert sum(s["engines"] for s in stats) == len(engines)
+    trainer = _get([r.full_state_dict.remote() for r in ranks])[0]  # the gather is collective
+    assert not torch.equal(trainer["model.layers.1.mlp.down_proj.weight"], before), (
+        "the trainer's weights did not change"
+    )
+    for i, engine in enumerate(engines):
+        held = _get([engine.get_weights_by_name.remote(name) for name in trainer])
+        for (name, want), got in zip(trainer.items(), held):
+            assert torch.equal(got, want), f"engine {i}: {name} differs from the trainer's after {transport} sync"
+        assert _get(engine.weight_version.remote()) == version
+        assert _resets(cluster["logs"][i]) == resets_before[i] + 1, f"engine {i}: prefix cache not reset once"
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    for engine in engines:
+        for prompt in PROMPTS:
+            completion = _get(engine.generate.remote([prompt], params))[0]
+            assert completion.weight_version == version
+            _assert_greedy_equals_hf(cluster["model_path"], trainer, prompt, completion)
+
+
+@pytest.mark.slow
+def test_mismatched_model_is_refused_before_any_byte_moves(cluster):
+    """A trainer model that is not the engines' model: clear error naming the tensor; engines unharmed."""
+    from rlhf_sg.tiny import build_tiny_model, char_vocab
+
+    engines, state = cluster["engines"], cluster["state"]
+    version_before = _get(engines[0].weight_version.remote())
+    vocab = len(char_vocab())
+    wrong = build_tiny_model("qwen2", "tiny", vocab_size=vocab + 20)  # embeddings of another shape
+    syncer = WeightSyncer(0, 1, engines, transport="collective", timeout_s=TIMEOUT_S)
+    syncer.setup()
+    try:
+        expected = rf"engine \d: .*model\.embed_tokens\.weight.*\({vocab + 20}, 64\) in the trainer.*\({vocab}, 64\)"
+        with pytest.raises(ValueError, match=expected):
+            syncer.sync(wrong, state["version"] + 1)
+        assert _get([e.weight_version.remote() for e in engines]) == [version_before] * 2
+        # Nothing was sent, so the groups are still in step: the right model syncs through the same syncer.
+        right = build_tiny_model("qwen2", "tiny", seed=7)
+        state["version"] += 1
+        syncer.sync(right, state["version"])
+    finally:
+        syncer.close()
+    got = _get(engines[1].get_weights_by_name.remote("model.norm.weight"))
+    assert torch.equal(got, right.model.norm.weight.detach())
+    out = _get(engines[0].generate.remote([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=4)))
+    assert len(out[0].token_ids) >= 1 and out[0].weight_version == state["version"]
+
+
+@pytest.mark.slow
+def test_bad_manifest_into_an_engine_is_a_clear_error_and_the_engine_stays_usable(cluster):
+    from rlhf_sg.engine_actor import EngineCallError, wait_engine_calls
+
+    engine = cluster["engines"][0]
+    name = "model.layers.0.mlp.gate_proj.weight"
+    before = _get(engine.get_weights_by_name.remote(name))
+    bad = BucketManifest((TensorSpec(name, (3, 3), F32, 0), TensorSpec("model.no_such.weight", (2,), F32, 9)), F32, 11)
+    with pytest.raises(EngineCallError, match=r"engine 0: update_weights_from_tensor failed: .*gate_proj.*\(3, 3\)"):
+        wait_engine_calls(
+            [(0, "update_weights_from_tensor", engine.update_weights_from_tensor.remote(bad, torch.ones(11)))], 60
+        )
+    with pytest.raises(EngineCallError, match=r"engine 0: check_manifests failed: .*shape \(3, 3\) in the trainer"):
+        wait_engine_calls([(0, "check_manifests", engine.check_manifests.remote([bad]))], 60)
+    assert torch.equal(_get(engine.get_weights_by_name.remote(name)), before)
+    out = _get(engine.generate.remote([PROMPTS[1]], SamplingParams(temperature=0.0, max_new_tokens=4)))
+    assert len(out[0].token_ids) >= 1
+
+
+class NeverJoins:
+    """An engine that accepts the group spec and then never connects (a wrong address, a hung worker)."""
+
+    def describe(self):
+        return {
+            "engine_index": 0,
+            "backend": "never-joins",
+            "transports": ["collective"],
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "weight_group_size": 1,
+            "weight_version": 0,
+        }
+
+    def init_weight_update_group(self, spec):
+        return None
+
+
+@pytest.mark.slow
+def test_an_engine_that_never_joins_times_out_naming_group_and_rank(cluster):
+    ghost = ray.remote(num_cpus=0)(NeverJoins).remote()
+    syncer = WeightSyncer(0, 1, [ghost], transport="collective", timeout_s=2.0, group_name="ghost-sync")
+    start = time.monotonic()
+    with pytest.raises(
+        TimeoutError, match=r"'ghost-sync-rank0'.*trainer rank 0 \(group rank 0\).*engine 0 \(group rank 1\)"
+    ):
+        syncer.setup()
+    assert time.monotonic() - start < 60, "setup hung instead of timing out"
+    ray.kill(ghost)
+
+
+def test_engine_actor_finish_weight_update_bumps_version_and_resets_prefix_cache(tmp_path):
+    """The actor class in-process (no Ray): finish_weight_update reaches the backend's reset."""
+    from rlhf_sg.engine_actor import EngineActor
+    from rlhf_sg.tiny import save_tiny_model
+
+    path = save_tiny_model(str(tmp_path / "m"), size="tiny")
+    actor = EngineActor(
+        f"{os.path.abspath(__file__)}:ResetCountingBackend",
+        BackendConfig(model_path=path, num_threads=1, seed=3, extra={"reset_log_dir": str(tmp_path)}),
+    )
+    assert actor.finish_weight_update(5) == 5 and actor.weight_version() == 5
+    assert _resets(str(tmp_path / "3.log")) == 1
+    actor.shutdown()
