@@ -818,7 +818,12 @@ class SGLangBackend(RolloutBackend):
                 f"SGLang cannot read back {name!r}: not a parameter of the model, or its SGLang model class "
                 "has no get_weights_by_name (in 0.5.23: the Llama family, Granite, OPT, Exaone4)"
             )
-        return torch.tensor(values, dtype=torch.float32)
+        weight = torch.tensor(values, dtype=torch.float32)
+        shape = self._shapes.get(name)
+        if shape is not None and tuple(weight.shape) != shape:
+            # SGLang pads vocabulary-sized weights to a multiple of its tile; the extra rows are not weights.
+            weight = weight[tuple(slice(0, n) for n in shape)].contiguous()
+        return weight
 
     # ---- memory and lifetime ---------------------------------------------------------------
     def sleep(self) -> None:

@@ -11,7 +11,7 @@ What it does, top to bottom:
 5. prints where logs and checkpoints went and draws ``quickstart.png``: reward and KL per step,
    and a stacked bar of where each step's time went.
 
-    python recipes/quickstart_cpu.py [--steps 30] [--algo gae|grpo|dr_grpo|rloo|reinforce|reinforce_baseline]
+    python recipes/quickstart_cpu.py [--steps 40] [--algo gae|grpo|dr_grpo|rloo|reinforce|reinforce_baseline]
                                      [--backend hf|sglang|vllm] [--out runs/quickstart]
 """
 
@@ -58,15 +58,17 @@ def make_config(policy: str, prompts: str, out: str, steps: int, algo: str, back
     cfg.data.label_key = "answer"
     cfg.data.max_prompt_len = 16
     cfg.rollout.backend = backend
-    cfg.rollout.prompts_per_step = 8
+    cfg.rollout.prompts_per_step = 16
     cfg.rollout.n_samples_per_prompt = 8
     cfg.rollout.max_new_tokens = 4
     cfg.rollout.max_model_len = 64
     cfg.train.advantage_estimator = algo
     cfg.train.actor_num_ranks = 2
     cfg.train.max_steps = steps
-    cfg.train.actor_lr = 3e-4
+    cfg.train.actor_lr = 1e-4
     cfg.train.critic_lr = 1e-3
+    # two critic-only steps first: a fresh value head would otherwise feed noise into the advantages
+    cfg.train.critic_warmup_steps = 2
     cfg.train.kl_coef = 0.01
     cfg.train.max_tokens_per_microbatch = 512
     cfg.reward.kind = "function"
@@ -77,7 +79,7 @@ def make_config(policy: str, prompts: str, out: str, steps: int, algo: str, back
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--algo", default="gae")
     parser.add_argument("--backend", default="hf")
     parser.add_argument("--out", default="runs/quickstart")

@@ -87,8 +87,13 @@ class ValueHeadModel(nn.Module):
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
         self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
         """values: [batch, seq] float32 for ``input_ids`` [batch, seq]; other arguments go to the backbone."""
         hidden = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
@@ -132,7 +137,9 @@ class ValueHeadModel(nn.Module):
         logger.info("%s: value head restored", source)
         return model
 
-    def save_pretrained(self, path: str, state_dict: dict[str, torch.Tensor] | None = None, **hf_kwargs) -> None:
+    def save_pretrained(
+        self, path: str, state_dict: dict[str, torch.Tensor] | None = None, **hf_kwargs
+    ) -> None:
         """Save the backbone (transformers format) and ``value_head.safetensors`` under ``path``.
 
         ``state_dict``: full weights with this module's names (``model.*``, ``value_head.weight``), for
@@ -145,7 +152,7 @@ class ValueHeadModel(nn.Module):
             state_dict = self.state_dict()
         if VALUE_HEAD_KEY not in state_dict:
             raise KeyError(f"state_dict has no {VALUE_HEAD_KEY!r}; pass this module's full state dict")
-        backbone_state = {k[len("model."):]: v for k, v in state_dict.items() if k.startswith("model.")}
+        backbone_state = {k[len("model.") :]: v for k, v in state_dict.items() if k.startswith("model.")}
         os.makedirs(path, exist_ok=True)
         self.model.save_pretrained(path, state_dict=backbone_state, **hf_kwargs)
         head = state_dict[VALUE_HEAD_KEY].detach().to("cpu").contiguous()

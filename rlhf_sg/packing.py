@@ -56,9 +56,10 @@ class PackedBatch:
 
     Packed rows (model input):
         input_ids: [R, L] long; slots after a row's last sequence hold 0.
-        position_ids: [R, L] long; restart at 0 for every sequence. The pad slots at a row's end count
-            0, 1, ... as if they were one more sequence, so the block-causal mask gives every query at
-            least one key (an all-masked query row would make sdpa return NaN).
+        position_ids: [R, L] long; restart at 0 for every sequence. The pad slots at a row's end continue
+            the positions of the row's last sequence, so to the block-causal mask they are part of it:
+            real tokens never see them (they come later) and every pad query has keys (an all-masked
+            query row would make sdpa return NaN).
     Token order (N real tokens, sequence after sequence):
         labels: [N] long; the next token of the same sequence, taken by shifting the PADDED rows before
             unpadding, so no label crosses into another sequence; :data:`IGNORE_LABEL` at each
@@ -115,7 +116,9 @@ def _check_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torc
     lengths = mask.sum(dim=1)
     empty = (lengths == 0).nonzero()
     if empty.numel():
-        raise ValueError(f"attention_mask row {int(empty[0])} has no real token; drop empty rows before packing")
+        raise ValueError(
+            f"attention_mask row {int(empty[0])} has no real token; drop empty rows before packing"
+        )
     seq = mask.shape[1]
     first = mask.int().argmax(dim=1)
     last = seq - 1 - mask.flip(1).int().argmax(dim=1)
@@ -131,7 +134,7 @@ def _check_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torc
 
 
 def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Bins of item indices, each bin's total <= capacity; items longest first into the first bin with room."""
+    """Bins of item indices, each bin's total <= capacity: longest first, into the first bin with room."""
     bins: list[list[int]] = []
     loads: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -183,13 +186,14 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens: int 
         rows = _first_fit_decreasing(lengths_list, row_tokens)
     row_of_seq = [0] * batch_size
     offset_of_seq = [0] * batch_size
-    loads = []
+    loads, last_starts = [], []
     for r, members in enumerate(rows):
         offset = 0
         for b in members:
             row_of_seq[b], offset_of_seq[b] = r, offset
             offset += lengths_list[b]
         loads.append(offset)
+        last_starts.append(offset_of_seq[members[-1]])
     num_rows, row_len = len(rows), max(loads)
     row_of_seq_t = torch.tensor(row_of_seq, device=device)
     offset_of_seq_t = torch.tensor(offset_of_seq, device=device)
@@ -197,9 +201,9 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens: int 
 
     packed_ids = input_ids.new_zeros(num_rows * row_len)
     packed_ids[slots] = input_ids.flatten()[indices]
-    # pad slots: positions 0, 1, ... from each row's end of real tokens (see PackedBatch)
-    loads_t = torch.tensor(loads, device=device)
-    position_ids = (torch.arange(row_len, device=device)[None, :] - loads_t[:, None]).clamp(min=0).flatten()
+    # pad slots continue the positions of their row's last sequence (see PackedBatch)
+    last_starts_t = torch.tensor(last_starts, device=device)
+    position_ids = (torch.arange(row_len, device=device)[None, :] - last_starts_t[:, None]).flatten()
     position_ids[slots] = token_position
     return PackedBatch(
         input_ids=packed_ids.view(num_rows, row_len),
@@ -223,7 +227,9 @@ def pack_values(values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     return values.reshape(-1, *values.shape[2:])[batch.indices.to(values.device)]
 
 
-def unpack(packed_values: torch.Tensor, batch: PackedBatch, pad_value: float | int | bool = 0) -> torch.Tensor:
+def unpack(
+    packed_values: torch.Tensor, batch: PackedBatch, pad_value: float | int | bool = 0
+) -> torch.Tensor:
     """Scatter per-token values back: ``packed_values`` [N, ...] -> [B, S, ...], ``pad_value`` on padding.
 
     The exact inverse of :func:`pack_values` on real tokens (a copy, no arithmetic); differentiable.
@@ -304,7 +310,9 @@ def _model_dtype(module: nn.Module) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else next(module.parameters()).dtype
 
 
-def packed_forward(model: nn.Module, batch: PackedBatch, attn_implementation: str | None = None, **forward_kwargs):
+def packed_forward(
+    model: nn.Module, batch: PackedBatch, attn_implementation: str | None = None, **forward_kwargs
+):
     """Call ``model`` on the packed rows of ``batch`` with attention kept inside each sequence.
 
     ``model``: a transformers model or a :class:`rlhf_sg.models.ValueHeadModel`, or a DeepSpeedEngine
@@ -315,7 +323,8 @@ def packed_forward(model: nn.Module, batch: PackedBatch, attn_implementation: st
     - ``flash_attention_2``/``_3``: no mask; ``cu_seq_lens_q/k`` and ``max_length_q/k`` go to the
       varlen kernel (the batch must be one row: ``pack(..., row_tokens=None)``);
     - ``sdpa``: a bool block-causal mask [R, 1, L, L];
-    - ``eager``: an additive float block-causal mask [R, 1, L, L] in the model's dtype.
+    - ``eager``: an additive float block-causal mask [R, 1, L, L] in the model's dtype;
+    - either, when every row holds one sequence: no mask (plain causal attention is then exact).
 
     Returns whatever the model returns (for row outputs of shape [R, L, ...]).
     """
@@ -336,16 +345,21 @@ def packed_forward(model: nn.Module, batch: PackedBatch, attn_implementation: st
             max_length_k=batch.max_seqlen,
         )
     elif impl in _MASKED_IMPLEMENTATIONS:
-        config = getattr(module, "config", None)
-        window = getattr(config, "sliding_window", None)
-        if "sliding_attention" in (getattr(config, "layer_types", None) or ()) and batch.max_seqlen > window:
-            raise ValueError(
-                f"this model has sliding-window layers (window {window}) and a sequence of {batch.max_seqlen} "
-                f"tokens: the packed {impl} mask has no window; use flash_attention_2 or shorter sequences"
-            )
-        position_ids = batch.position_ids.to(device)
-        dtype = None if impl == "sdpa" else _model_dtype(module)
-        kwargs["attention_mask"] = _block_causal_mask(position_ids, dtype)
+        # With one sequence per row, causal attention alone keeps sequences apart (row padding comes after
+        # the sequence); passing no mask lets transformers build its own causal one (sdpa: is_causal).
+        if batch.input_ids.shape[0] < batch.num_sequences:
+            config = getattr(module, "config", None)
+            window = getattr(config, "sliding_window", None)
+            if (
+                "sliding_attention" in (getattr(config, "layer_types", None) or ())
+                and batch.max_seqlen > window
+            ):
+                raise ValueError(
+                    f"this model has sliding-window layers (window {window}) and a sequence of "
+                    f"{batch.max_seqlen} tokens: the packed {impl} mask has no window; use flash_attention_2"
+                )
+            dtype = None if impl == "sdpa" else _model_dtype(module)
+            kwargs["attention_mask"] = _block_causal_mask(batch.position_ids.to(device), dtype)
     else:
         raise ValueError(
             f"attn_implementation {impl!r} is not supported on packed rows; use one of "
@@ -365,7 +379,7 @@ def packed_forward(model: nn.Module, batch: PackedBatch, attn_implementation: st
 
 
 def _check_rollout(sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int) -> None:
-    """The rollout layout: every row has a last prompt token at column P - 1 and a first response token at P."""
+    """The rollout layout: every row has its last prompt token at column P - 1, first response token at P."""
     if not isinstance(response_width, int) or isinstance(response_width, bool):
         raise TypeError(f"response_width must be an int, got {type(response_width).__name__}")
     _check_padded(sequences, attention_mask)
@@ -381,15 +395,16 @@ def _check_rollout(sequences: torch.Tensor, attention_mask: torch.Tensor, respon
     if no_response.numel():
         b = int(no_response[0])
         raise ValueError(
-            f"attention_mask row {b} has no response token (response columns {prompt_width}..{seq - 1} start "
-            "with padding); drop empty completions, or check response_width and that responses are right-padded"
+            f"attention_mask row {b} has no response token (response columns {prompt_width}..{seq - 1} "
+            "start with padding); drop empty completions, or check response_width and that responses are "
+            "right-padded"
         )
     no_prompt = (~mask[:, prompt_width - 1]).nonzero()
     if no_prompt.numel():
         b = int(no_prompt[0])
         raise ValueError(
-            f"attention_mask row {b}: the last prompt column ({prompt_width - 1}) is padding; prompts must be "
-            "non-empty and left-padded"
+            f"attention_mask row {b}: the last prompt column ({prompt_width - 1}) is padding; prompts must "
+            "be non-empty and left-padded"
         )
 
 
@@ -402,8 +417,9 @@ def _response_predictors(attention_mask: torch.Tensor, response_width: int) -> t
     return predicts
 
 
-def _to_response_block(token_values: torch.Tensor, flat_positions: torch.Tensor, batch: PackedBatch,
-                       response_width: int) -> torch.Tensor:
+def _to_response_block(
+    token_values: torch.Tensor, flat_positions: torch.Tensor, batch: PackedBatch, response_width: int
+) -> torch.Tensor:
     """Values at predicting positions (padded flat index b*S+s, s = P-1+j) -> [B, T], 0 elsewhere."""
     batch_size, seq = batch.padded_shape
     row = flat_positions // seq
@@ -412,8 +428,9 @@ def _to_response_block(token_values: torch.Tensor, flat_positions: torch.Tensor,
     return out.index_copy(0, row * response_width + column, token_values).view(batch_size, response_width)
 
 
-def _logprob_chunk(hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, temperature: float,
-                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _logprob_chunk(
+    hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     logits = lm_head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -433,8 +450,8 @@ def _check_plain_lm_head(config: Any) -> None:
     scaling = getattr(config, "logits_scaling", 1.0)
     if softcap is not None or scale != 1.0 or scaling != 1.0:
         raise ValueError(
-            f"{type(config).__name__} transforms logits after the lm_head (final_logit_softcapping={softcap}, "
-            f"logit_scale={scale}, logits_scaling={scaling}); packed log-probs do not support that yet"
+            f"{type(config).__name__} transforms logits after the lm_head (final_logit_softcapping="
+            f"{softcap}, logit_scale={scale}, logits_scaling={scaling}); packed log-probs do not support that"
         )
 
 
@@ -497,10 +514,15 @@ def response_logprobs(
     )
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
-        args = (hidden[start : start + chunk_tokens], labels[start : start + chunk_tokens], lm_head,
-                temperature, with_entropy)
-        logp, entropy = checkpoint(_logprob_chunk, *args, use_reentrant=False) if needs_grad else _logprob_chunk(
-            *args
+        args = (
+            hidden[start : start + chunk_tokens],
+            labels[start : start + chunk_tokens],
+            lm_head,
+            temperature,
+            with_entropy,
+        )
+        logp, entropy = (
+            checkpoint(_logprob_chunk, *args, use_reentrant=False) if needs_grad else _logprob_chunk(*args)
         )
         logps.append(logp)
         entropies.append(entropy)
@@ -571,7 +593,9 @@ def reward_scores(
 # ---- token-budget micro-batches ------------------------------------------------------------------------
 
 
-def token_budget_microbatches(lengths: list[int], max_tokens_per_microbatch: int, dp_size: int) -> list[list[list[int]]]:
+def token_budget_microbatches(
+    lengths: list[int], max_tokens_per_microbatch: int, dp_size: int
+) -> list[list[list[int]]]:
     """Split an experience batch into micro-batches of at most ``max_tokens_per_microbatch`` real tokens.
 
     ``lengths[i]``: real tokens of sample i. Returns ``plan[rank][k]`` = the sample indices (ascending) of
@@ -598,8 +622,9 @@ def token_budget_microbatches(lengths: list[int], max_tokens_per_microbatch: int
             raise ValueError(f"sample {i} has {n} tokens; every sample needs at least one")
         if n > max_tokens_per_microbatch:
             raise ValueError(
-                f"sample {i} has {n} tokens, more than max_tokens_per_microbatch={max_tokens_per_microbatch}; "
-                "raise the budget to at least the longest sequence (prompt + response)"
+                f"sample {i} has {n} tokens, more than max_tokens_per_microbatch="
+                f"{max_tokens_per_microbatch}; raise the budget to at least the longest sequence (prompt + "
+                "response)"
             )
     if len(lengths) < dp_size:
         raise ValueError(
@@ -612,8 +637,8 @@ def token_budget_microbatches(lengths: list[int], max_tokens_per_microbatch: int
         num_micro = per_rank * dp_size
         if num_micro > len(lengths):
             raise ValueError(
-                f"cannot split {len(lengths)} samples into {dp_size} ranks x {per_rank} non-empty micro-batches "
-                f"of at most {max_tokens_per_microbatch} tokens; raise max_tokens_per_microbatch"
+                f"cannot split {len(lengths)} samples into {dp_size} ranks x {per_rank} non-empty "
+                f"micro-batches of at most {max_tokens_per_microbatch} tokens; raise the budget"
             )
         micro = _least_loaded_bins(order, lengths, num_micro, max_tokens_per_microbatch)
         if micro is not None:
@@ -630,7 +655,9 @@ def token_budget_microbatches(lengths: list[int], max_tokens_per_microbatch: int
     return plan
 
 
-def _least_loaded_bins(order: list[int], lengths: list[int], num_bins: int, capacity: int) -> list[list[int]] | None:
+def _least_loaded_bins(
+    order: list[int], lengths: list[int], num_bins: int, capacity: int
+) -> list[list[int]] | None:
     """Items (in ``order``) each into the least-loaded of ``num_bins`` bins; None if one does not fit."""
     heap = [(0, k) for k in range(num_bins)]
     bins: list[list[int]] = [[] for _ in range(num_bins)]
@@ -643,7 +670,9 @@ def _least_loaded_bins(order: list[int], lengths: list[int], num_bins: int, capa
     return bins
 
 
-def microbatch_loss_scale(total_action_tokens: int, dp_size: int, gradient_accumulation_steps: int = 1) -> float:
+def microbatch_loss_scale(
+    total_action_tokens: int, dp_size: int, gradient_accumulation_steps: int = 1
+) -> float:
     """Factor for one micro-batch's token-SUM loss so the optimizer step sees ONE token-mean.
 
     With ``loss_mb = (sum of per-token losses in micro-batch mb) * scale`` handed to backward, where
@@ -664,6 +693,7 @@ def microbatch_loss_scale(total_action_tokens: int, dp_size: int, gradient_accum
         raise ValueError(f"total_action_tokens must be >= 1, got {total_action_tokens}")
     if dp_size < 1 or gradient_accumulation_steps < 1:
         raise ValueError(
-            f"dp_size ({dp_size}) and gradient_accumulation_steps ({gradient_accumulation_steps}) must be >= 1"
+            f"dp_size ({dp_size}) and gradient_accumulation_steps ({gradient_accumulation_steps}) must be "
+            ">= 1"
         )
     return dp_size * gradient_accumulation_steps / total_action_tokens

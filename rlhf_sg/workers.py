@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -53,6 +54,10 @@ class ModelWorker:
     def __init__(self, spec: dict[str, Any], rank: int):
         self.spec = WorkerSpec(**spec)
         self.rank = rank
+        # DeepSpeed's ZeRO-3 collectives call torch.distributed APIs that warn on every call.
+        warnings.filterwarnings(
+            "ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning
+        )
         torch.set_num_threads(self.spec.threads)
         if self.spec.device == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -59,7 +59,9 @@ def test_save_from_a_gathered_state_dict(causal_lm_dir, tmp_path):
     for name, p in loaded.named_parameters():
         torch.testing.assert_close(p, state[name], atol=0, rtol=0)
     with pytest.raises(KeyError, match="value_head.weight"):
-        model.save_pretrained(str(tmp_path / "x"), state_dict={k: v for k, v in state.items() if k.startswith("model.")})
+        model.save_pretrained(
+            str(tmp_path / "x"), state_dict={k: v for k, v in state.items() if k.startswith("model.")}
+        )
 
 
 def test_from_a_sequence_classification_reward_model(tmp_path):

@@ -47,6 +47,7 @@ CASES = {
     "equal_lengths": ([5, 5, 5, 5], [4, 4, 4, 4]),
     "batch_of_one": ([6], [3]),
     "very_uneven": ([1, 30, 2, 3], [40, 1, 3, 2]),
+    "one_per_row_with_row_padding": ([6, 4], [5, 3]),  # 11 and 7 tokens: no two share a row
 }
 
 
@@ -238,7 +239,9 @@ def test_packed_forward_matches_padded(models, impl, case):
     ids, mask, T = rollout_batch(*CASES[case], seed=len(case))
     with torch.no_grad():
         ref_logp, ref_entropy = padded_reference(lm, ids, mask, T, temperature=0.7)
-        logp, entropy = response_logprobs(lm, ids, mask, T, temperature=0.7, with_entropy=True, chunk_tokens=5)
+        logp, entropy = response_logprobs(
+            lm, ids, mask, T, temperature=0.7, with_entropy=True, chunk_tokens=5
+        )
         ref_values = value_reference(critic, ids, mask, T)
         values = critic_values(critic, ids, mask, T)
     assert logp.shape == entropy.shape == values.shape == (ids.shape[0], T)
@@ -320,7 +323,9 @@ def test_critic_gradients_match_padded(models):
     grads = {}
     for name in ("padded", "packed"):
         model = copy.deepcopy(critic).train()
-        values = value_reference(model, ids, mask, T) if name == "padded" else critic_values(model, ids, mask, T)
+        values = (
+            value_reference(model, ids, mask, T) if name == "padded" else critic_values(model, ids, mask, T)
+        )
         (((values - returns) ** 2 * action).sum() / action.sum()).backward()
         grads[name] = {k: p.grad for k, p in model.named_parameters()}
     for k in grads["padded"]:
@@ -358,7 +363,10 @@ def test_microbatches_cover_every_sample_within_budget_and_in_lockstep(lengths, 
 def test_microbatches_hand_case_and_errors():
     plan = token_budget_microbatches([10, 9, 8, 7, 6, 5, 4, 3], 20, 2)
     # 52 tokens -> 3 micro-batches needed -> 2 per rank; LPT gives loads 13, 13, 13, 13
-    assert [[sum([10, 9, 8, 7, 6, 5, 4, 3][i] for i in m) for m in rank] for rank in plan] == [[13, 13], [13, 13]]
+    assert [[sum([10, 9, 8, 7, 6, 5, 4, 3][i] for i in m) for m in rank] for rank in plan] == [
+        [13, 13],
+        [13, 13],
+    ]
     with pytest.raises(ValueError, match="sample 2 has 30 tokens, more than max_tokens_per_microbatch=20"):
         token_budget_microbatches([5, 5, 30], 20, 1)
     with pytest.raises(ValueError, match="2 samples cannot give each of dp_size=3"):
@@ -369,7 +377,7 @@ def test_microbatches_hand_case_and_errors():
 
 @pytest.mark.parametrize("use_gas", [False, True])
 def test_loss_scale_makes_the_step_one_token_mean(use_gas):
-    """Simulate DeepSpeed: each rank backward()s (loss / gas) per micro-batch, gradients average over ranks."""
+    """Simulate DeepSpeed: each rank backward()s loss / gas per micro-batch; gradients average over ranks."""
     lm = build_tiny_model("qwen2", "tiny", seed=3).train()
     lm.set_attn_implementation("sdpa")
     prompt_lens, response_lens = [3, 8, 2, 6, 4, 7, 5], [9, 1, 6, 2, 8, 3, 5]

@@ -190,7 +190,7 @@ def test_zero3_trainer_round_trip_into_a_vllm_engine_actor(zero3_cluster, transp
     finally:
         ray.get([r.close_syncer.remote() for r in ranks], timeout=timeout_s)
     assert stats[0]["buckets"] > 2
-    trainer = ray.get(ranks[0].full_state_dict.remote(), timeout=timeout_s)
+    trainer = ray.get([r.full_state_dict.remote() for r in ranks], timeout=timeout_s)[0]  # a collective
     held = ray.get([engine.get_weights_by_name.remote(name) for name in trainer], timeout=timeout_s)
     for (name, want), got in zip(trainer.items(), held):
         assert torch.equal(got, want), f"{name} differs from the trainer's after the {transport} sync"

@@ -8,6 +8,7 @@ log of its prefix-cache resets so the test can see them).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import time
 
@@ -19,7 +20,7 @@ from backends.embedded import EmbeddedBackend
 from rlhf_sg.weight_sync import WeightSyncer, gather_bucket, hf_name, named_weights, plan_buckets
 
 F32, BF16 = torch.float32, torch.bfloat16
-TIMEOUT_S = 120.0
+TIMEOUT_S = 300.0
 
 
 class ResetCountingBackend(EmbeddedBackend):
@@ -169,7 +170,7 @@ def cluster(tmp_path_factory):
     config = BackendConfig(model_path=model_path, num_threads=1, extra={"reset_log_dir": str(root)})
     engines = start_engine_actors(backend, config, 2)
     logs = [str(root / f"{i}.log") for i in range(2)]
-    ranks = start_trainer_ranks(model_path, 2, timeout_s=TIMEOUT_S)
+    ranks = start_trainer_ranks(model_path, 2, timeout_s=600.0)  # start-up on a busy CI box is slow
     state = {"version": 0}
     yield {"model_path": model_path, "engines": engines, "ranks": ranks, "logs": logs, "state": state}
     ray.shutdown()
@@ -337,25 +338,32 @@ def test_bad_manifest_into_an_engine_is_a_clear_error_and_the_engine_stays_usabl
     assert len(out[0].token_ids) >= 1
 
 
-class NeverJoins:
-    """An engine that accepts the group spec and then never connects (a wrong address, a hung worker)."""
-
-    def describe(self):
-        return {
-            "engine_index": 0,
-            "backend": "never-joins",
-            "transports": ["collective"],
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "weight_group_size": 1,
-            "weight_version": 0,
-        }
-
-    def init_weight_update_group(self, spec):
-        return None
-
-
 @pytest.mark.slow
 def test_an_engine_that_never_joins_times_out_naming_group_and_rank(cluster):
+    # Defined here so Ray pickles the class by value (workers cannot import this test module).
+    class NeverJoins:
+        """An engine that accepts the group spec and then never connects (a wrong address, a hung worker)."""
+
+        def describe(self):
+            return {
+                "engine_index": 0,
+                "backend": "never-joins",
+                "transports": ["collective"],
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "weight_group_size": 1,
+                "weight_version": 0,
+            }
+
+        def init_weight_update_group(self, spec):
+            return None
+
+    from rlhf_sg.engine_actor import EngineActor
+
+    def params(cls, method):  # Ray adds a tracing keyword to classes it wraps
+        return [p for p in inspect.signature(getattr(cls, method)).parameters if not p.startswith("_ray")]
+
+    for method in ("describe", "init_weight_update_group"):  # the fake keeps the real actor's signatures
+        assert params(NeverJoins, method) == params(EngineActor, method)
     ghost = ray.remote(num_cpus=0)(NeverJoins).remote()
     syncer = WeightSyncer(0, 1, [ghost], transport="collective", timeout_s=2.0, group_name="ghost-sync")
     start = time.monotonic()
@@ -380,3 +388,34 @@ def test_engine_actor_finish_weight_update_bumps_version_and_resets_prefix_cache
     assert actor.finish_weight_update(5) == 5 and actor.weight_version() == 5
     assert _resets(str(tmp_path / "3.log")) == 1
     actor.shutdown()
+
+
+@pytest.mark.slow
+def test_an_engine_failing_mid_sync_fails_the_sync_at_once_and_set_up_again_recovers(cluster):
+    from rlhf_sg.engine_actor import EngineCallError
+    from rlhf_sg.tiny import build_tiny_model
+
+    engines, state = cluster["engines"], cluster["state"]
+    model = build_tiny_model("qwen2", "tiny", seed=11)
+    syncer = WeightSyncer(0, 1, engines, transport="collective", bucket_bytes=8192, timeout_s=300.0)
+    syncer.setup()
+    _get(engines[1].destroy_weight_update_group.remote())  # engine 1 can no longer receive
+    start = time.monotonic()
+    with pytest.raises(
+        EngineCallError, match=r"engine 1: update_weights_from_collective failed: .*no weight-update group"
+    ):
+        syncer.sync(model, state["version"] + 1)
+    assert time.monotonic() - start < 60, "the sender waited for its timeout instead of seeing the engine fail"
+    with pytest.raises(RuntimeError, match=r"previous sync failed .* call close\(\) and setup\(\) again"):
+        syncer.sync(model, state["version"] + 2)
+    syncer.close()
+    syncer.setup()
+    try:
+        state["version"] += 3
+        syncer.sync(model, state["version"])
+    finally:
+        syncer.close()
+    for engine in engines:
+        got = _get(engine.get_weights_by_name.remote("model.layers.0.self_attn.q_proj.weight"))
+        assert torch.equal(got, model.model.layers[0].self_attn.q_proj.weight.detach())
+        assert _get(engine.weight_version.remote()) == state["version"]

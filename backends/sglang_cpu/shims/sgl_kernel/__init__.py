@@ -2,8 +2,9 @@
 
 It registers no torch operators, so SGLang's ``cpu_has_amx_support()`` is False and its layers take
 their plain-torch paths. SGLang 0.5.23 imports the names below at module level when
-``SGLANG_USE_CPU_ENGINE=1``; plain decoding, weight updates and memory release call none of them
-(measured by tracing every attribute access through an engine start, generation and updates).
+``SGLANG_USE_CPU_ENGINE=1`` (``tests/test_sglang_api.py`` scans its source for them); plain decoding,
+weight updates and memory release call none of them (measured by tracing every attribute access
+through an engine start, generation and updates).
 They serve speculative decoding and KV-cache moves, which need SGLang's real CPU kernel build:
 calling one raises, naming the feature.
 """
@@ -33,4 +34,5 @@ assign_extend_cache_locs_cpu = _needs_real_kernels("assign_extend_cache_locs_cpu
 build_tree_kernel_efficient_cpu = _needs_real_kernels("build_tree_kernel_efficient_cpu", "speculative decoding")
 fill_accept_out_cache_loc_cpu = _needs_real_kernels("fill_accept_out_cache_loc_cpu", "speculative decoding")
 fill_bonus_tokens_cpu = _needs_real_kernels("fill_bonus_tokens_cpu", "speculative decoding")
+rotate_input_ids_cpu = _needs_real_kernels("rotate_input_ids_cpu", "speculative decoding")
 verify_tree_greedy_cpu = _needs_real_kernels("verify_tree_greedy_cpu", "speculative decoding")
