@@ -37,13 +37,15 @@ its ``"flattened_bucket"`` format, in both transports:
 SGLang 0.5.23 accepts weights only between ``begin_weight_update`` and ``end_weight_update``: the
 first bucket of a sync pauses generation (mode ``"retract"``) and opens that window;
 :meth:`SGLangBackend.finish_weight_update` closes it, flushes the prefix cache once (buckets load
-with ``flush_cache=False``), records the version and continues generation.
+with ``flush_cache=False``), records the version and continues generation. A ``generate``, ``sleep``
+or disk reload that comes while the window is open closes it first (without a new version), so
+the engine never waits on a sync nobody finishes.
 
 Sleep / wake call ``release_memory_occupation`` / ``resume_memory_occupation`` (weights, KV cache,
 CUDA graphs). They free memory only when the engine runs with ``enable_memory_saver=True``
-(``engine_kwargs``, GPU only); on CPU they run but free nothing. Released weights come back as
-garbage unless ``enable_weights_cpu_backup=True``; then a full weight sync must precede the next
-``generate`` (enforced).
+(``engine_kwargs``, GPU only); on CPU they run but free nothing. Weights released without
+``enable_weights_cpu_backup=True`` come back as garbage, so a full weight sync must then precede the
+next ``generate`` (enforced).
 
 Seeds. SGLang honours a per-request seed only with ``enable_deterministic_inference=True``, which
 needs a GPU attention backend (fa3 / flashinfer / triton). With it, each completion row gets its own
@@ -74,6 +76,7 @@ import logging
 import os
 import re
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -91,8 +94,9 @@ from backends.base import (
     SamplingParams,
     WeightGroupSpec,
 )
+from backends.embedded import row_seed
 
-__all__ = ["SGLangBackend", "open_weight_update_group", "sglang_sampling_params"]
+__all__ = ["SGLangBackend", "open_weight_update_group", "sglang_engine_kwargs", "sglang_sampling_params"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,17 +105,10 @@ _EXTRA_KEYS = {"engine_kwargs", "server_urls", "router_url", "request_timeout_s"
 INSTALL_CPU = "bash recipes/install/sglang_cpu.sh"
 INSTALL_GPU = "pip install 'rlhf-sg[sglang]'"
 _MEMORY_TAGS = None  # None = every tag SGLang knows (weights, KV cache, CUDA graphs)
-_MASK64 = (1 << 64) - 1
+#: SGLang's fused weights and the HF projections stacked in them, in row order
+_FUSED_PROJECTIONS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
 _DISCARD_NAME = "rlhf_sg.refused_bucket"  # matches no model's weight
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def _mix64(x: int) -> int:
-    """One SplitMix64 step: a well-spread 64-bit hash, the same in every process."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
 
 
 def sglang_sampling_params(params: SamplingParams, seed: int | None = None) -> dict[str, Any]:
@@ -139,6 +136,93 @@ def sglang_sampling_params(params: SamplingParams, seed: int | None = None) -> d
     if seed is not None:
         sampling["sampling_seed"] = seed
     return sampling
+
+
+def sglang_engine_kwargs(config: BackendConfig, user_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``sglang.Engine``'s keyword arguments for ``config`` (engine mode), checked before the slow start.
+
+    Raises :class:`BackendError` for what SGLang would only report later or less clearly (package
+    missing, CPU mode not set up, bad model path, more TP ranks than devices). Sets the environment
+    SGLang's processes inherit (CPU-mode switches, log-prob convention, thread count).
+    """
+    user_kwargs = {} if user_kwargs is None else user_kwargs
+    if not isinstance(user_kwargs, dict):
+        raise BackendError(f"BackendConfig.extra['engine_kwargs'] must be a dict, got {type(user_kwargs).__name__}")
+    if importlib.util.find_spec("sglang") is None:
+        raise BackendError(
+            f"the SGLang backend needs the sglang package, not installed for {sys.executable}; install it "
+            f"with `{INSTALL_CPU}` (CPU, its own venv) or `{INSTALL_GPU}` (GPU)"
+        )
+    device = torch.device(config.device).type
+    if device not in ("cpu", "cuda"):
+        raise BackendError(f"BackendConfig.device must be 'cpu' or 'cuda', got {config.device!r}")
+    _check_model_path(config.model_path, allow_hub_id=device == "cuda")
+    tp = config.tensor_parallel_size
+    if device == "cuda":
+        visible = torch.cuda.device_count()
+        if visible == 0:
+            raise BackendError(
+                "BackendConfig.device='cuda' but torch sees no CUDA device; use device='cpu' "
+                f"(SGLang's CPU mode, installed by `{INSTALL_CPU}`)"
+            )
+        if tp > visible:
+            raise BackendError(
+                f"BackendConfig.tensor_parallel_size={tp} but only {visible} CUDA device(s) are visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); lower it or give the "
+                "engine more GPUs"
+            )
+    else:
+        from backends import sglang_cpu
+
+        problems = sglang_cpu.cpu_mode_problems()
+        if problems:
+            raise BackendError("SGLang on CPU needs its CPU mode set up: " + "; ".join(problems))
+        if "sglang" in sys.modules and os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+            raise BackendError(
+                "sglang was imported in this process before SGLANG_USE_CPU_ENGINE=1 was set, so it chose "
+                "its GPU code paths; start the SGLang backend before importing sglang, or export "
+                "SGLANG_USE_CPU_ENGINE=1"
+            )
+        slots = _cpu_tp_slots()
+        if tp > slots:
+            raise BackendError(
+                f"BackendConfig.tensor_parallel_size={tp} but SGLang's CPU mode runs one TP rank per NUMA "
+                f"node or per SGLANG_CPU_OMP_THREADS_BIND core group, and this machine offers {slots}; "
+                "use tensor_parallel_size=1"
+            )
+        os.environ.update(sglang_cpu.CPU_ENGINE_ENV)
+    # Our log-prob convention is SGLang's default; pin it against a stray environment setting.
+    os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "0"
+    if config.num_threads is not None:
+        # SGLang's CPU schedulers take their thread count from the environment they inherit.
+        os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
+        torch.set_num_threads(config.num_threads)
+    kwargs: dict[str, Any] = {
+        "model_path": config.model_path,
+        "dtype": config.dtype,
+        "device": device,
+        "tp_size": tp,
+        "random_seed": config.seed,
+        "skip_tokenizer_init": True,
+        "context_length": _context_length(config),
+        "log_level": "error",
+    }
+    if device == "cpu":
+        kwargs.update(
+            attention_backend="torch_native",
+            disable_cuda_graph=True,
+            sleep_on_idle=True,  # an idle scheduler otherwise spins a core
+            # SGLang sizes the KV cache from device memory; on CPU that reserves gigabytes.
+            max_total_tokens=max(32768, 4 * _context_length(config)),
+        )
+    overridden = sorted(k for k in ("model_path", "skip_tokenizer_init") if k in user_kwargs)
+    if overridden:
+        raise BackendError(
+            f"BackendConfig.extra['engine_kwargs'] may not set {overridden}: the backend "
+            "relies on them (set model_path on BackendConfig)"
+        )
+    kwargs.update(user_kwargs)
+    return kwargs
 
 
 # ---- the trainer's side of the weight-update group ----------------------------------------------
@@ -221,7 +305,17 @@ class _EngineDriver:
 
             return Engine(**engine_kwargs)
 
-        self.engine = self.run("start sglang.Engine", start)
+        try:
+            self.engine = self.run("start sglang.Engine", start)
+        except Exception as exc:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+            if isinstance(exc, BackendError):
+                raise
+            raise BackendError(
+                f"sglang.Engine failed to start ({type(exc).__name__}: {exc}); model {engine_kwargs['model_path']!r}, "
+                f"device {engine_kwargs['device']!r}. SGLang's own log says more with "
+                "extra={'engine_kwargs': {'log_level': 'info'}}"
+            ) from exc
         self.server_info = self.engine.get_server_info()
         self.tp_sizes = [int(self.server_info["tp_size"])]
 
@@ -299,7 +393,12 @@ class _EngineDriver:
             )
             for t in manifest.tensors
         ]
-        payload = {"flattened_tensor": flat.view(torch.uint8), "metadata": metadata}
+        data = flat.view(torch.uint8)
+        if data.device.type == "cpu":
+            # A fresh shared-memory segment for SGLang's workers to map: a buffer the trainer handed over
+            # in a mapped file (the engine actor's hand-off) cannot be re-shared by file descriptor.
+            data = torch.empty_like(data).share_memory_().copy_(data)
+        payload = {"flattened_tensor": data, "metadata": metadata}
         # One payload per TP rank: each rank deserialises (and, on GPU, opens the IPC handle of) its own.
         per_rank = [MultiprocessingSerializer.serialize(payload) for _ in range(self.tp_sizes[0])]
         self.call(
@@ -310,6 +409,25 @@ class _EngineDriver:
         return self.run(
             f"get_weights_by_name({name!r})", lambda: self.engine.get_weights_by_name(name, truncate_size=2**31 - 1)
         )
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter as SGLang holds it (its own names, fused projections), via a sharded save.
+
+        ``Engine.save_sharded_model`` writes each TP rank's state dict as safetensors files; with one
+        rank those are the whole model.
+        """
+        if self.tp_sizes != [1]:
+            raise BackendError("reading SGLang's weights back through a save needs tensor_parallel_size=1")
+        from safetensors.torch import load_file
+
+        with tempfile.TemporaryDirectory(prefix="rlhf_sg-sglang-export-") as path:
+            self.run(
+                "save_sharded_model", lambda: self.engine.save_sharded_model(path=path, pattern=None, max_size=None)
+            )
+            state: dict[str, torch.Tensor] = {}
+            for file in sorted(Path(path).glob("*.safetensors")):
+                state.update(load_file(str(file)))
+        return state
 
     def flush_cache(self) -> None:
         result = self.run("flush_cache", self.engine.flush_cache)
@@ -437,6 +555,9 @@ class _HTTPDriver:
             f"{self.server_urls[0]}/get_weights_by_name", "POST", {"name": name, "truncate_size": 2**31 - 1}
         )
 
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        raise BackendError("SGLang http mode cannot read weights back beyond what the servers' model class exports")
+
     def flush_cache(self) -> None:
         self._on_every_server("flush_cache", "POST", None)
 
@@ -482,6 +603,8 @@ class SGLangBackend(RolloutBackend):
         self._weights_lost = False  # released without a CPU backup: a full sync must come first
         self._closed = True  # until the driver is up
         self._warned_seed = False
+        self._export: dict[str, torch.Tensor] | None = None  # weights read back through a save, until an update
+        self._native_readback = True  # SGLang's model class has get_weights_by_name (until it says otherwise)
 
         if "server_urls" in extra:
             urls = extra["server_urls"]
@@ -494,6 +617,7 @@ class SGLangBackend(RolloutBackend):
                 )
             self._driver = _HTTPDriver(urls, extra.get("router_url"), timeout_s, int(extra.get("max_concurrency", 256)))
             if sum(self._driver.tp_sizes) != config.tensor_parallel_size:
+                self._driver.shutdown()
                 raise BackendError(
                     f"BackendConfig.tensor_parallel_size={config.tensor_parallel_size}, but the servers of "
                     f"server_urls run tp_size {self._driver.tp_sizes} (sum {sum(self._driver.tp_sizes)}): set it "
@@ -503,7 +627,7 @@ class SGLangBackend(RolloutBackend):
         else:
             if "router_url" in extra:
                 raise BackendError("BackendConfig.extra['router_url'] needs extra['server_urls'] (http mode)")
-            engine_kwargs = self._engine_kwargs(config, extra.get("engine_kwargs", {}))
+            engine_kwargs = sglang_engine_kwargs(config, extra.get("engine_kwargs", {}))
             self._driver = _EngineDriver(engine_kwargs, timeout_s)
         self._closed = False
         info = self._driver.server_info
@@ -512,88 +636,6 @@ class SGLangBackend(RolloutBackend):
         self._shapes = _checkpoint_shapes(config.model_path)
         self._deterministic = bool(info.get("enable_deterministic_inference", False))
         self._unseeded = torch.Generator().manual_seed(config.seed)
-
-    # ---- start-up ------------------------------------------------------------------------
-    @staticmethod
-    def _engine_kwargs(config: BackendConfig, user_kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Check what can be checked before the (slow) engine start; return ``sglang.Engine``'s kwargs."""
-        if not isinstance(user_kwargs, dict):
-            raise BackendError(f"BackendConfig.extra['engine_kwargs'] must be a dict, got {type(user_kwargs).__name__}")
-        if importlib.util.find_spec("sglang") is None:
-            raise BackendError(
-                f"the SGLang backend needs the sglang package, not installed for {sys.executable}; install it "
-                f"with `{INSTALL_CPU}` (CPU, its own venv) or `{INSTALL_GPU}` (GPU)"
-            )
-        device = torch.device(config.device).type
-        if device not in ("cpu", "cuda"):
-            raise BackendError(f"BackendConfig.device must be 'cpu' or 'cuda', got {config.device!r}")
-        _check_model_path(config.model_path, allow_hub_id=device == "cuda")
-        tp = config.tensor_parallel_size
-        if device == "cuda":
-            visible = torch.cuda.device_count()
-            if visible == 0:
-                raise BackendError(
-                    "BackendConfig.device='cuda' but torch sees no CUDA device; use device='cpu' "
-                    f"(SGLang's CPU mode, installed by `{INSTALL_CPU}`)"
-                )
-            if tp > visible:
-                raise BackendError(
-                    f"BackendConfig.tensor_parallel_size={tp} but only {visible} CUDA device(s) are visible "
-                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); lower it or give the "
-                    "engine more GPUs"
-                )
-        else:
-            from backends import sglang_cpu
-
-            problems = sglang_cpu.cpu_mode_problems()
-            if problems:
-                raise BackendError("SGLang on CPU needs its CPU mode set up: " + "; ".join(problems))
-            if "sglang" in sys.modules and os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
-                raise BackendError(
-                    "sglang was imported in this process before SGLANG_USE_CPU_ENGINE=1 was set, so it chose "
-                    "its GPU code paths; start the SGLang backend before importing sglang, or export "
-                    "SGLANG_USE_CPU_ENGINE=1"
-                )
-            slots = _cpu_tp_slots()
-            if tp > slots:
-                raise BackendError(
-                    f"BackendConfig.tensor_parallel_size={tp} but SGLang's CPU mode runs one TP rank per NUMA "
-                    f"node or per SGLANG_CPU_OMP_THREADS_BIND core group, and this machine offers {slots}; "
-                    "use tensor_parallel_size=1"
-                )
-            os.environ.update(sglang_cpu.CPU_ENGINE_ENV)
-        # Our log-prob convention is SGLang's default; pin it against a stray environment setting.
-        os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "0"
-        if config.num_threads is not None:
-            # SGLang's CPU schedulers take their thread count from the environment they inherit.
-            os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
-            torch.set_num_threads(config.num_threads)
-        kwargs: dict[str, Any] = {
-            "model_path": config.model_path,
-            "dtype": config.dtype,
-            "device": device,
-            "tp_size": tp,
-            "random_seed": config.seed,
-            "skip_tokenizer_init": True,
-            "context_length": _context_length(config),
-            "log_level": "error",
-        }
-        if device == "cpu":
-            kwargs.update(
-                attention_backend="torch_native",
-                disable_cuda_graph=True,
-                sleep_on_idle=True,  # an idle scheduler otherwise spins a core
-                # SGLang sizes the KV cache from device memory; on CPU that reserves gigabytes.
-                max_total_tokens=max(32768, 4 * _context_length(config)),
-            )
-        overridden = sorted(k for k in ("model_path", "skip_tokenizer_init") if k in user_kwargs)
-        if overridden:
-            raise BackendError(
-                f"BackendConfig.extra['engine_kwargs'] may not set {overridden}: the backend "
-                "relies on them (set model_path on BackendConfig)"
-            )
-        kwargs.update(user_kwargs)
-        return kwargs
 
     # ---- rollout -------------------------------------------------------------------------
     @property
@@ -605,6 +647,8 @@ class SGLangBackend(RolloutBackend):
         """Sample ``params.n`` completions per prompt; prompt-major, ``len(prompts) * n`` of them."""
         self._check_usable("generate")
         self._validate_prompts(prompts, params)
+        if self._update_open:  # buckets came without finish_weight_update; SGLang serves only once the window closes
+            self._close_update()
         if self._weights_lost:
             raise BackendError(
                 "generate: sleep() released the weights without a CPU backup; push a full weight sync first "
@@ -616,18 +660,15 @@ class SGLangBackend(RolloutBackend):
                 "backends only); sampling uses the engine's own random stream"
             )
             self._warned_seed = True
-        base = sglang_sampling_params(params)
         sampling = []
+        call_seed = params.seed
+        if self._deterministic and call_seed is None:
+            call_seed = int(torch.randint(0, 2**62, (1,), generator=self._unseeded))
         for i in range(len(prompts)):
             for j in range(params.n):
-                sp = dict(base)
-                if self._deterministic:
-                    seed = params.seed
-                    if seed is None:
-                        seed = int(torch.randint(0, 2**62, (1,), generator=self._unseeded))
-                    # one seed per completion row, so the n samples of a prompt differ
-                    sp["sampling_seed"] = _mix64(_mix64(seed & _MASK64) ^ (i * params.n + j)) >> 1
-                sampling.append(sp)
+                # one seed per completion row, so the n samples of a prompt differ (SGLang takes int64)
+                seed = row_seed(call_seed, i, j) >> 1 if self._deterministic else None
+                sampling.append(sglang_sampling_params(params, seed))
         input_ids = [list(map(int, p)) for p in prompts for _ in range(params.n)]
         outputs = self._driver.generate(input_ids, sampling)
         if len(outputs) != len(input_ids):
@@ -755,6 +796,9 @@ class SGLangBackend(RolloutBackend):
         refusal = self._refusal(list(_checkpoint_shapes(path).items()), f"update_weights_from_disk({path!r})")
         if refusal is not None:
             raise BackendError(refusal)
+        if self._update_open:
+            self._close_update()
+        self._export = None
         self._driver.pause()
         try:
             self._driver.call("update_weights_from_disk", model_path=path)
@@ -766,18 +810,15 @@ class SGLangBackend(RolloutBackend):
         """Close the sync: end SGLang's update window, flush the prefix cache once, record ``version``."""
         self._check_usable("finish_weight_update")
         if self._update_open:
-            self._update_open = False
-            try:
-                self._driver.call("end_weight_update")
-                self._driver.flush_cache()
-            finally:
-                self._driver.resume()
-            self._weights_lost = False
+            self._close_update()
         else:
             self._driver.flush_cache()
+        self._weights_lost = False
         self._weight_version = int(version)
 
     def _open_update(self) -> None:
+        """Pause generation and open SGLang's weight-update window (once per sync)."""
+        self._export = None
         if not self._update_open:
             self._driver.pause()
             try:
@@ -786,6 +827,15 @@ class SGLangBackend(RolloutBackend):
                 self._driver.resume()
                 raise
             self._update_open = True
+
+    def _close_update(self) -> None:
+        """End the window (SGLang finalises the loaded weights), flush stale KV, continue generation."""
+        self._update_open = False
+        try:
+            self._driver.call("end_weight_update")
+            self._driver.flush_cache()
+        finally:
+            self._driver.resume()
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every weight the engine loads, HF name -> shape, read from the checkpoint it started from.
@@ -810,20 +860,50 @@ class SGLangBackend(RolloutBackend):
         return None
 
     def get_weights_by_name(self, name: str) -> torch.Tensor:
-        """A float32 CPU copy of one parameter (HF name), where SGLang's model class can export it."""
+        """A float32 CPU copy of one parameter (HF name), at the checkpoint's shape.
+
+        SGLang's own ``get_weights_by_name`` serves the model classes that implement it (in 0.5.23
+        the Llama family, Granite, OPT, Exaone4). For the others (Qwen2, ...) the weights are exported
+        once per update through ``Engine.save_sharded_model`` (engine mode, one TP rank) and the HF
+        name is cut out of SGLang's fused projections (``qkv_proj``, ``gate_up_proj``), so this is slow
+        the first time after each update: it is for checks and debugging.
+        """
         self._check_usable("get_weights_by_name")
-        values = self._driver.get_weights(name)
-        if values is None or (isinstance(values, dict) and "error" in str(values).lower()):
-            raise BackendError(
-                f"SGLang cannot read back {name!r}: not a parameter of the model, or its SGLang model class "
-                "has no get_weights_by_name (in 0.5.23: the Llama family, Granite, OPT, Exaone4)"
-            )
-        weight = torch.tensor(values, dtype=torch.float32)
+        if self._shapes and name not in self._shapes:
+            raise BackendError(f"get_weights_by_name: {name!r} is not a weight of {self.config.model_path}")
+        values = self._driver.get_weights(name) if self._native_readback else None
+        if values is not None and not isinstance(values, dict):
+            weight = torch.tensor(values, dtype=torch.float32)
+        else:
+            self._native_readback = False  # this model class has none; do not ask (and log) again
+            weight = self._exported_weight(name)
         shape = self._shapes.get(name)
         if shape is not None and tuple(weight.shape) != shape:
             # SGLang pads vocabulary-sized weights to a multiple of its tile; the extra rows are not weights.
             weight = weight[tuple(slice(0, n) for n in shape)].contiguous()
         return weight
+
+    def _exported_weight(self, name: str) -> torch.Tensor:
+        if self._export is None:
+            self._export = self._driver.export_weights()
+        state = self._export
+        if name in state:
+            return state[name].float()
+        # A projection SGLang fuses: its rows sit in the fused weight after its siblings' rows.
+        for fused, parts in _FUSED_PROJECTIONS:
+            for i, part in enumerate(parts):
+                if f".{part}." not in name:
+                    continue
+                fused_name = name.replace(f".{part}.", f".{fused}.")
+                siblings = [name.replace(f".{part}.", f".{p}.") for p in parts]
+                if fused_name not in state or any(s not in self._shapes for s in siblings):
+                    break
+                start = sum(self._shapes[s][0] for s in siblings[:i])
+                return state[fused_name][start : start + self._shapes[name][0]].float()
+        raise BackendError(
+            f"get_weights_by_name: SGLang's model holds no weight for {name!r} (its classes of this model "
+            "neither export it nor fuse it in a way this backend knows)"
+        )
 
     # ---- memory and lifetime ---------------------------------------------------------------
     def sleep(self) -> None:
@@ -831,6 +911,9 @@ class SGLangBackend(RolloutBackend):
         self._check_usable("sleep")
         if self._asleep:
             return
+        if self._update_open:
+            self._close_update()
+        self._export = None
         self._driver.pause()
         self._driver.call("release_memory_occupation", tags=_MEMORY_TAGS)
         self._asleep = True

@@ -63,6 +63,7 @@ from backends.base import (
     SamplingParams,
     WeightGroupSpec,
 )
+from backends.embedded import row_seed
 
 __all__ = ["INSTALL_HINT", "VLLMBackend", "vllm_engine_kwargs"]
 
@@ -132,7 +133,7 @@ class VLLMBackend(RolloutBackend):
 
     def __init__(self, config: BackendConfig):
         super().__init__(config)
-        engine_kwargs = vllm_engine_kwargs(config)
+        _check_config(config)
         try:
             import vllm
         except ImportError as exc:
@@ -140,6 +141,7 @@ class VLLMBackend(RolloutBackend):
                 f"the vLLM backend needs the vllm package, which is not importable ({exc}); {INSTALL_HINT}"
             ) from exc
         _check_platform(config)
+        engine_kwargs = vllm_engine_kwargs(config)
         self._vllm = vllm
         self._sleep_level = int(config.extra.get("sleep_level", 1))
         self._can_sleep = bool(engine_kwargs.get("enable_sleep_mode", False))
@@ -533,8 +535,6 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def _request_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    from backends.embedded import row_seed
-
     return row_seed(seed, prompt_index, sample_index) & _SEED_MASK
 
 

@@ -328,6 +328,12 @@ def validate(cfg: Config) -> Config:
     _need(samples % t.num_minibatches == 0,
           f"--train.num_minibatches {t.num_minibatches} must divide "
           f"prompts_per_step x n_samples_per_prompt = {samples}")
+    per_minibatch = samples // t.num_minibatches
+    rank_flags = (("--train.actor_num_ranks", t.actor_num_ranks), ("--train.critic_num_ranks", t.critic_num_ranks))
+    for flag, ranks in rank_flags:
+        _need(per_minibatch >= ranks,
+              f"{flag} {ranks}: each optimizer step has {per_minibatch} samples (prompts_per_step x "
+              f"n_samples_per_prompt / num_minibatches), fewer than the ranks that must each train on one")
     _need(t.clip_low >= 0 and t.clip_low < 1 and t.clip_high >= 0,
           f"--train.clip_low must be in [0, 1) and --train.clip_high >= 0 (got {t.clip_low}, {t.clip_high})")
     _need(t.dual_clip is None or t.dual_clip > 1, f"--train.dual_clip must be > 1 (got {t.dual_clip})")

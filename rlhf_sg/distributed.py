@@ -23,7 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["create_group_store", "free_port", "init_torch_distributed", "open_side_group", "zero3_config"]
+__all__ = [
+    "create_group_store",
+    "free_port",
+    "init_torch_distributed",
+    "open_side_group",
+    "side_broadcast",
+    "zero3_config",
+]
 
 _BACKENDS = ("gloo", "nccl")
 

@@ -54,6 +54,7 @@ class EngineActor:
             "backend": self.backend.name,
             "transports": sorted(self.backend.transports),
             "node_id": ray.get_runtime_context().get_node_id(),
+            "gpu_ids": [int(g) for g in ray.get_gpu_ids()],  # physical ids (CUDA IPC needs the trainer's)
             # ranks this engine's workers take in a weight-update group
             "weight_group_size": self.backend.config.tensor_parallel_size,
             "weight_version": self.backend.weight_version,

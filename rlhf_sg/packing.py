@@ -15,16 +15,19 @@ Three layouts of one batch:
   * flash-attn varlen (``flash_attention_2``/``_3``) costs sum(len_i^2) whatever the row holds, so every
     sequence goes into ONE row [1, N] and the kernel gets ``cu_seqlens``;
   * ``sdpa`` and ``eager`` take an explicit 4D block-causal mask and cost R * L^2 (the masked-out pairs
-    are computed too). One [1, N] row would cost N^2: on the benchmark mix (16 rollouts) it was slower
-    than padding. So sequences are bin-packed (first-fit decreasing) into rows no longer than the
-    longest sequence, which keeps both the pad slots and the wasted attention small.
+    are computed too). One [1, N] row would cost N^2: in a trial on a mix like the benchmark's (16
+    rollouts, 6k real tokens, 25M model, CPU, forward + backward, best of 2) it took 1.5x the padded
+    time, where rows no longer than the longest sequence took 0.5x. So sequences are bin-packed
+    (first-fit decreasing) into such rows, which keeps both the pad slots and the wasted attention
+    small; a row holding one sequence needs no mask at all (causal attention is then exact), which
+    lets sdpa use its causal kernel.
 
 Attention across sequences never happens: with transformers 5.19, ``sdpa``/``eager`` given packed
 ``position_ids`` and no mask attend across sequences whenever the model builds a KV cache (the default
-``use_cache``), logits off by ~0.5. We therefore always pass ``use_cache=False`` AND an explicit 4D
-mask, which transformers hands to the attention function untouched (``masking_utils`` returns a 4D mask
-as-is): ``sdpa`` a bool mask (True = attend), ``eager`` an additive float mask in the model's dtype (a
-bool mask would be ADDED to the scores there, i.e. wrong).
+``use_cache``), logits off by ~0.5. We therefore always pass ``use_cache=False`` and, wherever a row
+holds several sequences, an explicit 4D mask, which transformers hands to the attention function
+untouched (``masking_utils`` returns a 4D mask as-is): ``sdpa`` a bool mask (True = attend), ``eager``
+an additive float mask in the model's dtype (a bool mask would be ADDED to the scores there: wrong).
 
 The functions the trainer calls, all taking the padded layout and answering in it:
 :func:`response_logprobs` (log-probs and entropy of response tokens, fp32, chunked over the vocabulary),

@@ -66,6 +66,8 @@ def test_yaml_unknown_key_names_file(tmp_path):
     (["--data.max_prompt_len", "4000"], "exceeds --rollout.max_model_len"),
     (["--train.actor_lr", "fast"], "cannot read 'fast' as float"),
     (["--reward.function", "nocolon"], "module:function"),
+    (["--rollout.prompts_per_step", "1", "--rollout.n_samples_per_prompt", "1", "--train.actor_num_ranks", "2"],
+     "fewer than the ranks"),
 ])
 def test_bad_flags_are_named(model_dir, prompts_file, flags, message):
     with pytest.raises(ConfigError, match=message):

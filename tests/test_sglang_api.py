@@ -102,6 +102,17 @@ def server_args_fields() -> set[str]:
     return fields
 
 
+def rpc_keys(method: str) -> set[str]:
+    """Keys the scheduler's handler of an RPC-forwarded Engine method reads from its ``params`` dict."""
+    path = SRT / "managers" / "scheduler_components" / "weight_updater.py"
+    fn = next(n for n in ast.walk(parse(path)) if isinstance(n, ast.FunctionDef) and n.name == method)
+    return {
+        n.slice.value
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and ast.unparse(n.value) == "params"
+    }
+
+
 def engine_methods() -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
     return methods(SRT / "entrypoints" / "engine.py", "Engine")
 
@@ -181,8 +192,14 @@ def test_direct_engine_calls_exist():
         func = call.func
         if isinstance(func, ast.Attribute) and ast.unparse(func.value) == "self.engine":
             assert func.attr in engine, f"sglang.Engine has no method {func.attr}"
-            missing = keywords(call) - parameters(engine[func.attr])
-            assert not missing, f"Engine.{func.attr} takes no keyword(s) {sorted(missing)}"
+            method = engine[func.attr]
+            if method.args.kwarg is not None:  # forwards **kwargs over RPC; the scheduler side reads every key
+                assert keywords(call) == rpc_keys(func.attr), (
+                    f"Engine.{func.attr}: the scheduler reads {rpc_keys(func.attr)}"
+                )
+            else:
+                missing = keywords(call) - parameters(method)
+                assert not missing, f"Engine.{func.attr} takes no keyword(s) {sorted(missing)}"
             checked += 1
     # bare references such as run("flush_cache", self.engine.flush_cache), and attributes (self.engine.loop)
     known = set(engine) | engine_attributes()
@@ -254,7 +271,9 @@ def test_http_endpoints_and_bodies():
 
 def test_engine_kwargs_and_server_info_keys_are_server_args_fields():
     fields = server_args_fields()
-    fn = next(n for n in ast.walk(parse(BACKEND_SRC)) if isinstance(n, ast.FunctionDef) and n.name == "_engine_kwargs")
+    fn = next(
+        n for n in ast.walk(parse(BACKEND_SRC)) if isinstance(n, ast.FunctionDef) and n.name == "sglang_engine_kwargs"
+    )
     used = set()
     for node in ast.walk(fn):
         if isinstance(node, ast.Dict):
@@ -284,7 +303,11 @@ def test_sampling_param_keys_exist():
         n for n in ast.walk(parse(BACKEND_SRC)) if isinstance(n, ast.FunctionDef) and n.name == "sglang_sampling_params"
     )
     keys = set().union(*(dict_keys(n) for n in ast.walk(fn)))
-    keys |= {ast.unparse(n.slice).strip("'\"") for n in ast.walk(fn) if isinstance(n, ast.Subscript)} - {"str", "Any"}
+    keys |= {
+        n.slice.value
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and isinstance(n.slice.value, str)
+    }
     assert {"max_new_tokens", "temperature", "stop_token_ids", "no_stop_trim", "sampling_seed"} <= keys
     missing = keys - sglang_fields
     assert not missing, f"SGLang's SamplingParams takes no {sorted(missing)}"

@@ -242,3 +242,77 @@ def test_tensor_parallel_engine_gathers_weights_and_loads_buckets(model_dir, ref
         assert contract.greedy(engine, prompts) == [contract.hf_greedy(new_model, p, 12, {EOS_ID}) for p in prompts]
     finally:
         engine.shutdown()
+
+
+# ---- GPU-only: the CUDA model runner's sampler hook, sleep mode, CUDA IPC ---------------------------
+def _cuda_backend(model_dir: str) -> VLLMBackend:
+    return VLLMBackend(
+        BackendConfig(
+            model_path=model_dir,
+            device="cuda",
+            max_model_len=contract.MAX_MODEL_LEN,
+            extra={"gpu_memory_utilization": 0.3},
+        )
+    )
+
+
+@requires_vllm
+@pytest.mark.gpu
+def test_cuda_logprobs_match_trainer_with_and_without_truncation(model_dir, reference, prompts):
+    engine = _cuda_backend(model_dir)
+    try:
+        for temperature, top_k, top_p in ((0.7, -1, 1.0), (0.9, 20, 0.9), (0.0, -1, 1.0)):
+            params = SamplingParams(n=2, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, seed=7)
+            worst = 0.0
+            for c in engine.generate(prompts, params):
+                expected = contract.trainer_logprobs(reference, prompts[c.prompt_index], c.token_ids, temperature)
+                worst = max(worst, (expected - torch.tensor(c.logprobs)).abs().max().item())
+            # fp32 on the GPU: the engine's matmuls may use other reduction orders than the CPU trainer.
+            assert worst <= 1e-3, f"T={temperature} top_k={top_k} top_p={top_p}: max abs diff {worst:.2e}"
+    finally:
+        engine.shutdown()
+
+
+@requires_vllm
+@pytest.mark.gpu
+def test_cuda_sleep_frees_memory_and_wake_restores_the_engine(model_dir, prompts):
+    engine = _cuda_backend(model_dir)
+    try:
+        before = contract.greedy(engine, prompts)
+        free_awake, _ = torch.cuda.mem_get_info()
+        engine.sleep()
+        free_asleep, _ = torch.cuda.mem_get_info()
+        assert free_asleep > free_awake, "sleep freed no GPU memory"
+        with pytest.raises(BackendError, match="wake"):
+            engine.generate(prompts, SamplingParams(max_new_tokens=4))
+        engine.wake()
+        assert contract.greedy(engine, prompts) == before
+    finally:
+        engine.shutdown()
+
+
+@requires_vllm
+@pytest.mark.gpu
+def test_cuda_ipc_bucket_from_another_process(model_dir):
+    import torch.multiprocessing as mp
+
+    engine = _cuda_backend(model_dir)
+    try:
+        name = "model.layers.0.mlp.down_proj.weight"  # a layer of its own: one tensor completes it
+        shape = tuple(engine.get_weights_by_name(name).shape)
+        numel = shape[0] * shape[1]
+        manifest = BucketManifest((TensorSpec(name, shape, torch.float32, 0),), torch.float32, numel)
+        ctx = mp.get_context("spawn")
+        bucket_queue, done = ctx.Queue(), ctx.Event()
+        child = ctx.Process(target=contract._ipc_sender, args=(bucket_queue, done, 3, numel))
+        child.start()
+        try:
+            engine.update_weights_from_tensor(manifest, bucket_queue.get(timeout=contract.GROUP_TIMEOUT_S))
+            engine.finish_weight_update(1)
+        finally:
+            done.set()
+            child.join(contract.GROUP_TIMEOUT_S)
+        expected = torch.randn(numel, generator=torch.Generator().manual_seed(3)).view(shape)
+        assert torch.equal(engine.get_weights_by_name(name), expected)
+    finally:
+        engine.shutdown()

@@ -156,6 +156,35 @@ def test_weight_syncer_spreads_engines_over_sender_ranks():
 ray = pytest.importorskip("ray")
 
 
+def odd_model(seed: int = 0, vocab_size: int | None = None):
+    """A tiny Llama whose hidden size (63) makes most tensors odd-sized.
+
+    With 2 ZeRO-3 ranks an odd tensor's last partition is padded, so the shard exchange's tail
+    handling is exercised (the stock tiny sizes are all even).
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from rlhf_sg.tiny import EOS_ID, PAD_ID, char_vocab
+
+    config = LlamaConfig(
+        vocab_size=vocab_size or len(char_vocab()),
+        hidden_size=63,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=8,  # RoPE wants an even head size; q/k/v project 63 -> 3 x 8
+        intermediate_size=129,
+        max_position_embeddings=256,
+        pad_token_id=PAD_ID,
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A 2-rank ZeRO-3 trainer and 2 embedded engines over one saved tiny Qwen2."""
@@ -164,7 +193,7 @@ def cluster(tmp_path_factory):
     from rlhf_sg.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("weight_sync")
-    model_path = save_tiny_model(str(root / "model"), arch="qwen2", size="tiny")
+    model_path = save_tiny_model(str(root / "model"), model=odd_model())
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     backend = f"{os.path.abspath(__file__)}:ResetCountingBackend"
     config = BackendConfig(model_path=model_path, num_threads=1, extra={"reset_log_dir": str(root)})
@@ -236,6 +265,7 @@ PROMPTS = [[1, 40, 41, 42, 43, 44], [1, 50, 12, 77, 13, 9]]
 def test_zero3_trainer_really_partitions_every_parameter(cluster):
     shards = _get(cluster["ranks"][0].shard_numels.remote())
     assert shards and all(local < full for local, full in shards.values()), shards
+    assert any(full % 2 for _, full in shards.values()), "no padded partition: the tail path goes untested"
 
 
 @pytest.mark.slow
@@ -294,21 +324,21 @@ def test_round_trip_engines_hold_the_trainers_weights(cluster, transport, kwargs
 @pytest.mark.slow
 def test_mismatched_model_is_refused_before_any_byte_moves(cluster):
     """A trainer model that is not the engines' model: clear error naming the tensor; engines unharmed."""
-    from rlhf_sg.tiny import build_tiny_model, char_vocab
+    from rlhf_sg.tiny import char_vocab
 
     engines, state = cluster["engines"], cluster["state"]
     version_before = _get(engines[0].weight_version.remote())
     vocab = len(char_vocab())
-    wrong = build_tiny_model("qwen2", "tiny", vocab_size=vocab + 20)  # embeddings of another shape
+    wrong = odd_model(vocab_size=vocab + 20)  # embeddings of another shape
     syncer = WeightSyncer(0, 1, engines, transport="collective", timeout_s=TIMEOUT_S)
     syncer.setup()
     try:
-        expected = rf"engine \d: .*model\.embed_tokens\.weight.*\({vocab + 20}, 64\) in the trainer.*\({vocab}, 64\)"
+        expected = rf"engine \d: .*model\.embed_tokens\.weight.*\({vocab + 20}, 63\) in the trainer.*\({vocab}, 63\)"
         with pytest.raises(ValueError, match=expected):
             syncer.sync(wrong, state["version"] + 1)
         assert _get([e.weight_version.remote() for e in engines]) == [version_before] * 2
         # Nothing was sent, so the groups are still in step: the right model syncs through the same syncer.
-        right = build_tiny_model("qwen2", "tiny", seed=7)
+        right = odd_model(seed=7)
         state["version"] += 1
         syncer.sync(right, state["version"])
     finally:
@@ -368,7 +398,7 @@ def test_an_engine_that_never_joins_times_out_naming_group_and_rank(cluster):
     syncer = WeightSyncer(0, 1, [ghost], transport="collective", timeout_s=2.0, group_name="ghost-sync")
     start = time.monotonic()
     with pytest.raises(
-        TimeoutError, match=r"'ghost-sync-rank0'.*trainer rank 0 \(group rank 0\).*engine 0 \(group rank 1\)"
+        TimeoutError, match=r"'ghost-sync-rank0-setup1'.*trainer rank 0 \(group rank 0\).*engine 0 \(group rank 1\)"
     ):
         syncer.setup()
     assert time.monotonic() - start < 60, "setup hung instead of timing out"
@@ -393,10 +423,9 @@ def test_engine_actor_finish_weight_update_bumps_version_and_resets_prefix_cache
 @pytest.mark.slow
 def test_an_engine_failing_mid_sync_fails_the_sync_at_once_and_set_up_again_recovers(cluster):
     from rlhf_sg.engine_actor import EngineCallError
-    from rlhf_sg.tiny import build_tiny_model
 
     engines, state = cluster["engines"], cluster["state"]
-    model = build_tiny_model("qwen2", "tiny", seed=11)
+    model = odd_model(seed=11)
     syncer = WeightSyncer(0, 1, engines, transport="collective", bucket_bytes=8192, timeout_s=300.0)
     syncer.setup()
     _get(engines[1].destroy_weight_update_group.remote())  # engine 1 can no longer receive
@@ -419,3 +448,108 @@ def test_an_engine_failing_mid_sync_fails_the_sync_at_once_and_set_up_again_reco
         got = _get(engine.get_weights_by_name.remote("model.layers.0.self_attn.q_proj.weight"))
         assert torch.equal(got, model.model.layers[0].self_attn.q_proj.weight.detach())
         assert _get(engine.weight_version.remote()) == state["version"]
+
+
+@pytest.mark.slow
+def test_open_group_hook_meets_an_engine_that_joins_with_prefixed_keys(cluster):
+    """``open_group=`` lets the trainer meet engines that build their group another way (SGLang's keys)."""
+    sglang_backend = pytest.importorskip("backends.sglang_backend")
+    from rlhf_sg.tiny import build_tiny_model
+
+    class PrefixedKeysEngine:
+        """Receives buckets on a group built like SGLang's workers build theirs (a boundary: no SGLang here)."""
+
+        def describe(self):
+            return {"transports": ["collective"], "weight_group_size": 1, "backend": "prefixed", "engine_index": 0}
+
+        def init_weight_update_group(self, spec):
+            from backends.sglang_backend import open_weight_update_group
+
+            self.group, self.spec, self.received = open_weight_update_group(spec, spec.rank_offset), spec, {}
+
+        def check_manifests(self, manifests):
+            return sum(len(m.tensors) for m in manifests)
+
+        def update_weights_from_collective(self, manifests, src_rank=0):
+            import torch.distributed as dist
+
+            for m in manifests:
+                flat = torch.empty(m.numel, dtype=m.dtype)
+                opts = dist.BroadcastOptions()
+                opts.rootRank = src_rank
+                self.group.broadcast([flat], opts).wait()
+                self.received.update((name, t.clone()) for name, t in m.unflatten(flat))
+            return sum(m.numel for m in manifests)
+
+        def finish_weight_update(self, version):
+            return version
+
+        def destroy_weight_update_group(self):
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self.group)
+
+        def weights(self):
+            return self.received
+
+    def sglang_trainer_side(spec, store):
+        return sglang_backend.open_weight_update_group(spec, 0, store=store)
+
+    engine = ray.remote(num_cpus=0)(PrefixedKeysEngine).remote()
+    syncer = WeightSyncer(0, 1, [engine], bucket_bytes=8192, timeout_s=60.0, open_group=sglang_trainer_side)
+    try:
+        for version in (1, 2):  # a second setup must not collide with the first group's registered name
+            model = build_tiny_model("qwen2", "tiny", seed=30 + version)
+            syncer.setup()
+            try:
+                syncer.sync(model, version)
+            finally:
+                syncer.close()
+            got = _get(engine.weights.remote())
+            assert got.keys() == dict(named_weights(model)).keys()
+            assert all(torch.equal(got[n], p.detach()) for n, p in named_weights(model))
+    finally:
+        ray.kill(engine)
+
+
+# ---- GPU transports (skipped without CUDA) ------------------------------------------------------
+def _sync_into_cuda_engine(cluster, transport: str, trainer_gpu_differs: bool) -> None:
+    """The driver is a one-rank trainer on a GPU; one embedded engine on a GPU takes its weights."""
+    from rlhf_sg.engine_actor import start_engine_actors
+
+    config = BackendConfig(model_path=cluster["model_path"], device="cuda", num_threads=1)
+    engine = start_engine_actors("hf", config, 1, num_cpus=0, num_gpus=1)[0]
+    try:
+        engine_gpu = _get(engine.describe.remote())["gpu_ids"][0]
+        others = [g for g in range(torch.cuda.device_count()) if g != engine_gpu]
+        trainer_gpu = others[0] if trainer_gpu_differs else engine_gpu
+        # The driver sees every GPU; indices are physical only when CUDA_VISIBLE_DEVICES is unset.
+        assert "CUDA_VISIBLE_DEVICES" not in os.environ, "run the GPU weight-sync tests with all GPUs visible"
+        torch.cuda.set_device(trainer_gpu)
+        model = odd_model(seed=21).to(f"cuda:{trainer_gpu}")
+        syncer = WeightSyncer(0, 1, [engine], transport=transport, bucket_bytes=8192, device="cuda")
+        syncer.setup()
+        try:
+            syncer.sync(model, 1)
+        finally:
+            syncer.close()
+        for name, param in named_weights(model):
+            assert torch.equal(_get(engine.get_weights_by_name.remote(name)), param.detach().cpu()), name
+        assert _get(engine.weight_version.remote()) == 1
+    finally:
+        _get(engine.shutdown.remote())
+        ray.kill(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_tensor_transport_over_cuda_ipc_into_a_colocated_gpu_engine(cluster):
+    _sync_into_cuda_engine(cluster, "tensor", trainer_gpu_differs=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_collective_transport_over_nccl_into_a_gpu_engine(cluster):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL cannot put two ranks of one group on one GPU; needs 2 GPUs")
+    _sync_into_cuda_engine(cluster, "collective", trainer_gpu_differs=True)

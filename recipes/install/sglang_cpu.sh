@@ -78,4 +78,5 @@ assert sglang_cpu.hook_active(), "the CPU-mode hook did not load"
 print(f"[sglang_cpu.sh] torch {torch.__version__}, transformers {transformers.__version__}, "
       f"sglang {sglang.__version__}, deepspeed {deepspeed.__version__}, ray {ray.__version__}")
 PY
-say "done: run the SGLang tests with ${VENV_DIR}/bin/python -m pytest tests/test_sglang_backend.py tests/test_sglang_api.py"
+say "done: run the SGLang tests with ${VENV_DIR}/bin/python -m pytest tests/test_sglang_api.py tests/test_sglang_backend.py"
+say "      and the contract suite against SGLang with ${VENV_DIR}/bin/python -m pytest tests/test_backend_contract.py -k sglang"

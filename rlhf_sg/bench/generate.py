@@ -14,6 +14,8 @@ Rows:
 * ``embedded``: transformers' ``generate`` (baseline) vs ``EmbeddedBackend.generate`` (candidate).
 * ``vllm``: ``vllm.LLM.generate`` in this process (baseline) vs ``VLLMBackend.generate`` in a Ray
   engine actor (candidate); run it in the vLLM venv (``recipes/install/vllm_cpu.sh``).
+* ``sglang``: ``sglang.Engine.generate`` in this process (baseline) vs ``SGLangBackend.generate`` in a
+  Ray engine actor (candidate); run it in the SGLang venv (``recipes/install/sglang_cpu.sh``).
 
 To add a row (e.g. an engine's direct API vs our backend of it running in a Ray actor), write a
 builder ``(args, model_path, prompts) -> BenchRow`` and register it in :data:`ROW_BUILDERS`.
@@ -22,6 +24,7 @@ builder ``(args, model_path, prompts) -> BenchRow`` and register it in :data:`RO
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import tempfile
@@ -113,6 +116,9 @@ def _vllm_row(args: argparse.Namespace, model_path: str, prompts: list[list[int]
         outputs = direct.generate(direct_prompts, direct_params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outputs)
 
+    # Ray starts its workers at nice 15 by default; the baseline runs in this process at nice 0, and on a
+    # loaded machine that gap in scheduling priority, not our layer, would dominate the ratio.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(num_cpus=args.threads + 1, include_dashboard=False, log_to_driver=False)
     (actor,) = start_engine_actors("vllm", config, 1, num_cpus=args.threads, num_gpus=1 if args.device == "cuda" else 0)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
@@ -128,10 +134,61 @@ def _vllm_row(args: argparse.Namespace, model_path: str, prompts: list[list[int]
     return BenchRow("vllm", "vllm.LLM.generate", vllm_generate, "VLLMBackend (Ray actor)", backend_generate, close)
 
 
+def _sglang_row(args: argparse.Namespace, model_path: str, prompts: list[list[int]]) -> BenchRow:
+    """SGLang's offline engine called directly vs our backend of it behind a Ray engine actor.
+
+    Both sides ask for the same work: token ids in, the same explicit sampling dict, the sampled
+    token's log-prob out. The ratio is the cost of our layer: the Ray hop, the per-call checks and
+    turning SGLang's outputs into completions.
+    """
+    import ray
+
+    from backends.base import BackendConfig, SamplingParams
+    from backends.sglang_backend import sglang_engine_kwargs, sglang_sampling_params
+    from rlhf_sg.engine_actor import start_engine_actors
+
+    config = BackendConfig(model_path=model_path, device=args.device, max_model_len=2048, num_threads=args.threads)
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
+    # The engine kwargs first: on CPU they set the switches SGLang reads when it is imported.
+    engine_kwargs = sglang_engine_kwargs(config)
+    from sglang.srt.entrypoints.engine import Engine
+
+    direct = Engine(**engine_kwargs)
+    direct_sampling = sglang_sampling_params(params)
+
+    def sglang_generate() -> int:
+        outputs = direct.generate(
+            input_ids=prompts, sampling_params=direct_sampling, return_logprob=True, logprob_start_len=-1
+        )
+        return sum(len(o["output_ids"]) for o in outputs)
+
+    # Ray starts its workers at nice 15 by default; the baseline runs in this process at nice 0, and on a
+    # loaded machine that gap in scheduling priority, not our layer, would dominate the ratio.
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(num_cpus=args.threads + 1, include_dashboard=False, log_to_driver=False)
+    (actor,) = start_engine_actors(
+        "sglang", config, 1, num_cpus=args.threads, num_gpus=1 if args.device == "cuda" else 0
+    )
+
+    def backend_generate() -> int:
+        completions = ray.get(actor.generate.remote(prompts, params), timeout=3600)
+        return sum(len(c.token_ids) for c in completions)
+
+    def close() -> None:
+        ray.get(actor.shutdown.remote(), timeout=300)
+        ray.shutdown()
+        direct.shutdown()
+
+    return BenchRow(
+        "sglang", "sglang.Engine.generate", sglang_generate, "SGLangBackend (Ray actor)", backend_generate, close
+    )
+
+
 #: row name -> builder ``(args, model_path, prompts) -> BenchRow``
 ROW_BUILDERS: dict[str, Callable[[argparse.Namespace, str, list[list[int]]], BenchRow]] = {
     "embedded": _embedded_row,
     "vllm": _vllm_row,
+    "sglang": _sglang_row,
 }
 
 

@@ -1,0 +1,423 @@
+"""The SGLang backend beyond the shared contract: its CPU mode, start-up errors, log-prob pin,
+the weight round trip from a 2-rank ZeRO-3 trainer, and the http mode against a real server.
+
+Runs in the SGLang venv (``recipes/install/sglang_cpu.sh``); elsewhere only the "package missing"
+test runs. The engines here are real SGLang engines in their CPU mode on tiny models.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from backends.base import BackendConfig, BackendError, SamplingParams, WeightGroupSpec
+from rlhf_sg.tiny import BOS_ID, EOS_ID, build_tiny_model, save_tiny_model
+
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+needs_sglang = pytest.mark.skipif(not HAVE_SGLANG, reason="sglang not installed (recipes/install/sglang_cpu.sh)")
+TIMEOUT_S = 120.0
+PROMPTS = [[BOS_ID, 40, 41, 42, 43], [BOS_ID, 50, 12, 77, 13, 9, 20], [BOS_ID, 7]]
+
+
+def _config(model_path: str, **kw) -> BackendConfig:
+    return BackendConfig(model_path=model_path, dtype="float32", max_model_len=256, seed=0, num_threads=1, **kw)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> str:
+    """A tiny Llama: SGLang can read its weights back (its Qwen2 class cannot, in 0.5.23)."""
+    return save_tiny_model(str(tmp_path_factory.mktemp("sglang-llama")), arch="llama", size="tiny", seed=0)
+
+
+def _hf(model_path: str, state: dict[str, torch.Tensor] | None = None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state, strict=True)
+    return model
+
+
+def _trainer_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """logp [T] float32 of ``tokens`` after ``prompt`` under softmax(logits / T); T = 1 for greedy."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+    return logp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    tokens: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            tokens.append(int(model(torch.tensor([prompt + tokens])).logits[0, -1].argmax()))
+            if tokens[-1] == EOS_ID:
+                break
+    return tokens
+
+
+# ---- start-up errors (no engine is started) -------------------------------------------------------
+@pytest.mark.skipif(HAVE_SGLANG, reason="sglang is installed here")
+def test_missing_package_names_the_install_command(tmp_path):
+    from backends.sglang_backend import SGLangBackend
+
+    with pytest.raises(BackendError, match=r"sglang_cpu\.sh"):
+        SGLangBackend(_config(str(tmp_path)))
+
+
+@needs_sglang
+def test_bad_configs_fail_before_the_engine_starts(tmp_path, llama_dir):
+    """Each message comes from a check that runs before sglang.Engine is built."""
+    from backends.sglang_backend import SGLangBackend
+
+    cases = [
+        (_config(str(tmp_path / "missing")), "is not a directory"),
+        (_config(str(tmp_path)), "no config.json"),
+        (_config(llama_dir, tensor_parallel_size=64), "tensor_parallel_size=64"),
+        (_config(llama_dir, device="cuda"), "no CUDA device"),
+        (_config(llama_dir, extra={"temperature": 1}), r"\['temperature'\]"),
+        (_config(llama_dir, extra={"engine_kwargs": {"model_path": "x"}}), "may not set"),
+        (_config(llama_dir, extra={"router_url": "http://127.0.0.1:1"}), "server_urls"),
+        (_config(llama_dir, extra={"server_urls": "http://127.0.0.1:1"}), "non-empty list"),
+    ]
+    for config, message in cases:
+        with pytest.raises(BackendError, match=message):
+            SGLangBackend(config)
+
+
+@needs_sglang
+def test_cpu_mode_not_set_up_is_a_clear_error(llama_dir, monkeypatch):
+    from backends import sglang_cpu
+    from backends.sglang_backend import SGLangBackend
+
+    monkeypatch.delitem(sys.modules, sglang_cpu.HOOK_MODULE)  # as in an interpreter without the .pth hook
+    with pytest.raises(BackendError, match=r"CPU mode.*sglang_cpu\.sh"):
+        SGLangBackend(_config(llama_dir))
+
+
+# ---- the CPU-mode shims --------------------------------------------------------------------------
+@needs_sglang
+def test_install_writes_a_pth_that_loads_both_shims(tmp_path):
+    from backends import sglang_cpu
+
+    path = sglang_cpu.install(tmp_path)
+    lines = path.read_text().splitlines()
+    assert lines == [str(sglang_cpu.SHIM_DIR), f"import {sglang_cpu.HOOK_MODULE}"]
+    with pytest.raises(FileNotFoundError):
+        sglang_cpu.install(tmp_path / "nowhere")
+
+
+@needs_sglang
+def test_shims_are_active_in_a_fresh_process_of_the_venv():
+    """What every SGLang child process sees: the hook loaded at start, the stand-in kernels, torchvision."""
+    code = (
+        "import sys, torch; from backends import sglang_cpu; "
+        "assert sglang_cpu.HOOK_MODULE in sys.modules, 'hook not loaded at start'; "
+        "assert 'torchvision' not in sys.modules; "
+        "import torchvision, sgl_kernel; "
+        "assert sglang_cpu.hook_active() and not sglang_cpu.cpu_mode_problems(); "
+        "torch.ops.torchvision.nms; print(sgl_kernel.__file__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "sglang_cpu/shims/sgl_kernel" in out.stdout
+
+
+@needs_sglang
+def test_stand_in_kernels_raise_naming_the_feature():
+    import sgl_kernel
+
+    with pytest.raises(NotImplementedError, match="verify_tree_greedy_cpu.*speculative decoding"):
+        sgl_kernel.verify_tree_greedy_cpu()
+
+
+# ---- one engine for the behavioural tests ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    """Started with SGLANG_RETURN_ORIGINAL_LOGPROB=1 in the environment: the backend must pin it to 0."""
+    from backends.sglang_backend import SGLangBackend
+
+    saved = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB")
+    os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+    try:
+        backend = SGLangBackend(_config(llama_dir))
+    finally:
+        if saved is None:
+            os.environ.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)
+        else:
+            os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = saved
+    yield backend
+    backend.shutdown()
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_logprobs_are_temperature_scaled_despite_the_environment(engine, llama_dir):
+    reference = _hf(llama_dir)
+    for temperature in (0.5, 1.6):
+        params = SamplingParams(n=2, temperature=temperature, top_p=0.9, max_new_tokens=10)
+        for c in engine.generate(PROMPTS, params):
+            expected = _trainer_logprobs(reference, PROMPTS[c.prompt_index], c.token_ids, temperature)
+            unscaled = _trainer_logprobs(reference, PROMPTS[c.prompt_index], c.token_ids, 1.0)
+            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
+            assert (expected - unscaled).abs().max() > 1e-3, "the test cannot tell the conventions apart"
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_unseeded_engine_says_so_and_samples_distinct_rows(engine):
+    assert engine.honours_seed is False  # CPU: SGLang's seeded sampler needs a GPU attention backend
+    out = engine.generate([PROMPTS[0]], SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=3))
+    assert len({tuple(c.token_ids) for c in out}) > 1
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_weights_read_back_at_checkpoint_shapes(engine, llama_dir):
+    reference = dict(_hf(llama_dir).named_parameters())
+    shapes = engine.weight_shapes()
+    assert shapes == {name: tuple(p.shape) for name, p in reference.items()}
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight", "lm_head.weight"):
+        assert torch.equal(engine.get_weights_by_name(name), reference[name].detach()), name
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_sleep_wake_then_generate_still_matches(engine, llama_dir):
+    expected = [_hf_greedy(_hf(llama_dir), p, 8) for p in PROMPTS]
+    engine.sleep()
+    with pytest.raises(BackendError, match="asleep"):
+        engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
+    engine.wake()
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
+    assert [c.token_ids for c in out] == expected
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_tensor_transport_takes_a_bucket_mapped_from_a_shared_memory_file(engine, llama_dir, tmp_path):
+    """The engine actor's CPU hand-off: the bucket arrives as a view of a file the trainer wrote."""
+    from rlhf_sg.weight_sync import plan_buckets
+
+    new = dict(build_tiny_model("llama", "tiny", seed=4).named_parameters())
+    (manifest,) = plan_buckets([(n, p.shape, p.dtype) for n, p in new.items()], 1 << 30)
+    path = f"/dev/shm/rlhf_sg_test_{os.getpid()}" if os.path.isdir("/dev/shm") else str(tmp_path / "bucket")
+    torch.cat([new[t.name].detach().reshape(-1) for t in manifest.tensors]).numpy().tofile(path)
+    try:
+        nbytes = manifest.numel * 4
+        mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        engine.update_weights_from_tensor(manifest, mapped.view(torch.float32))
+        engine.finish_weight_update(engine.weight_version + 1)
+    finally:
+        os.remove(path)
+    assert torch.equal(
+        engine.get_weights_by_name("model.layers.1.mlp.down_proj.weight"),
+        new["model.layers.1.mlp.down_proj.weight"].detach(),
+    )
+    engine.update_weights_from_disk(llama_dir)  # back to the checkpoint for later tests
+    engine.finish_weight_update(engine.weight_version + 1)
+
+
+# ---- the weight round trip from a 2-rank ZeRO-3 trainer over gloo ---------------------------------
+def _zero3_trainer_rank(rank: int, master_port: int, model_path: str, bucket_bytes: int, queue, replies) -> None:
+    """One DeepSpeed ZeRO-3 rank; rank 0 also hosts the SGLang weight-update group and broadcasts."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        import torch.distributed as dist
+
+        from backends.sglang_backend import open_weight_update_group
+        from rlhf_sg.bench.weight_sync import Zero3SyncRank
+        from rlhf_sg.distributed import create_group_store
+        from rlhf_sg.weight_sync import gather_bucket, named_weights, plan_buckets
+
+        trainer = Zero3SyncRank(rank, 2, master_port, model_path, timeout_s=TIMEOUT_S)
+        trainer.perturb(seed=5)  # new weights, each rank changing its own shards as an optimizer step does
+        expected = trainer.full_state_dict()
+        named = named_weights(trainer.engine)
+        plan = plan_buckets([(n, p.ds_shape, p.dtype) for n, p in named], bucket_bytes)
+        params = dict(named)
+        group = None
+        if rank == 0:
+            store = create_group_store("127.0.0.1", TIMEOUT_S)
+            spec = WeightGroupSpec("127.0.0.1", store.port, 1, 2, "zero3_to_sglang", "gloo", TIMEOUT_S)
+            queue.put(("plan", spec, plan, expected))
+            group = open_weight_update_group(spec, 0, store=store)
+        for manifest in plan:
+            out = torch.empty(manifest.numel, dtype=manifest.dtype) if rank == 0 else None
+            gather_bucket([params[s.name] for s in manifest.tensors], manifest, out)
+            if rank == 0:
+                opts = dist.BroadcastOptions()
+                opts.rootRank = 0
+                group.broadcast([out], opts).wait()
+        if rank == 0:
+            replies.get(timeout=TIMEOUT_S)  # the engine has loaded every bucket
+            dist.destroy_process_group(group)
+            queue.put(("done", len(plan)))
+    except Exception as exc:  # reported by the test
+        queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+        raise
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_round_trip_from_a_zero3_trainer_over_gloo(engine, llama_dir):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, replies = ctx.Queue(), ctx.Queue()
+    master_port = _free_port()
+    ranks = [
+        ctx.Process(target=_zero3_trainer_rank, args=(r, master_port, llama_dir, 64 * 1024, queue, replies))
+        for r in range(2)
+    ]
+    for p in ranks:
+        p.start()
+    try:
+        message = queue.get(timeout=300)
+        assert message[0] == "plan", message
+        _, spec, plan, expected = message
+        assert len(plan) >= 3, "the round trip should span several buckets"
+        version = engine.weight_version + 1
+        engine.init_weight_update_group(spec)
+        for manifest in plan:
+            engine.update_weights_from_collective(manifest, 0)
+        engine.finish_weight_update(version)
+        engine.destroy_weight_update_group()
+        replies.put("loaded")
+        assert queue.get(timeout=TIMEOUT_S) == ("done", len(plan))
+    finally:
+        for p in ranks:
+            p.join(timeout=TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+    assert engine.weight_version == version
+    for name in ("model.embed_tokens.weight", "model.layers.1.mlp.up_proj.weight", "lm_head.weight"):
+        assert torch.equal(engine.get_weights_by_name(name), expected[name]), name
+    trainer_model = _hf(llama_dir, expected)
+    for temperature in (0.0, 0.8):
+        out = engine.generate(PROMPTS, SamplingParams(temperature=temperature, max_new_tokens=10))
+        for c in out:
+            prompt = PROMPTS[c.prompt_index]
+            logp = _trainer_logprobs(trainer_model, prompt, c.token_ids, temperature)
+            torch.testing.assert_close(torch.tensor(c.logprobs), logp, atol=1e-4, rtol=0)
+            if temperature == 0.0:
+                assert c.token_ids == _hf_greedy(trainer_model, prompt, 10)
+            assert c.weight_version == version
+    # Back to the checkpoint for the tests after this one.
+    engine.update_weights_from_disk(llama_dir)
+    engine.finish_weight_update(version + 1)
+    assert torch.equal(engine.get_weights_by_name("lm_head.weight"), _hf(llama_dir).lm_head.weight.detach())
+
+
+# ---- http mode against a real SGLang server --------------------------------------------------------
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory):
+    model_path = save_tiny_model(str(tmp_path_factory.mktemp("sglang-http")), arch="qwen2", size="tiny", seed=2)
+    port = _free_port()
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "0"
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
+        "--port", str(port), "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native",
+        "--skip-tokenizer-init", "--disable-cuda-graph", "--sleep-on-idle", "--max-total-tokens", "8192",
+        "--context-length", "256", "--log-level", "error",
+    ]  # fmt: skip
+    log = open(tmp_path_factory.mktemp("sglang-http-log") / "server.log", "w")
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    import urllib.request
+
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+                if resp.status == 200:
+                    break
+        except OSError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            pytest.fail(f"SGLang server did not come up; see {log.name}")
+        time.sleep(2)
+    yield url, model_path
+    server.terminate()
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    log.close()
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_http_mode_generates_and_takes_a_collective_update(server_url):
+    from backends.sglang_backend import SGLangBackend, open_weight_update_group
+    from rlhf_sg.weight_sync import plan_buckets
+
+    url, model_path = server_url
+    with pytest.raises(BackendError, match="tensor_parallel_size=2.*sum 1"):
+        SGLangBackend(_config(model_path, tensor_parallel_size=2, extra={"server_urls": [url]}))
+    backend_single = SGLangBackend(_config(model_path, extra={"server_urls": [url], "request_timeout_s": 120}))
+    assert backend_single.transports == frozenset({"collective", "disk"})
+    try:
+        reference = _hf(model_path)
+        out = backend_single.generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_new_tokens=8))
+        assert [c.prompt_index for c in out] == [0, 0, 1, 1, 2, 2]
+        for c in out:
+            logp = _trainer_logprobs(reference, PROMPTS[c.prompt_index], c.token_ids, 0.7)
+            torch.testing.assert_close(torch.tensor(c.logprobs), logp, atol=1e-4, rtol=0)
+
+        new = build_tiny_model("qwen2", "tiny", seed=9)
+        named = {n: p.detach().clone() for n, p in new.named_parameters()}
+        plan = plan_buckets([(n, t.shape, t.dtype) for n, t in named.items()], 64 * 1024)
+        port = _free_port()
+        spec = WeightGroupSpec("127.0.0.1", port, 1, 2, "http_weights", "gloo", TIMEOUT_S)
+        sender: dict = {}
+
+        def send():
+            try:
+                import torch.distributed as dist
+
+                group = open_weight_update_group(spec, 0)
+                for manifest in plan:
+                    flat = torch.cat([named[t.name].reshape(-1) for t in manifest.tensors])
+                    opts = dist.BroadcastOptions()
+                    opts.rootRank = 0
+                    group.broadcast([flat], opts).wait()
+                dist.destroy_process_group(group)
+            except Exception as exc:
+                sender["error"] = exc
+
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        backend_single.init_weight_update_group(spec)
+        for manifest in plan:
+            backend_single.update_weights_from_collective(manifest, 0)
+        backend_single.finish_weight_update(1)
+        thread.join(TIMEOUT_S)
+        backend_single.destroy_weight_update_group()
+        assert "error" not in sender, sender
+        greedy = backend_single.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
+        assert [c.token_ids for c in greedy] == [_hf_greedy(new, p, 8) for p in PROMPTS]
+        assert all(c.weight_version == 1 for c in greedy)
+        backend_single.sleep()
+        backend_single.wake()
+        assert backend_single.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))[0].token_ids == (
+            greedy[0].token_ids
+        )
+    finally:
+        backend_single.shutdown()
