@@ -102,6 +102,8 @@ class TrainConfig:
     seed: int = 42
     #: CPU: gloo + DeepSpeed's CPU accelerator; GPU: nccl
     device: str = "cpu"
+    #: how a group's ranks are placed on Ray nodes: PACK (fill a node first), SPREAD (across nodes), STRICT_*
+    placement_strategy: str = "PACK"
     #: CPU threads per model worker process (match the CPU share Ray gives it)
     worker_threads: int = 1
     #: seconds any remote call / collective may take before the run stops with a message
@@ -341,6 +343,9 @@ def validate(cfg: Config) -> Config:
     _need(r.weight_transport in ("collective", "tensor", "disk"),
           f"--rollout.weight_transport must be collective, tensor or disk, got {r.weight_transport!r}")
     _need(r.bucket_bytes >= 2**16, f"--rollout.bucket_bytes must be >= 65536, got {r.bucket_bytes}")
+    _need(t.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+          "--train.placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
+          f"got {t.placement_strategy!r}")
     _need(t.device in ("cpu", "cuda"), f"--train.device must be cpu or cuda, got {t.device!r}")
     _need(r.temperature >= 0, f"--rollout.temperature must be >= 0, got {r.temperature}")
     _need(d.max_prompt_len + r.max_new_tokens <= r.max_model_len,

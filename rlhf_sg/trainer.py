@@ -178,7 +178,7 @@ class PPOTrainer:
         gpus = 1.0 if self.cfg.train.device == "cuda" else 0.0
         # On CPU every rank asks for one Ray CPU; Ray is started with at least as many CPUs as ranks,
         # and each worker runs `worker_threads` OpenMP threads, so phases never oversubscribe the cores.
-        return ModelGroup(spec, num_cpus=1.0 if gpus == 0 else 1.0, num_gpus=gpus)
+        return ModelGroup(spec, num_cpus=1.0, num_gpus=gpus, strategy=self.cfg.train.placement_strategy)
 
     def _start_groups(self) -> None:
         cfg, t = self.cfg, self.cfg.train

@@ -129,6 +129,11 @@ class ModelWorker:
     def ping(self) -> int:
         return self.rank
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     # ---- forwards ------------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, batch: dict[str, torch.Tensor], plan: list[list[int]], temperature: float = 1.0):
