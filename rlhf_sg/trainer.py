@@ -234,6 +234,12 @@ class PPOTrainer:
                 by_prompt.setdefault(shard[c.prompt_index], []).append(c)
         return [c for j in range(len(prompts)) for c in by_prompt[j]]
 
+    def _engines_call(self, method: str) -> list:
+        from rlhf_sg.engine_actor import wait_engine_calls
+
+        calls = [(i, method, getattr(e, method).remote()) for i, e in enumerate(self.engines)]
+        return wait_engine_calls(calls, self.cfg.train.timeout_s)
+
     def compute_rewards(self, prompts: list[Prompt], completions: list, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Scores [B], one per completion. Override for custom scoring."""
         from rlhf_sg.rewards import check_scores, remote_reward
@@ -318,6 +324,8 @@ class PPOTrainer:
 
         with timer.phase("generate"):
             completions = self.generate(prompts)
+            if cfg.rollout.sleep_engines_while_training:
+                self._engines_call("sleep")
         batch = build_rollout_batch(
             [prompts[i // cfg.rollout.n_samples_per_prompt].token_ids for i in range(len(completions))],
             [c.token_ids for c in completions],
@@ -387,6 +395,8 @@ class PPOTrainer:
 
         self.step += 1
         with timer.phase("weight_sync"):
+            if cfg.rollout.sleep_engines_while_training:
+                self._engines_call("wake")
             sync_stats = self.actor.call("sync_weights", self.step, what=f"weight sync to version {self.step}")
         metrics["weight_sync/GBps"] = float(sync_stats[0].get("GBps", 0.0)) if sync_stats else 0.0
         if profiling:

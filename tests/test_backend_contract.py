@@ -328,7 +328,15 @@ def test_eos_ends_a_row(backend, prompts):
     pytest.fail(f"no completion ended with EOS in 5 x {len(out)} samples; EOS stopping is untested")
 
 
+def require_seeds(backend):
+    # A backend may declare that its engine cannot honour per-request seeds on this platform (SGLang's
+    # CPU mode ignores them); its seeded checks are skipped with that reason, never silently passed.
+    if not getattr(backend, "honours_seed", True):
+        pytest.skip(f"backend {backend.name!r} does not honour per-request seeds here (honours_seed is False)")
+
+
 def test_seeded_sampling_is_reproducible(backend, prompts):
+    require_seeds(backend)
     params = SamplingParams(n=3, temperature=1.0, top_p=0.95, max_new_tokens=16, seed=1234)
     first = backend.generate(prompts, params)
     again = backend.generate(prompts, params)
@@ -375,6 +383,7 @@ def test_sleep_then_wake_keeps_outputs(backend, prompts):
     backend.sleep()
     backend.wake()
     assert greedy(backend, prompts) == before
+    require_seeds(backend)
     assert [c.token_ids for c in backend.generate(prompts, seeded)] == sampled
 
 

@@ -36,6 +36,8 @@ def test_step_across_two_nodes(tmp_path):
         cfg.rollout.num_engines = 2
         cfg.rollout.prompts_per_step = 4
         cfg.train.placement_strategy = "STRICT_SPREAD"
+        cfg.rollout.sleep_engines_while_training = True  # the colocated layout: engines sleep while training
+        cfg.train.max_steps = 2
         cfg.log.progress_bar = cfg.log.tensorboard = cfg.log.export_hf = False
         trainer = PPOTrainer(cfg, reward_fn=arith_task.addition_reward)
         trainer.setup()
@@ -43,11 +45,12 @@ def test_step_across_two_nodes(tmp_path):
         assert len(set(actor_nodes)) == 2, actor_nodes
         engine_nodes = ray.get([e.describe.remote() for e in trainer.engines], timeout=120)
         assert {e["engine_index"] for e in engine_nodes} == {0, 1}
-        metrics = trainer.train_step()
-        assert metrics["weight_version"] == 1
+        trainer.train_step()
+        metrics = trainer.train_step()  # generates with engines that slept through the first step's training
+        assert metrics["weight_version"] == 2
         assert all(metrics[f"time/{p}"] > 0 for p in ("generate", "reference", "critic", "train", "weight_sync"))
         versions = ray.get([e.weight_version.remote() for e in trainer.engines], timeout=120)
-        assert versions == [1, 1]
+        assert versions == [2, 2]
     finally:
         if trainer is not None:
             trainer.shutdown()
