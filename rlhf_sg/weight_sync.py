@@ -425,6 +425,23 @@ class WeightSyncer:
         self._broken = None
         self._ready = True
 
+    def _group_opener(self, infos: list[dict[str, Any]]) -> Callable[[WeightGroupSpec, dist.Store], Any]:
+        """The sender's group builder that meets these engines: SGLang's workers join with their own
+        store-key layout, every other backend with the plain one."""
+        if self.open_group is not _open_plain_group:
+            return self.open_group
+        kinds = {info["backend"] for info in infos}
+        if "sglang" not in kinds:
+            return self.open_group
+        if len(kinds) > 1:
+            raise ValueError(
+                f"WeightSyncer rank {self.rank}: engines of backends {sorted(kinds)} share one side group; "
+                "SGLang's group layout differs from the others: give each backend its own engines and syncer"
+            )
+        from backends.sglang_backend import open_weight_update_group
+
+        return lambda spec, store: open_weight_update_group(spec, 0, store=store)
+
     def _open_group(self, infos: list[dict[str, Any]]) -> None:
         import ray
 
@@ -453,7 +470,7 @@ class WeightSyncer:
         # Our end blocks until every engine has joined; build it in a thread so that an engine
         # whose join fails is reported at once instead of after timeout_s.
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-group")
-        future = pool.submit(self.open_group, dataclasses.replace(specs[0], rank_offset=0), store)
+        future = pool.submit(self._group_opener(infos), dataclasses.replace(specs[0], rank_offset=0), store)
         pool.shutdown(wait=False)
         pending = [ref for _, _, ref in calls]
         while not future.done():

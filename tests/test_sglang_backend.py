@@ -421,3 +421,32 @@ def test_http_mode_generates_and_takes_a_collective_update(server_url):
         )
     finally:
         backend_single.shutdown()
+
+
+# ---- the trainer's own path: WeightSyncer on 2 ZeRO-3 Ray ranks into an SGLang engine actor ------------
+@needs_sglang
+@pytest.mark.slow
+def test_weight_syncer_reaches_sglang_engine_actors_without_a_group_hook(llama_dir):
+    """The sender must build SGLang's group layout by itself (no ``open_group=`` passed), as the trainer does."""
+    import ray
+
+    from rlhf_sg.bench.weight_sync import start_trainer_ranks
+    from rlhf_sg.engine_actor import start_engine_actors
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        engines = start_engine_actors("sglang", _config(llama_dir), 1, start_timeout_s=300)
+        ranks = start_trainer_ranks(llama_dir, 2, timeout_s=300.0)
+        ray.get([r.perturb.remote(seed=3) for r in ranks], timeout=300)
+        ray.get([r.setup_syncer.remote(engines, transport="collective", bucket_bytes=16384, timeout_s=TIMEOUT_S)
+                 for r in ranks], timeout=300)
+        stats = ray.get([r.sync.remote(1) for r in ranks], timeout=300)
+        ray.get([r.close_syncer.remote() for r in ranks], timeout=300)
+        assert stats[0]["buckets"] > 2
+        trainer = ray.get([r.full_state_dict.remote() for r in ranks], timeout=300)[0]
+        assert ray.get(engines[0].weight_version.remote(), timeout=60) == 1
+        for name in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
+            got = ray.get(engines[0].get_weights_by_name.remote(name), timeout=300)
+            assert torch.equal(got, trainer[name]), name
+    finally:
+        ray.shutdown()
