@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 __all__ = [
+    "check_generate_args",
     "BackendConfig",
     "BackendError",
     "BucketManifest",
@@ -127,6 +128,34 @@ class BucketManifest:
                 f"[{self.numel}] {self.dtype}"
             )
         return [(t.name, flat[t.offset : t.offset + t.numel].view(t.shape)) for t in self.tensors]
+
+
+def check_generate_args(
+    prompts: list[list[int]], params: SamplingParams, vocab_size: int, context_len: int, context_note: str = ""
+) -> None:
+    """The checks every backend runs before ``generate`` does any work; BackendError names the prompt.
+
+    Prompts must be a non-empty list of non-empty token-id lists with ids in ``[0, vocab_size)``, and
+    ``len(prompt) + params.max_new_tokens`` must fit ``context_len`` (``context_note`` says where that
+    limit comes from).
+    """
+    if not isinstance(params, SamplingParams):
+        raise BackendError(f"generate: params must be a SamplingParams, got {type(params).__name__}")
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise BackendError("generate: prompts is empty; pass a non-empty list of token-id lists")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+            raise BackendError(f"generate: prompt {i} is empty or not a list of token ids")
+        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise BackendError(f"generate: prompt {i} holds {bad!r}, not a token id in [0, {vocab_size})")
+        if len(prompt) + params.max_new_tokens > context_len:
+            note = f" ({context_note})" if context_note else ""
+            raise BackendError(
+                f"generate: prompt {i} has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} "
+                f"that is {len(prompt) + params.max_new_tokens} > the engine's context of {context_len}{note}; "
+                "shorten the prompt or lower max_new_tokens"
+            )
 
 
 @dataclass(frozen=True)

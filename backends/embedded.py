@@ -42,6 +42,7 @@ from backends.base import (
     RolloutBackend,
     SamplingParams,
     WeightGroupSpec,
+    check_generate_args,
 )
 
 __all__ = ["EmbeddedBackend", "open_weight_update_group", "sample_next_tokens"]
@@ -205,7 +206,7 @@ class EmbeddedBackend(RolloutBackend):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Sample ``params.n`` completions per prompt; prompt-major, ``len(prompts) * n`` of them."""
         self._check_usable("generate")
-        self._validate_prompts(prompts, params)
+        check_generate_args(prompts, params, self._vocab_size, self._context_len, self._context_note)
         seed = params.seed if params.seed is not None else self._unseeded.getrandbits(63)
         stop_ids = self._eos_ids | set(params.stop_token_ids)
         per_chunk = max(1, self._max_batch_size // params.n)
@@ -217,25 +218,6 @@ class EmbeddedBackend(RolloutBackend):
             for i, completions in zip(chunk, self._decode(prompts, chunk, params, seed, stop_ids)):
                 results[i] = completions
         return [c for i in range(len(prompts)) for c in results[i]]
-
-    def _validate_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise BackendError(f"generate: params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-            raise BackendError("generate: prompts is empty; pass a non-empty list of token-id lists")
-        for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
-                raise BackendError(f"generate: prompt {i} is empty or not a list of token ids")
-            bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < self._vocab_size), None)
-            if bad is not None:
-                raise BackendError(f"generate: prompt {i} holds {bad!r}, not a token id in [0, {self._vocab_size})")
-            if len(prompt) + params.max_new_tokens > self._context_len:
-                raise BackendError(
-                    f"generate: prompt {i} has {len(prompt)} tokens; with max_new_tokens="
-                    f"{params.max_new_tokens} that is {len(prompt) + params.max_new_tokens} > the engine's "
-                    f"context of {self._context_len} ({self._context_note}); shorten the prompt or lower "
-                    "max_new_tokens"
-                )
 
     def _prefill(self, prompts: list[list[int]]):
         """Run the prompts (sorted by length) through the model; return their KV cache, the logits of

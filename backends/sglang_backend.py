@@ -93,6 +93,7 @@ from backends.base import (
     RolloutBackend,
     SamplingParams,
     WeightGroupSpec,
+    check_generate_args,
 )
 from backends.embedded import row_seed
 
@@ -646,7 +647,7 @@ class SGLangBackend(RolloutBackend):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Sample ``params.n`` completions per prompt; prompt-major, ``len(prompts) * n`` of them."""
         self._check_usable("generate")
-        self._validate_prompts(prompts, params)
+        check_generate_args(prompts, params, self._vocab_size, self._context_len)
         if self._update_open:  # buckets came without finish_weight_update; SGLang serves only once the window closes
             self._close_update()
         if self._weights_lost:
@@ -695,24 +696,6 @@ class SGLangBackend(RolloutBackend):
             weight_version=self._weight_version,
             prompt_index=prompt_index,
         )
-
-    def _validate_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise BackendError(f"generate: params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-            raise BackendError("generate: prompts is empty; pass a non-empty list of token-id lists")
-        for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
-                raise BackendError(f"generate: prompt {i} is empty or not a list of token ids")
-            bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < self._vocab_size), None)
-            if bad is not None:
-                raise BackendError(f"generate: prompt {i} holds {bad!r}, not a token id in [0, {self._vocab_size})")
-            if len(prompt) + params.max_new_tokens > self._context_len:
-                raise BackendError(
-                    f"generate: prompt {i} has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} "
-                    f"that is {len(prompt) + params.max_new_tokens} > the engine's context of {self._context_len}; "
-                    "shorten the prompt or lower max_new_tokens"
-                )
 
     def _check_usable(self, what: str) -> None:
         if self._closed:

@@ -62,6 +62,7 @@ from backends.base import (
     RolloutBackend,
     SamplingParams,
     WeightGroupSpec,
+    check_generate_args,
 )
 from backends.embedded import row_seed
 
@@ -164,7 +165,7 @@ class VLLMBackend(RolloutBackend):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Sample ``params.n`` completions per prompt; prompt-major, ``len(prompts) * n`` of them."""
         self._check_usable("generate")
-        self._validate_prompts(prompts, params)
+        check_generate_args(prompts, params, self._vocab_size, self.config.max_model_len)
         self._close_sync()
         vllm = self._vllm
         seed = params.seed if params.seed is not None else self._unseeded.getrandbits(63)
@@ -211,26 +212,6 @@ class VLLMBackend(RolloutBackend):
             )
         return completions
 
-    def _validate_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise BackendError(f"generate: params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-            raise BackendError("generate: prompts is empty; pass a non-empty list of token-id lists")
-        context = self.config.max_model_len
-        for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
-                raise BackendError(f"generate: prompt {i} is empty or not a list of token ids")
-            bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < self._vocab_size), None)
-            if bad is not None:
-                raise BackendError(f"generate: prompt {i} holds {bad!r}, not a token id in [0, {self._vocab_size})")
-            if len(prompt) + params.max_new_tokens > context:
-                raise BackendError(
-                    f"generate: prompt {i} has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} "
-                    f"that is {len(prompt) + params.max_new_tokens} > BackendConfig.max_model_len={context}; "
-                    "shorten the prompt, lower max_new_tokens or raise max_model_len"
-                )
-
-    # ---- weights -------------------------------------------------------------------------
     def init_weight_update_group(self, spec: WeightGroupSpec) -> None:
         """Join the trainer's side group: worker ``r`` of this engine takes rank ``rank_offset + r``."""
         self._check_usable("init_weight_update_group")

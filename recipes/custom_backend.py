@@ -31,7 +31,15 @@ import random
 
 import torch
 
-from backends.base import BackendConfig, BackendError, BucketManifest, Completion, RolloutBackend, SamplingParams
+from backends.base import (
+    BackendConfig,
+    BackendError,
+    BucketManifest,
+    Completion,
+    RolloutBackend,
+    SamplingParams,
+    check_generate_args,
+)
 
 
 class HFGenerateBackend(RolloutBackend):
@@ -55,16 +63,8 @@ class HFGenerateBackend(RolloutBackend):
 
     # ---- rollout ---------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        if not prompts:
-            raise BackendError("generate: prompts is empty; pass a non-empty list of token-id lists")
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise BackendError(f"generate: prompt {i} is empty")
-            if len(prompt) + params.max_new_tokens > self.config.max_model_len:
-                raise BackendError(
-                    f"generate: prompt {i} has {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} "
-                    f"> max_model_len={self.config.max_model_len}"
-                )
+        # the same up-front checks as the built-in backends: empty prompts, bad ids, too long for the context
+        check_generate_args(prompts, params, self.model.config.vocab_size, self.config.max_model_len)
         width = max(len(p) for p in prompts)
         device = self.model.device
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
