@@ -160,85 +160,86 @@ class ModelWorker:
         return order, result
 
     # ---- training -----------------------------------------------------------------------------------
+    def _run_updates(self, batch, steps: list[dict[str, Any]], micro_loss, prefix: str) -> dict[str, float]:
+        """The optimizer steps of one PPO phase. ``steps``: one entry per optimizer step, {"plan": this
+        rank's micro-batches, "normalizer": the step's action tokens (or rows) across all ranks / world_size};
+        ``micro_loss(mb, normalizer) -> (loss, metrics)``. Metrics stay on the device until the end, so the
+        loop never waits on the device for logging."""
+        self.engine.train()
+        sums: dict[str, torch.Tensor] = {}
+        count = 0
+        for step in steps:
+            micro_batches = step["plan"]
+            for i, micro in enumerate(micro_batches):
+                self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+                loss, metrics = micro_loss(_rows(batch, micro), step["normalizer"])
+                self.engine.backward(loss, scale_wrt_gas=False)
+                for k, v in metrics.items():
+                    sums[k] = sums[k] + v.detach() if k in sums else v.detach()
+                count += 1
+            self.engine.step()
+        return {f"{prefix}/{k}": float(v) / max(count, 1) for k, v in sums.items()}
+
     def train_actor(self, batch, steps: list[dict[str, Any]], hp: dict[str, Any]) -> dict[str, float]:
-        """PPO updates. ``steps``: one entry per optimizer step, {"plan": micro-batches of this rank,
-        "normalizer": the step's action tokens (or rows) across all ranks / world_size}."""
+        """PPO policy updates (see :meth:`_run_updates` for ``steps``)."""
         from rlhf_sg.algorithms import approx_kl, masked_mean, policy_loss
         from rlhf_sg.packing import response_logprobs
 
-        self.engine.train()
         width = batch["action_mask"].shape[1]
-        sums: dict[str, float] = {}
-        count = 0
-        for step in steps:
-            micro_batches = step["plan"]
-            for i, micro in enumerate(micro_batches):
-                mb = _rows(batch, micro)
-                mask = mb["action_mask"].bool()
-                self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-                logp, entropy = response_logprobs(
-                    self.engine, mb["sequences"], mb["attention_mask"], width, hp["temperature"], with_entropy=True
-                )
-                loss, metrics = policy_loss(
-                    logp,
-                    mb["old_logp"],
-                    mb["advantages"],
-                    mask,
-                    clip_low=hp["clip_low"],
-                    clip_high=hp["clip_high"],
-                    dual_clip=hp["dual_clip"],
-                    rollout_logp=mb["rollout_logp"] if hp["tis_cap"] is not None else None,
-                    tis_cap=hp["tis_cap"],
-                    aggregation=hp["loss_aggregation"],
-                    normalizer=step["normalizer"],
-                )
-                scale = mask.sum() / step["normalizer"] if hp["loss_aggregation"] == "token_mean" else (
-                    mask.shape[0] / step["normalizer"]
-                )
-                if hp["kl_mode"] == "loss" and hp["kl_coef"] > 0:
-                    kl = masked_mean(approx_kl(logp, mb["ref_logp"], hp["kl_estimator"]), mask)
-                    loss = loss + hp["kl_coef"] * kl * scale
-                    metrics["kl_loss"] = kl.detach()
-                if hp["entropy_coef"] > 0:
-                    loss = loss - hp["entropy_coef"] * masked_mean(entropy, mask) * scale
-                metrics["entropy"] = masked_mean(entropy.detach(), mask)
-                self.engine.backward(loss, scale_wrt_gas=False)
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                count += 1
-            self.engine.step()
-        return {f"actor/{k}": v / max(count, 1) for k, v in sums.items()}
+
+        def micro_loss(mb, normalizer):
+            mask = mb["action_mask"].bool()
+            logp, entropy = response_logprobs(
+                self.engine, mb["sequences"], mb["attention_mask"], width, hp["temperature"], with_entropy=True
+            )
+            loss, metrics = policy_loss(
+                logp,
+                mb["old_logp"],
+                mb["advantages"],
+                mask,
+                clip_low=hp["clip_low"],
+                clip_high=hp["clip_high"],
+                dual_clip=hp["dual_clip"],
+                rollout_logp=mb["rollout_logp"] if hp["tis_cap"] is not None else None,
+                tis_cap=hp["tis_cap"],
+                aggregation=hp["loss_aggregation"],
+                normalizer=normalizer,
+            )
+            # this micro-batch's share of the step, so extra per-token terms add up like the policy loss
+            share = (mask.sum() if hp["loss_aggregation"] == "token_mean" else mask.shape[0]) / normalizer
+            if hp["kl_mode"] == "loss" and hp["kl_coef"] > 0:
+                kl = masked_mean(approx_kl(logp, mb["ref_logp"], hp["kl_estimator"]), mask)
+                loss = loss + hp["kl_coef"] * kl * share
+                metrics["kl_loss"] = kl
+            if hp["entropy_coef"] > 0:
+                loss = loss - hp["entropy_coef"] * masked_mean(entropy, mask) * share
+            metrics["entropy"] = masked_mean(entropy.detach(), mask)
+            return loss, metrics
+
+        return self._run_updates(batch, steps, micro_loss, "actor")
 
     def train_critic(self, batch, steps: list[dict[str, Any]], hp: dict[str, Any]) -> dict[str, float]:
+        """Value updates (see :meth:`_run_updates` for ``steps``)."""
         from rlhf_sg.algorithms import value_loss
         from rlhf_sg.packing import critic_values
 
-        self.engine.train()
         width = batch["action_mask"].shape[1]
-        sums: dict[str, float] = {}
-        count = 0
-        for step in steps:
-            micro_batches = step["plan"]
-            for i, micro in enumerate(micro_batches):
-                mb = _rows(batch, micro)
-                self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-                values = critic_values(self.engine, mb["sequences"], mb["attention_mask"], width)
-                loss, metrics = value_loss(
-                    values,
-                    mb["values"],
-                    mb["returns"],
-                    mb["action_mask"].bool(),
-                    clip=hp["value_clip"],
-                    aggregation="token_mean",
-                    normalizer=step["normalizer"],
-                )
-                self.engine.backward(loss, scale_wrt_gas=False)
-                metrics["loss"] = loss.detach() * step["normalizer"] / mb["action_mask"].sum()
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                count += 1
-            self.engine.step()
-        return {f"critic/{k}": v / max(count, 1) for k, v in sums.items()}
+
+        def micro_loss(mb, normalizer):
+            values = critic_values(self.engine, mb["sequences"], mb["attention_mask"], width)
+            loss, metrics = value_loss(
+                values,
+                mb["values"],
+                mb["returns"],
+                mb["action_mask"].bool(),
+                clip=hp["value_clip"],
+                aggregation="token_mean",
+                normalizer=normalizer,
+            )
+            metrics["loss"] = loss.detach() * normalizer / mb["action_mask"].sum()
+            return loss, metrics
+
+        return self._run_updates(batch, steps, micro_loss, "critic")
 
     # ---- weight sync (actor) --------------------------------------------------------------------------
     def setup_weight_sync(self, engines: list, transport: str, bucket_bytes: int, timeout_s: float) -> None:
