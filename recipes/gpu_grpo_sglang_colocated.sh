@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GRPO on one GPU node with SGLang colocated: engines and trainer ranks share the same GPUs.
 #
-# Each GPU holds one ZeRO-3 actor rank and one SGLang engine. The engine releases its memory while
+# --train.colocate_all puts one ZeRO-3 actor rank, one reference rank and one SGLang engine on
+# each GPU. The engine releases its memory while
 # the trainer trains (release_memory_occupation: weights, KV cache and CUDA graphs, through SGLang's
 # memory saver) and resumes it for the next rollout; new weights arrive as CUDA IPC handles of flat
 # buckets (the "tensor" transport), so no byte crosses a network. With the weights' CPU backup on,
@@ -25,10 +26,14 @@ args=(
     --model.dtype bfloat16                      # trainer and engine weights in bf16
     --train.device cuda                         # ZeRO-3 ranks on GPUs
     --train.actor_num_ranks "$NUM_GPUS"         # one actor rank per GPU
+    --train.ref_num_ranks "$NUM_GPUS"           # one reference rank per GPU, beside its actor rank
+    --train.ref_offload true                    # reference parameters wait in host memory between forwards
     --rollout.num_engines "$NUM_GPUS"           # one engine per GPU, beside its actor rank
     --rollout.tensor_parallel_size 1            # one GPU per engine
     --rollout.weight_transport tensor           # CUDA IPC hand-off of flat buckets on the shared GPU
-    --rollout.sleep_engines_while_training true # release / resume the engine's memory around training
+    --train.colocate_all true                   # rank i and engine i share GPU i (Ray placement-group bundle i);
+                                                # implies engines sleep while training and the actor's
+                                                # ZeRO-3 states (params, grads, Adam) leave the GPU while engines generate
     --rollout.n_samples_per_prompt 8            # GRPO group size
     --rollout.prompts_per_step 64               # prompts per step
     --rollout.max_new_tokens 1024               # response budget

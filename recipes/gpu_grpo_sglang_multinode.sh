@@ -1,5 +1,11 @@
 #!/usr/bin/env bash
-# GRPO across several GPU nodes with SGLang engines, on a Ray cluster.
+# GRPO on a 70B policy across 8 GPU nodes (64 GPUs) with SGLang engines, on a Ray cluster.
+#
+# Layout: 4 nodes train (32 ZeRO-3 actor ranks: bf16 weights, fp32 master weights and Adam states,
+# ~16 bytes a parameter, ~35 GB a GPU, activations recomputed in the backward), 4 nodes generate
+# (4 SGLang engines, tensor parallel 8, one node each). No reference model (--train.kl_coef 0), so
+# no GPU goes to it; add --train.kl_coef 0.001 --train.ref_num_ranks 32 --train.colocate_actor_ref true
+# --train.ref_offload true to regularise toward the start policy on the trainer's GPUs.
 #
 # Start Ray first, on the head node `ray start --head --port 6379` and on every other node
 # `ray start --address HEAD_IP:6379`; then run this script on the head node. Ray places the ZeRO-3
@@ -26,9 +32,13 @@ args=(
     --reward.function "$REWARD"             # scores each completion (rule-based, module:function)
     --model.dtype bfloat16                  # trainer and engine weights in bf16
     --train.device cuda                     # ZeRO-3 ranks on GPUs (NCCL across nodes)
-    --train.actor_num_ranks 16              # ZeRO-3 actor ranks: two 8-GPU nodes' worth
-    --rollout.num_engines 8                 # SGLang engines, spread over the remaining nodes
-    --rollout.tensor_parallel_size 2        # GPUs per engine (one node; SGLang's schedulers, one per TP rank)
+    --model.attn_implementation flash_attention_2  # varlen attention over packed rows
+    --train.actor_num_ranks 32              # ZeRO-3 actor ranks: four 8-GPU nodes' worth
+    --train.gradient_checkpointing true     # recompute activations: a 70B backward does not fit otherwise
+    --train.kl_coef 0                       # no reference model
+    --train.max_tokens_per_microbatch 8192  # packed tokens per forward/backward and rank
+    --rollout.num_engines 4                 # SGLang engines, one node each
+    --rollout.tensor_parallel_size 8        # GPUs per engine (one node; SGLang's schedulers, one per TP rank)
     --rollout.weight_transport collective   # NCCL broadcast of flat buckets on side groups
     --rollout.bucket_bytes 1073741824       # 1 GiB buckets: fewer, larger inter-node broadcasts
     --rollout.n_samples_per_prompt 8        # GRPO group size

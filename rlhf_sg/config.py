@@ -56,8 +56,8 @@ class RolloutConfig:
     bucket_bytes: int = 512 * 2**20
     #: engine-specific keywords passed verbatim to the backend (YAML mapping)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    #: free engine memory while training (colocated layouts)
-    sleep_engines_while_training: bool = False
+    #: free engine memory while training (None: on with --train.colocate_all, else off)
+    sleep_engines_while_training: bool | None = None
 
 
 @dataclass
@@ -74,6 +74,8 @@ class TrainConfig:
     #: optimizer steps per rollout batch (the batch is split evenly)
     num_minibatches: int = 1
     max_tokens_per_microbatch: int = 4096
+    #: recompute activations in the backward of actor and critic (less memory, ~30% more compute)
+    gradient_checkpointing: bool = False
     actor_lr: float = 1e-5
     critic_lr: float = 1e-5
     weight_decay: float = 0.0
@@ -104,6 +106,16 @@ class TrainConfig:
     device: str = "cpu"
     #: how a group's ranks are placed on Ray nodes: PACK (fill a node first), SPREAD (across nodes), STRICT_*
     placement_strategy: str = "PACK"
+    #: colocation: reference rank i shares actor rank i's device (needs ref_num_ranks == actor_num_ranks)
+    colocate_actor_ref: bool = False
+    #: colocation: reward-model rank i shares critic rank i's device (needs reward.num_ranks == critic_num_ranks)
+    colocate_critic_reward: bool = False
+    #: everything on the actor's devices: every model rank i and engine i share device i (one tp-1 engine per
+    #: actor rank); engines sleep while training, training states leave the device while engines generate
+    colocate_all: bool = False
+    #: move actor/critic ZeRO-3 states (params, grads, Adam) to host memory while the engines generate
+    #: (None: on with colocate_all; GPU only, a no-op on CPU where they already live in host memory)
+    offload_states_while_generating: bool | None = None
     #: CPU threads per model worker process (match the CPU share Ray gives it)
     worker_threads: int = 1
     #: seconds any remote call / collective may take before the run stops with a message
@@ -367,4 +379,50 @@ def validate(cfg: Config) -> Config:
         _need(bool(rw.url) and rw.url.startswith(("http://", "https://")),
               f"--reward.url must be an http(s) URL with --reward.kind remote, got {rw.url!r}")
     _need(cfg.log.save_steps >= 0, f"--log.save_steps must be >= 0, got {cfg.log.save_steps}")
+    _validate_colocation(cfg)
     return cfg
+
+
+def _validate_colocation(cfg: Config) -> None:
+    r, t, rw = cfg.rollout, cfg.train, cfg.reward
+    uses_critic, uses_ref, uses_rm = t.advantage_estimator == "gae", t.kl_coef > 0, rw.kind == "model"
+    if t.colocate_actor_ref:
+        _need(uses_ref, "--train.colocate_actor_ref: there is no reference model to colocate (--train.kl_coef is 0)")
+        _need(t.ref_num_ranks == t.actor_num_ranks,
+              f"--train.colocate_actor_ref puts reference rank i on actor rank i's device: set --train.ref_num_ranks "
+              f"to --train.actor_num_ranks ({t.actor_num_ranks}), got {t.ref_num_ranks}")
+    if t.colocate_critic_reward:
+        _need(uses_critic and uses_rm,
+              "--train.colocate_critic_reward needs both a critic (--train.advantage_estimator gae) and a reward "
+              f"model (--reward.kind model); got {t.advantage_estimator!r} and {rw.kind!r}")
+        _need(rw.num_ranks == t.critic_num_ranks,
+              f"--train.colocate_critic_reward puts reward rank i on critic rank i's device: set --reward.num_ranks "
+              f"to --train.critic_num_ranks ({t.critic_num_ranks}), got {rw.num_ranks}")
+    if t.colocate_all:
+        n = t.actor_num_ranks
+        for flag, ranks, used in (("--train.critic_num_ranks", t.critic_num_ranks, uses_critic),
+                                  ("--train.ref_num_ranks", t.ref_num_ranks, uses_ref),
+                                  ("--reward.num_ranks", rw.num_ranks, uses_rm),
+                                  ("--rollout.num_engines", r.num_engines, True)):
+            if used:
+                _need(ranks == n, f"--train.colocate_all puts rank i of every group and engine i on device i: set "
+                                  f"{flag} to --train.actor_num_ranks ({n}), got {ranks}")
+        _need(r.tensor_parallel_size == 1,
+              "--train.colocate_all places one engine per device: --rollout.tensor_parallel_size must be 1, got "
+              f"{r.tensor_parallel_size} (for tensor-parallel engines use separate devices, no colocate_all)")
+    if t.offload_states_while_generating and not t.colocate_all:
+        _need(r.sleep_engines_while_training is not False,
+              "--train.offload_states_while_generating frees the device for engines that share it; it makes no "
+              "sense with --rollout.sleep_engines_while_training false and no colocate_all")
+
+
+def sleep_engines(cfg: Config) -> bool:
+    """Whether engines release their memory while the trainer trains (the setting, or colocate_all)."""
+    s = cfg.rollout.sleep_engines_while_training
+    return cfg.train.colocate_all if s is None else s
+
+
+def offload_states(cfg: Config) -> bool:
+    """Whether training states leave the device while the engines generate (the setting, or colocate_all)."""
+    s = cfg.train.offload_states_while_generating
+    return cfg.train.colocate_all if s is None else s

@@ -159,6 +159,16 @@ class EngineActor:
     def reset_prefix_cache(self) -> None:
         self.backend.reset_prefix_cache()
 
+    def resources(self) -> dict[str, Any]:
+        """Where Ray placed this engine: node, pid, placement group and the resources it holds."""
+        import os
+
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "resources": ctx.get_assigned_resources(),
+                "placement_group_id": ctx.get_placement_group_id()}
+
     def shutdown(self) -> None:
         self._mapped.clear()
         self.backend.shutdown()
@@ -217,15 +227,20 @@ def start_engine_actors(
     num_cpus: float = 1.0,
     num_gpus: float = 0.0,
     start_timeout_s: float = 600.0,
+    shared: Any = None,
 ) -> list[Any]:
     """Start ``num_engines`` :class:`EngineActor` s and wait until each has built its backend.
 
     Engine ``i`` gets ``config`` with ``seed = config.seed + i`` (independent sampling streams) and,
-    when ``config.num_threads`` is None, ``max(1, int(num_cpus))`` torch threads. Returns the Ray
-    actor handles, engine 0 first. Raises :class:`EngineCallError` naming the engine that failed.
+    when ``config.num_threads`` is None, ``max(1, int(num_cpus))`` torch threads. With ``shared`` (a
+    :class:`rlhf_sg.workers.SharedBundles`, colocated layouts) engine ``i`` goes on bundle ``i`` and
+    takes that bundle's share instead of ``num_cpus`` / ``num_gpus``. Returns the Ray actor handles,
+    engine 0 first. Raises :class:`EngineCallError` naming the engine that failed.
     """
     import ray
 
+    if shared is not None:
+        num_cpus, num_gpus = shared.num_cpus, shared.num_gpus
     if num_engines < 1:
         raise ValueError(f"start_engine_actors: num_engines must be >= 1, got {num_engines}")
     if num_cpus <= 0 and config.num_threads is None:
@@ -235,7 +250,7 @@ def start_engine_actors(
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     remote_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env})(EngineActor)
     actors = [
-        remote_cls.remote(
+        remote_cls.options(**({"scheduling_strategy": shared.strategy(i)} if shared is not None else {})).remote(
             backend_name, dataclasses.replace(config, seed=config.seed + i, num_threads=threads), engine_index=i
         )
         for i in range(num_engines)

@@ -87,6 +87,10 @@ class ValueHeadModel(nn.Module):
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
         self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
 
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return bool(getattr(self.model, "is_gradient_checkpointing", False))
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rlhf_sg import algorithms as algo
-from rlhf_sg.config import Config, validate
+from rlhf_sg.config import Config, offload_states, sleep_engines, validate
 from rlhf_sg.data import Prompt, PromptStream, load_prompts
 from rlhf_sg.timing import StepTimer
 
@@ -80,6 +80,21 @@ def build_rollout_batch(
     }
 
 
+def filter_groups(batch: dict[str, torch.Tensor], n: int) -> tuple[dict[str, torch.Tensor] | None, float]:
+    """Drop the groups (``n`` consecutive rows, one prompt) whose scores are all equal: a group
+    estimator gives them zero advantage, so they cost training compute and teach nothing.
+
+    Returns (the batch of the kept rows, or None when no group is kept; the fraction of groups kept).
+    """
+    scores = batch["scores"].view(-1, n)
+    keep_groups = (scores.max(dim=1).values - scores.min(dim=1).values) > 0
+    kept = keep_groups.float().mean().item()
+    if not keep_groups.any():
+        return None, kept
+    rows = torch.repeat_interleave(keep_groups, n).nonzero().flatten()
+    return {k: v.index_select(0, rows) for k, v in batch.items()}, kept
+
+
 class PPOTrainer:
     """PPO / GRPO / Dr.GRPO / RLOO / REINFORCE++ over Ray actor groups and rollout engines."""
 
@@ -87,8 +102,10 @@ class PPOTrainer:
         self.cfg = validate(cfg)
         self.reward_fn = reward_fn
         self.step = 0
+        self.weight_version = 0  # the version the engines hold (the step of the last sync)
         self.actor = self.critic = self.ref = self.reward_model = None
         self.engines: list = []
+        self._shared: list = []  # placement groups several groups share (colocated layouts)
         self.kl_ctl = (
             algo.AdaptiveKLController(cfg.train.kl_coef, cfg.train.kl_target, cfg.train.kl_horizon)
             if cfg.train.kl_target
@@ -153,12 +170,36 @@ class PPOTrainer:
                                           "PYTHONPATH": os.pathsep.join(p for p in paths if p)}},
             )
 
-    def _cpus_needed(self) -> int:
+    def _group_sizes(self) -> dict[str, int]:
+        """Ranks of every group this run starts (engines included)."""
         t = self.cfg.train
-        ranks = t.actor_num_ranks + (t.critic_num_ranks if self.uses_critic else 0)
-        ranks += t.ref_num_ranks if self.uses_ref else 0
-        ranks += self.cfg.reward.num_ranks if self.cfg.reward.kind == "model" else 0
-        return ranks + self.cfg.rollout.num_engines
+        sizes = {"actor": t.actor_num_ranks, "engines": self.cfg.rollout.num_engines}
+        if self.uses_critic:
+            sizes["critic"] = t.critic_num_ranks
+        if self.uses_ref:
+            sizes["ref"] = t.ref_num_ranks
+        if self.cfg.reward.kind == "model":
+            sizes["reward"] = self.cfg.reward.num_ranks
+        return sizes
+
+    def colocation(self) -> list[list[str]]:
+        """The sets of groups that share devices: rank i of each group in a set on bundle i."""
+        t, sizes = self.cfg.train, self._group_sizes()
+        if t.colocate_all:
+            return [[g for g in ("actor", "ref", "critic", "reward", "engines") if g in sizes]]
+        sets = []
+        if t.colocate_actor_ref:
+            sets.append(["actor", "ref"])
+        if t.colocate_critic_reward:
+            sets.append(["critic", "reward"])
+        return sets
+
+    def _cpus_needed(self) -> int:
+        """One Ray CPU per bundle: a rank or engine of its own, or a bundle a colocated set shares."""
+        sizes = self._group_sizes()
+        shared = self.colocation()
+        alone = sum(n for g, n in sizes.items() if not any(g in s for s in shared))
+        return alone + sum(max(sizes[g] for g in s) for s in shared)
 
     def _worker_spec(self, role: str, path: str, world: int, train: bool, lr: float = 0.0):
         from rlhf_sg.distributed import free_port
@@ -169,16 +210,31 @@ class PPOTrainer:
             role=role, model_path=path, world_size=world, master_addr="127.0.0.1", master_port=free_port(),
             train=train, dtype=m.dtype, attn_implementation=m.attn_implementation, lr=lr,
             weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, offload=(role == "ref" and t.ref_offload),
+            gradient_checkpointing=train and t.gradient_checkpointing,
             seed=t.seed, threads=t.worker_threads, device=t.device, timeout_s=t.timeout_s,
         )
 
-    def _group(self, spec):
+    def _group(self, spec, shared=None):
         from rlhf_sg.workers import ModelGroup
 
         gpus = 1.0 if self.cfg.train.device == "cuda" else 0.0
-        # On CPU every rank asks for one Ray CPU; Ray is started with at least as many CPUs as ranks,
-        # and each worker runs `worker_threads` OpenMP threads, so phases never oversubscribe the cores.
-        return ModelGroup(spec, num_cpus=1.0, num_gpus=gpus, strategy=self.cfg.train.placement_strategy)
+        # On CPU every rank asks for one Ray CPU (a colocated one a share of one); Ray is started with at
+        # least as many CPUs as bundles, and each worker runs `worker_threads` OpenMP threads, so phases
+        # never oversubscribe the cores.
+        return ModelGroup(spec, num_cpus=1.0, num_gpus=gpus, strategy=self.cfg.train.placement_strategy, shared=shared)
+
+    def _start_shared_bundles(self) -> dict[str, object]:
+        """One shared placement group per colocated set; returns group name -> its bundles."""
+        from rlhf_sg.workers import SharedBundles
+
+        t, sizes, placed = self.cfg.train, self._group_sizes(), {}
+        for names in self.colocation():
+            bundles = SharedBundles.create(max(sizes[g] for g in names), len(names), t.device,
+                                           t.placement_strategy, t.timeout_s)
+            self._shared.append(bundles)
+            placed.update(dict.fromkeys(names, bundles))
+            log.info("colocated on %d shared devices: %s", bundles.size, ", ".join(names))
+        return placed
 
     def _start_groups(self) -> None:
         cfg, t = self.cfg, self.cfg.train
@@ -191,18 +247,24 @@ class PPOTrainer:
             device=t.device, tensor_parallel_size=r.tensor_parallel_size, extra=dict(r.engine_kwargs),
         )
         gpus = float(r.tensor_parallel_size) if t.device == "cuda" else 0.0
+        placed = self._start_shared_bundles()
         self.engines = start_engine_actors(
-            r.backend, engine_config, r.num_engines, num_cpus=1.0, num_gpus=gpus, start_timeout_s=t.timeout_s
+            r.backend, engine_config, r.num_engines, num_cpus=1.0, num_gpus=gpus, start_timeout_s=t.timeout_s,
+            shared=placed.get("engines"),
         )
-        self.actor = self._group(self._worker_spec("actor", cfg.model.pretrain, t.actor_num_ranks, True, t.actor_lr))
+        self.actor = self._group(self._worker_spec("actor", cfg.model.pretrain, t.actor_num_ranks, True, t.actor_lr),
+                                 placed.get("actor"))
         if self.uses_critic:
             critic_path = cfg.model.critic_pretrain or cfg.model.reward_pretrain or cfg.model.pretrain
-            self.critic = self._group(self._worker_spec("critic", critic_path, t.critic_num_ranks, True, t.critic_lr))
+            self.critic = self._group(self._worker_spec("critic", critic_path, t.critic_num_ranks, True, t.critic_lr),
+                                      placed.get("critic"))
         if self.uses_ref:
-            self.ref = self._group(self._worker_spec("ref", cfg.model.pretrain, t.ref_num_ranks, False))
+            self.ref = self._group(self._worker_spec("ref", cfg.model.pretrain, t.ref_num_ranks, False),
+                                   placed.get("ref"))
         if cfg.reward.kind == "model":
             self.reward_model = self._group(
-                self._worker_spec("reward", cfg.model.reward_pretrain, cfg.reward.num_ranks, False)
+                self._worker_spec("reward", cfg.model.reward_pretrain, cfg.reward.num_ranks, False),
+                placed.get("reward"),
             )
         self.actor.call(
             "setup_weight_sync", self.engines, cfg.rollout.weight_transport, cfg.rollout.bucket_bytes, t.timeout_s,
@@ -233,6 +295,13 @@ class PPOTrainer:
             for c in completions:
                 by_prompt.setdefault(shard[c.prompt_index], []).append(c)
         return [c for j in range(len(prompts)) for c in by_prompt[j]]
+
+    def _training_groups(self) -> list:
+        return [g for g in (self.actor, self.critic) if g is not None]
+
+    def _move_states(self, method: str) -> int:
+        """``offload_states`` / ``reload_states`` on every training rank; returns the device bytes moved."""
+        return sum(sum(g.call(method, what=f"{method} ({g.spec.role})")) for g in self._training_groups())
 
     def _engines_call(self, method: str) -> list:
         from rlhf_sg.engine_actor import wait_engine_calls
@@ -298,12 +367,14 @@ class PPOTrainer:
         t = self.cfg.train
         B = batch["sequences"].shape[0]
         per_rank: list[list[dict[str, Any]]] = [[] for _ in range(world)]
+        # a filtered batch (dynamic_filtering) may hold fewer rows than num_minibatches x ranks: then fewer,
+        # larger optimizer steps; the split is as even as it can be and drops no row
+        num_mb = max(1, min(t.num_minibatches, B // world))
         for _ in range(t.ppo_epochs):
             order = list(range(B))
             self.rng.shuffle(order)
-            size = B // t.num_minibatches
-            for k in range(t.num_minibatches):
-                rows = sorted(order[k * size : (k + 1) * size])
+            for k in range(num_mb):
+                rows = sorted(order[k * B // num_mb : (k + 1) * B // num_mb])
                 if normalize_rows:
                     normalizer = len(rows) / world
                 else:
@@ -321,11 +392,18 @@ class PPOTrainer:
         if profiling:
             self.actor.call("start_profile")
         prompts = self.prompts = self.stream.next_batch()
+        offloading, sleeping = offload_states(cfg), sleep_engines(cfg)
 
+        if offloading:
+            with timer.phase("offload"):
+                metrics_offload = self._move_states("offload_states")
         with timer.phase("generate"):
             completions = self.generate(prompts)
-            if cfg.rollout.sleep_engines_while_training:
+            if sleeping:
                 self._engines_call("sleep")
+        if offloading:
+            with timer.phase("offload"):
+                self._move_states("reload_states")
         batch = build_rollout_batch(
             [prompts[i // cfg.rollout.n_samples_per_prompt].token_ids for i in range(len(completions))],
             [c.token_ids for c in completions],
@@ -336,15 +414,22 @@ class PPOTrainer:
             batch["scores"] = self.compute_rewards(prompts, completions, batch)
         scores = batch["scores"]
         metrics: dict[str, float] = {"reward/mean": scores.mean().item(), "reward/std": scores.std().item()}
+        if offloading:
+            metrics["offload/device_GB"] = metrics_offload / 1e9
 
         if t.dynamic_filtering:
-            batch, kept = self._filter_groups(batch)
+            batch, kept = filter_groups(batch, cfg.rollout.n_samples_per_prompt)
             metrics["rollout/groups_kept_frac"] = kept
-            if batch is None:
+            if batch is not None and batch["sequences"].shape[0] < max(
+                n for g, n in self._group_sizes().items() if g != "engines"
+            ):
+                batch = None  # too few rows left to give every rank one
+            if batch is None:  # no group carries signal: no update, the engines keep the current weights
+                if sleeping:
+                    with timer.phase("weight_sync"):
+                        self._engines_call("wake")
                 self.step += 1
-                metrics.update({f"time/{k}": v for k, v in timer.end_step().items()})
-                self._log(metrics)
-                return metrics
+                return self._finish_step(metrics, timer.end_step(), profiling)
 
         batch_ref = self._put(batch)
         B = batch["sequences"].shape[0]
@@ -395,13 +480,11 @@ class PPOTrainer:
 
         self.step += 1
         with timer.phase("weight_sync"):
-            if cfg.rollout.sleep_engines_while_training:
+            if sleeping:
                 self._engines_call("wake")
             sync_stats = self.actor.call("sync_weights", self.step, what=f"weight sync to version {self.step}")
+        self.weight_version = self.step
         metrics["weight_sync/GBps"] = float(sync_stats[0].get("GBps", 0.0)) if sync_stats else 0.0
-        if profiling:
-            self.actor.call("stop_profile", os.path.join(cfg.log.output_dir, "profile", f"step{self.step}.json"))
-
         if metrics.get("kl") is not None:
             self.kl_ctl.update(metrics["kl"], B)
         times = timer.end_step()
@@ -412,24 +495,21 @@ class PPOTrainer:
             "kl_coef": self.kl_ctl.value,
             "throughput/tokens_per_s": float(batch["attention_mask"].sum()) / times["step"],
             "throughput/samples_per_s": B / times["step"],
-            "weight_version": self.step,
         })
+        return self._finish_step(metrics, times, profiling)
+
+    def _finish_step(self, metrics: dict[str, float], times: dict[str, float], profiling: bool) -> dict[str, float]:
+        """Metrics, hooks, logs and the checkpoint of a finished step (``self.step`` already advanced)."""
+        cfg = self.cfg
+        if profiling:
+            self.actor.call("stop_profile", os.path.join(cfg.log.output_dir, "profile", f"step{self.step}.json"))
+        metrics["weight_version"] = self.weight_version
         metrics.update({f"time/{k}": v for k, v in times.items()})
         self.on_step_end(self.step, metrics)
         self._log(metrics)
         if cfg.log.save_steps and self.step % cfg.log.save_steps == 0:
             self.save_checkpoint()
         return metrics
-
-    def _filter_groups(self, batch):
-        n = self.cfg.rollout.n_samples_per_prompt
-        scores = batch["scores"].view(-1, n)
-        keep_groups = (scores.max(dim=1).values - scores.min(dim=1).values) > 0
-        kept = keep_groups.float().mean().item()
-        if not keep_groups.any():
-            return None, kept
-        rows = torch.repeat_interleave(keep_groups, n).nonzero().flatten()
-        return {k: v.index_select(0, rows) for k, v in batch.items()}, kept
 
     # ---- hooks -------------------------------------------------------------------------------------
     def on_step_start(self, step: int) -> None:
@@ -528,6 +608,7 @@ class PPOTrainer:
         self.kl_ctl.value = float(state["kl_coef"])
         # engines started from the initial weights: give them the checkpoint's
         self.actor.call("sync_weights", self.step, what=f"weight sync after resume (version {self.step})")
+        self.weight_version = self.step
         log.info("resumed from %s at step %d", tag, self.step)
 
     def export_hf(self, path: str) -> str:
@@ -548,6 +629,9 @@ class PPOTrainer:
                 log.warning("an engine did not shut down cleanly", exc_info=True)
             ray.kill(e)
         self.engines = []
+        for bundles in self._shared:
+            bundles.remove()
+        self._shared = []
         if self._metrics_file is not None:
             self._metrics_file.close()
         if self._writer is not None:
@@ -567,4 +651,4 @@ def train(cfg: Config, trainer_cls: type[PPOTrainer] = PPOTrainer, **kwargs) -> 
     return history
 
 
-__all__ = ["PPOTrainer", "build_rollout_batch", "load_tokenizer", "train"]
+__all__ = ["PPOTrainer", "build_rollout_batch", "filter_groups", "load_tokenizer", "train"]

@@ -37,6 +37,7 @@ class WorkerSpec:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     offload: bool = False
+    gradient_checkpointing: bool = False
     seed: int = 42
     threads: int = 1
     device: str = "cpu"
@@ -88,21 +89,26 @@ class ModelWorker:
         # instead of materialising it whole on every rank.
         self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
         model = self._load_model()
-        optimizer = None
-        if self.spec.train:
-            optimizer = torch.optim.AdamW(
-                [p for p in model.parameters() if p.requires_grad],
-                lr=self.spec.lr,
-                weight_decay=self.spec.weight_decay,
-                betas=(0.9, 0.95),
-            )
+        optimizer = self._make_optimizer(model) if self.spec.train else None
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
         if not self.spec.train:
             self.engine.eval()
         self.syncer = None
         self._profiler = None
+        self._offloaded = False
 
     # ---- model -------------------------------------------------------------------------------------
+    def _make_optimizer(self, model):
+        """AdamW. On GPU, DeepSpeed's FusedAdam: faster there, and the only optimizer whose states
+        ZeRO-3 can move off the device while the engines generate (:meth:`offload_states`)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        kwargs = dict(lr=self.spec.lr, weight_decay=self.spec.weight_decay, betas=(0.9, 0.95))
+        if self.spec.device == "cuda":
+            from deepspeed.ops.adam import FusedAdam
+
+            return FusedAdam(params, adam_w_mode=True, **kwargs)
+        return torch.optim.AdamW(params, **kwargs)
+
     def _load_model(self):
         dtype = torch.bfloat16 if self.spec.dtype == "bfloat16" else torch.float32
         if self.spec.role in ("actor", "ref"):
@@ -120,6 +126,8 @@ class ModelWorker:
             )
         if not self.spec.train:
             model.requires_grad_(False)
+        elif self.spec.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
 
     @property
@@ -260,6 +268,38 @@ class ModelWorker:
             raise RuntimeError(f"actor rank {self.rank}: setup_weight_sync was not called")
         return self.syncer.sync(self.engine, version)
 
+    # ---- device memory while the engines generate (colocated layouts) ----------------------------------
+    def offload_states(self) -> int:
+        """Move this rank's ZeRO-3 training states (parameters, gradients, optimizer) to host memory so a
+        colocated engine can use the device; returns the device bytes freed. On CPU there is nothing to
+        move (every state already lives in host memory) and it returns 0."""
+        if self.spec.device != "cuda" or not self.spec.train or self._offloaded:
+            return 0
+        before = torch.cuda.memory_allocated()
+        self.engine.offload_states(pin_memory=True, non_blocking=False)
+        torch.cuda.synchronize()
+        self._offloaded = True
+        return before - torch.cuda.memory_allocated()
+
+    def reload_states(self) -> int:
+        """Bring back what :meth:`offload_states` moved; returns the device bytes taken again."""
+        if not self._offloaded:
+            return 0
+        before = torch.cuda.memory_allocated()
+        self.engine.reload_states(non_blocking=False)
+        torch.cuda.synchronize()
+        self._offloaded = False
+        return torch.cuda.memory_allocated() - before
+
+    def resources(self) -> dict[str, Any]:
+        """Where Ray placed this rank: node, pid, placement group and the resources it holds."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "resources": ctx.get_assigned_resources(),
+                "placement_group_id": ctx.get_placement_group_id(),
+                "gradient_checkpointing": bool(getattr(self.module, "is_gradient_checkpointing", False))}
+
     # ---- checkpoints ----------------------------------------------------------------------------------
     def save_checkpoint(self, path: str, tag: str, client_state: dict[str, Any]) -> None:
         state = dict(client_state, torch_rng=torch.get_rng_state())
@@ -306,20 +346,79 @@ class ModelWorker:
         return path
 
 
+@dataclass
+class SharedBundles:
+    """A placement group whose bundles several groups share (colocation): rank ``i`` of every tenant
+    group goes on bundle ``i`` and holds ``1 / tenants`` of its CPU (and GPU), so Ray puts, say, actor
+    rank 0, reference rank 0 and engine 0 in one process slot on one device."""
+
+    pg: Any
+    size: int
+    tenants: int
+    device: str
+
+    @classmethod
+    def create(cls, size: int, tenants: int, device: str, strategy: str, timeout_s: float) -> SharedBundles:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        bundle = {"CPU": 1.0, **({"GPU": 1.0} if device == "cuda" else {})}
+        pg = placement_group([dict(bundle) for _ in range(size)], strategy=strategy)
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise TimeoutError(
+                f"colocated placement group ({size} bundles of {bundle}) not ready within {timeout_s:.0f} s: "
+                "the Ray cluster lacks the CPUs/GPUs"
+            ) from e
+        return cls(pg=pg, size=size, tenants=tenants, device=device)
+
+    @property
+    def num_cpus(self) -> float:
+        return 1.0 / self.tenants
+
+    @property
+    def num_gpus(self) -> float:
+        return 1.0 / self.tenants if self.device == "cuda" else 0.0
+
+    def strategy(self, bundle: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not 0 <= bundle < self.size:
+            raise ValueError(f"bundle {bundle} outside the shared placement group of {self.size}")
+        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.pg)
+
+
 class ModelGroup:
-    """``world_size`` :class:`ModelWorker` ranks of one role, placed by a Ray placement group."""
+    """``world_size`` :class:`ModelWorker` ranks of one role, placed by a Ray placement group: its own
+    (one bundle per rank), or ``shared`` bundles it holds a share of (colocation; not removed here)."""
 
     def __init__(self, spec: WorkerSpec, num_cpus: float = 1.0, num_gpus: float = 0.0, strategy: str = "PACK",
-                 runtime_env: dict | None = None):
+                 runtime_env: dict | None = None, shared: SharedBundles | None = None):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.spec = spec
         self.timeout_s = spec.timeout_s
-        bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(spec.world_size)], strategy=strategy)
-        self._get([self.pg.ready()], "placement group ready (not enough CPUs/GPUs in the Ray cluster?)")
+        self.owns_pg = shared is None
+        if shared is None:
+            bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+            self.pg = placement_group([dict(bundle) for _ in range(spec.world_size)], strategy=strategy)
+            self._get([self.pg.ready()], "placement group ready (not enough CPUs/GPUs in the Ray cluster?)")
+            strategies = [PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
+                          for i in range(spec.world_size)]
+        else:
+            if spec.world_size > shared.size:
+                raise ValueError(f"{spec.role}: {spec.world_size} ranks do not fit {shared.size} shared bundles")
+            self.pg = shared.pg
+            num_cpus, num_gpus = shared.num_cpus, shared.num_gpus
+            strategies = [shared.strategy(i) for i in range(spec.world_size)]
         env = {"env_vars": {"OMP_NUM_THREADS": str(spec.threads), "TOKENIZERS_PARALLELISM": "false"}}
         if spec.device == "cpu":
             env["env_vars"]["DS_ACCELERATOR"] = "cpu"
@@ -327,12 +426,8 @@ class ModelGroup:
             env["env_vars"].update(runtime_env.get("env_vars", {}))
         cls = ray.remote(ModelWorker)
         self.workers = [
-            cls.options(
-                num_cpus=num_cpus,
-                num_gpus=num_gpus,
-                runtime_env=env,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-            ).remote(asdict(spec), i)
+            cls.options(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=env, scheduling_strategy=strategies[i])
+            .remote(asdict(spec), i)
             for i in range(spec.world_size)
         ]
         self._get([w.ping.remote() for w in self.workers], "start-up")
@@ -377,4 +472,5 @@ class ModelGroup:
 
         for w in self.workers:
             ray.kill(w)
-        remove_placement_group(self.pg)
+        if self.owns_pg:
+            remove_placement_group(self.pg)
