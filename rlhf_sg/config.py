@@ -153,7 +153,7 @@ class LogConfig:
     resume: bool = False
     tensorboard: bool = True
     wandb_project: str | None = None
-    #: write a torch profiler trace of this step (None = off)
+    #: profile this step (0 = the first): one Chrome trace per actor rank in <output_dir>/profile (None = off)
     profile_step: int | None = None
     export_hf: bool = True
     progress_bar: bool = True

@@ -502,7 +502,9 @@ class PPOTrainer:
         """Metrics, hooks, logs and the checkpoint of a finished step (``self.step`` already advanced)."""
         cfg = self.cfg
         if profiling:
-            self.actor.call("stop_profile", os.path.join(cfg.log.output_dir, "profile", f"step{self.step}.json"))
+            paths = self.actor.call("stop_profile", os.path.join(cfg.log.output_dir, "profile"), f"step{self.step}")
+            log.info("torch profiler traces of step %d (open in Perfetto or chrome://tracing): %s", self.step,
+                     ", ".join(paths))
         metrics["weight_version"] = self.weight_version
         metrics.update({f"time/{k}": v for k, v in times.items()})
         self.on_step_end(self.step, metrics)

@@ -336,13 +336,17 @@ class ModelWorker:
         self._profiler = profile(activities=activities, record_shapes=False)
         self._profiler.__enter__()
 
-    def stop_profile(self, path: str) -> str | None:
+    def stop_profile(self, directory: str, name: str) -> str | None:
+        """Stop the profiler and write this rank's Chrome trace, ``directory/name.rank{r}.json``."""
         if self._profiler is None:
             return None
         self._profiler.__exit__(None, None, None)
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"{name}.rank{self.rank}.json")
         self._profiler.export_chrome_trace(path)
         self._profiler = None
+        if not os.path.isfile(path):
+            raise RuntimeError(f"{self.spec.role} rank {self.rank}: the profiler wrote no trace at {path}")
         return path
 
 
