@@ -5,6 +5,7 @@ across them (STRICT_SPREAD): everything the run starts fits only if every group 
 share of the same two bundles, and rank i of each group must sit on bundle i's node.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -142,27 +143,19 @@ def test_colocate_all_places_rank_i_of_every_group_on_bundle_i_and_trains(task, 
 # ---- ZeRO-3 state offload around generation -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_offload_then_reload_leaves_the_worker_exact_and_trainable(tmp_path, monkeypatch, device):
-    """One real ZeRO-3 actor rank (in this process): its log-probs are bit-identical after an offload and
-    reload, it still takes an optimizer step, and on GPU the offload frees device memory (on CPU there
-    is nothing to move and it says so with 0)."""
+def _offload_round_trip(model_path: str, device: str) -> dict:
+    """In a fresh process: one real ZeRO-3 actor rank through forward, offload, reload, forward, a train
+    step between an offload round trip, forward. Returns what the test checks."""
+    os.environ["DS_ACCELERATOR"] = device
     import torch.distributed as dist
 
     from rlhf_sg.distributed import free_port
-    from rlhf_sg.tiny import save_tiny_model
     from rlhf_sg.trainer import build_rollout_batch
     from rlhf_sg.workers import ModelWorker, WorkerSpec
 
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("DS_ACCELERATOR", device)
-    path = save_tiny_model(str(tmp_path / "m"), arch="qwen2", size="tiny")
-    spec = WorkerSpec(role="actor", model_path=path, world_size=1, master_addr="127.0.0.1",
+    spec = WorkerSpec(role="actor", model_path=model_path, world_size=1, master_addr="127.0.0.1",
                       master_port=free_port(), train=True, lr=1e-2, device=device, timeout_s=120)
-    from dataclasses import asdict
-
-    worker = ModelWorker(asdict(spec), 0)
+    worker = ModelWorker(dataclasses.asdict(spec), 0)
     try:
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (5, 9, 3, 7)]
@@ -171,26 +164,39 @@ def test_offload_then_reload_leaves_the_worker_exact_and_trainable(tmp_path, mon
         plan = [[0, 1, 2, 3]]
         _, before = worker.forward(batch, plan)
         freed = worker.offload_states()
-        if device == "cuda":
-            assert freed > 0
-            assert worker.reload_states() > 0
-        else:
-            assert freed == 0 and worker.reload_states() == 0
+        taken = worker.reload_states()
         _, after = worker.forward(batch, plan)
-        assert torch.equal(before, after)
-
         batch.update(old_logp=before, advantages=torch.ones_like(before), ref_logp=before)
         hp = {"temperature": 1.0, "clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "tis_cap": None,
               "loss_aggregation": "token_mean", "kl_mode": "reward", "kl_coef": 0.0, "kl_estimator": "k1",
               "entropy_coef": 0.0}
-        steps = [{"plan": plan, "normalizer": float(batch["action_mask"].sum())}]
         worker.offload_states()
         worker.reload_states()
-        worker.train_actor(batch, steps, hp)
+        worker.train_actor(batch, [{"plan": plan, "normalizer": float(batch["action_mask"].sum())}], hp)
         _, trained = worker.forward(batch, plan)
-        assert (trained - before).abs().max() > 1e-3  # the step after a round trip moved the policy
+        return {"freed": freed, "taken": taken, "before": before, "after": after, "trained": trained}
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_offload_then_reload_leaves_the_worker_exact_and_trainable(tmp_path, device):
+    """A real ZeRO-3 actor rank: its log-probs are bit-identical after an offload and reload, it still takes
+    an optimizer step, and on GPU the offload frees device memory (on CPU there is nothing to move and it
+    says so with 0). The rank runs in a spawned process: DeepSpeed keeps process-wide group state."""
+    import multiprocessing
+
+    from rlhf_sg.tiny import save_tiny_model
+
+    path = save_tiny_model(str(tmp_path / "m"), arch="qwen2", size="tiny")
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        out = pool.apply_async(_offload_round_trip, (path, device)).get(timeout=600)
+    if device == "cuda":
+        assert out["freed"] > 0 and out["taken"] > 0
+    else:
+        assert out["freed"] == 0 and out["taken"] == 0
+    assert torch.equal(out["before"], out["after"])
+    assert (out["trained"] - out["before"]).abs().max() > 1e-3  # the step after a round trip moved the policy
 
 
 def test_the_offload_calls_match_the_installed_deepspeed():
