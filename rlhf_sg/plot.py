@@ -39,7 +39,7 @@ def plot_run(metrics_path: str, png_path: str, title: str = "") -> str:
     ax_t.set_xlabel("step")
     ax_t.set_ylabel("seconds")
     ax_t.set_title("time per step, by phase")
-    ax_t.legend(fontsize=8, loc="upper right")
+    ax_t.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # beside the bars
     if title:
         fig.suptitle(title)
     fig.tight_layout()
