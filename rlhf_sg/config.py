@@ -243,7 +243,8 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any], source: str) -> Conf
             raise ConfigError(
                 f"{source}: unknown setting {dotted!r}; {section} has {sorted(hints)}"
             )
-        setattr(getattr(cfg, section), key, _coerce(f"{source} {dotted}", hints[key], raw))
+        label = f"--{dotted}" if source == "flag" else f"{source}: {dotted}"
+        setattr(getattr(cfg, section), key, _coerce(label, hints[key], raw))
     return cfg
 
 

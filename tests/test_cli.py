@@ -1,0 +1,52 @@
+"""The command line as a user runs it: ``python -m rlhf_sg train-ppo`` with a YAML file and flags, in a
+fresh process that starts its own Ray; and a wrong flag stopping it before anything starts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = os.path.join(ROOT, "recipes")
+sys.path.insert(0, RECIPES)
+
+
+def _run(args, tmp_path, timeout=600):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([RECIPES, os.environ.get("PYTHONPATH", "")]),
+               DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", RAY_ADDRESS="")
+    return subprocess.run([sys.executable, "-m", "rlhf_sg", *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_train_ppo_from_yaml_and_flags(tmp_path):
+    from quickstart_cpu import prepare
+
+    policy, prompts = prepare(str(tmp_path / "task"), warm_start_steps=5)
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"model:\n  pretrain: {policy}\n"
+        f"data:\n  prompt_data: {prompts}\n  label_key: answer\n  max_prompt_len: 16\n"
+        "rollout:\n  prompts_per_step: 4\n  n_samples_per_prompt: 4\n  max_new_tokens: 4\n  max_model_len: 64\n"
+        "train:\n  advantage_estimator: grpo\n  max_tokens_per_microbatch: 256\n"
+        "reward:\n  function: arith_task:addition_reward\n"
+        "log:\n  progress_bar: false\n  tensorboard: false\n"
+    )
+    out = tmp_path / "out"
+    result = _run(["train-ppo", "--config", str(config), "--max-steps", "2", "--output-dir", str(out),
+                   "--train.actor_lr", "1e-5"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"are in {out}" in result.stdout
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["train"]["actor_lr"] == 1e-5 and saved["train"]["advantage_estimator"] == "grpo"  # flag won
+    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [1, 2]
+    assert (out / "final_hf" / "model.safetensors").is_file()
+
+
+def test_a_wrong_flag_stops_before_ray_with_its_name(tmp_path):
+    result = _run(["train-ppo", "--model", str(tmp_path), "--train.actor_lr", "fast"], tmp_path, timeout=120)
+    assert result.returncode != 0
+    assert "--train.actor_lr" in result.stderr and "'fast'" in result.stderr
+    assert "Started a local Ray instance" not in result.stderr
