@@ -56,6 +56,9 @@ class RolloutConfig:
     bucket_bytes: int = 512 * 2**20
     #: engine-specific keywords passed verbatim to the backend (YAML mapping)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: CPU threads per engine process (None: on CPU, the machine's cores shared among the engines, since
+    #: the step's phases take turns and nothing else computes while the engines generate; on GPU, 1)
+    engine_threads: int | None = None
     #: free engine memory while training (None: on with --train.colocate_all, else off)
     sleep_engines_while_training: bool | None = None
 
@@ -74,6 +77,9 @@ class TrainConfig:
     #: optimizer steps per rollout batch (the batch is split evenly)
     num_minibatches: int = 1
     max_tokens_per_microbatch: int = 4096
+    #: the actor's separate old-log-prob forward each step (None: only when needed, i.e. ppo_epochs or
+    #: num_minibatches > 1, or the KL penalty in the rewards; otherwise the single update's forward gives them)
+    recompute_old_logp: bool | None = None
     #: recompute activations in the backward of actor and critic (less memory, ~30% more compute)
     gradient_checkpointing: bool = False
     actor_lr: float = 1e-5
@@ -360,6 +366,8 @@ def validate(cfg: Config) -> Config:
           "--train.placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
           f"got {t.placement_strategy!r}")
     _need(t.device in ("cpu", "cuda"), f"--train.device must be cpu or cuda, got {t.device!r}")
+    _need(r.engine_threads is None or r.engine_threads >= 1,
+          f"--rollout.engine_threads must be >= 1, got {r.engine_threads}")
     _need(r.temperature >= 0, f"--rollout.temperature must be >= 0, got {r.temperature}")
     _need(d.max_prompt_len + r.max_new_tokens <= r.max_model_len,
           f"--data.max_prompt_len ({d.max_prompt_len}) + --rollout.max_new_tokens ({r.max_new_tokens}) exceeds "
@@ -380,6 +388,11 @@ def validate(cfg: Config) -> Config:
         _need(bool(rw.url) and rw.url.startswith(("http://", "https://")),
               f"--reward.url must be an http(s) URL with --reward.kind remote, got {rw.url!r}")
     _need(cfg.log.save_steps >= 0, f"--log.save_steps must be >= 0, got {cfg.log.save_steps}")
+    if t.recompute_old_logp is False:
+        _need(t.ppo_epochs == 1 and t.num_minibatches == 1 and not (t.kl_coef > 0 and t.kl_mode == "reward"),
+              "--train.recompute_old_logp false: the old log-probs can come from the update's own forward only "
+              "with one update per batch (--train.ppo_epochs 1, --train.num_minibatches 1) and no KL penalty in "
+              "the rewards (--train.kl_mode loss or --train.kl_coef 0)")
     _validate_colocation(cfg)
     return cfg
 

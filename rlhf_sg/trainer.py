@@ -125,6 +125,17 @@ class PPOTrainer:
     def uses_ref(self) -> bool:
         return self.cfg.train.kl_coef > 0
 
+    @property
+    def recomputes_old_logp(self) -> bool:
+        """Whether a step runs the actor's separate old-log-prob forward. It is needed when the batch gets
+        more than one update (later updates must compare against the sampling policy) and when the KL
+        penalty goes into the rewards (it is needed before the advantages); otherwise the single update's
+        own forward gives them, as the policy being trained is the one that sampled."""
+        t = self.cfg.train
+        if t.recompute_old_logp is not None:
+            return t.recompute_old_logp
+        return t.ppo_epochs > 1 or t.num_minibatches > 1 or (self.uses_ref and t.kl_mode == "reward")
+
     def setup(self) -> None:
         """Load data (errors surface here, before any process starts), then start Ray and every group."""
         cfg = self.cfg
@@ -162,7 +173,15 @@ class PPOTrainer:
         if not ray.is_initialized():
             # Workers and engines must import what the driver can (a user's module:Class backend or reward).
             paths = [os.getcwd(), os.path.dirname(os.path.abspath(sys.argv[0])), os.environ.get("PYTHONPATH", "")]
+            if os.environ.get("RAY_ADDRESS", "local") != "local":  # a cluster the user started: join it as is
+                ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
+                                                   "PYTHONPATH": os.pathsep.join(p for p in paths if p)}})
+                return
+            # otherwise a fresh local instance, never one that happens to run on this machine already; its
+            # workers do all the computing, so they run at normal priority (Ray's default is nice 15)
+            os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(
+                address="local",
                 num_cpus=max(os.cpu_count() or 1, self._cpus_needed()),
                 include_dashboard=False,
                 log_to_driver=True,
@@ -193,6 +212,17 @@ class PPOTrainer:
         if t.colocate_critic_reward:
             sets.append(["critic", "reward"])
         return sets
+
+    def engine_threads(self) -> int:
+        """Torch threads per engine. The step is synchronous: while the engines generate, every model rank
+        waits, so on CPU the engines may share all the cores (one thread each left them idle: measured with
+        ``python -m rlhf_sg.bench e2e``, generation took 1.3x longer than with the cores shared)."""
+        r = self.cfg.rollout
+        if r.engine_threads is not None:
+            return r.engine_threads
+        if self.cfg.train.device != "cpu":
+            return 1
+        return max(1, (os.cpu_count() or 1) // r.num_engines)
 
     def _cpus_needed(self) -> int:
         """One Ray CPU per bundle: a rank or engine of its own, or a bundle a colocated set shares."""
@@ -245,6 +275,7 @@ class PPOTrainer:
         engine_config = BackendConfig(
             model_path=cfg.model.pretrain, dtype=cfg.model.dtype, max_model_len=r.max_model_len, seed=t.seed,
             device=t.device, tensor_parallel_size=r.tensor_parallel_size, extra=dict(r.engine_kwargs),
+            num_threads=self.engine_threads(),
         )
         gpus = float(r.tensor_parallel_size) if t.device == "cuda" else 0.0
         placed = self._start_shared_bundles()
@@ -440,18 +471,22 @@ class PPOTrainer:
         if self.uses_critic:
             with timer.phase("critic"):
                 batch["values"] = self.critic.forward(batch_ref, self._plans(batch, t.critic_num_ranks), B)
-        with timer.phase("actor_logprob"):
-            batch["old_logp"] = self.actor.forward(batch_ref, self._plans(batch, t.actor_num_ranks), B, temperature)
+        if self.recomputes_old_logp:
+            with timer.phase("actor_logprob"):
+                batch["old_logp"] = self.actor.forward(batch_ref, self._plans(batch, t.actor_num_ranks), B,
+                                                       temperature)
 
         mask = batch["action_mask"]
-        if self.uses_ref:
-            batch["kl"] = torch.where(mask, algo.approx_kl(batch["old_logp"], batch["ref_logp"], t.kl_estimator), 0.0)
-            metrics["kl"] = algo.masked_mean(batch["kl"], mask).item()
+        if "old_logp" in batch:
+            if self.uses_ref:
+                kl = algo.approx_kl(batch["old_logp"], batch["ref_logp"], t.kl_estimator)
+                batch["kl"] = torch.where(mask, kl, 0.0)
+                metrics["kl"] = algo.masked_mean(batch["kl"], mask).item()
+            metrics["rollout/logp_gap_engine_vs_trainer"] = algo.masked_mean(
+                (batch["rollout_logp"] - batch["old_logp"]).abs(), mask
+            ).item()
         self.compute_advantages(batch)
         self.on_experience(batch)
-        metrics["rollout/logp_gap_engine_vs_trainer"] = algo.masked_mean(
-            (batch["rollout_logp"] - batch["old_logp"]).abs(), mask
-        ).item()
 
         hp = {
             "temperature": temperature, "clip_low": t.clip_low, "clip_high": t.clip_high, "dual_clip": t.dual_clip,
@@ -477,6 +512,11 @@ class PPOTrainer:
             for r in results:
                 for k, v in r.items():
                     metrics.setdefault(k, v)
+            # without the separate old-log-prob pass the actor's update measured these
+            if "actor/logp_gap_engine_vs_trainer" in metrics:
+                metrics["rollout/logp_gap_engine_vs_trainer"] = metrics.pop("actor/logp_gap_engine_vs_trainer")
+            if "kl" not in metrics and "actor/kl_loss" in metrics:
+                metrics["kl"] = metrics["actor/kl_loss"]
 
         self.step += 1
         with timer.phase("weight_sync"):

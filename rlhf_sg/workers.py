@@ -200,9 +200,12 @@ class ModelWorker:
             logp, entropy = response_logprobs(
                 self.engine, mb["sequences"], mb["attention_mask"], width, hp["temperature"], with_entropy=True
             )
+            # one update on fresh samples: the policy that sampled them is the one being trained, so its
+            # log-probs are this forward's (the controller then skips the separate old-log-prob pass)
+            old_logp = mb["old_logp"] if "old_logp" in mb else logp.detach()
             loss, metrics = policy_loss(
                 logp,
-                mb["old_logp"],
+                old_logp,
                 mb["advantages"],
                 mask,
                 clip_low=hp["clip_low"],
@@ -222,6 +225,8 @@ class ModelWorker:
             if hp["entropy_coef"] > 0:
                 loss = loss - hp["entropy_coef"] * masked_mean(entropy, mask) * share
             metrics["entropy"] = masked_mean(entropy.detach(), mask)
+            if "old_logp" not in mb:
+                metrics["logp_gap_engine_vs_trainer"] = masked_mean((mb["rollout_logp"] - old_logp).abs(), mask)
             return loss, metrics
 
         return self._run_updates(batch, steps, micro_loss, "actor")

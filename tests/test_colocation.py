@@ -212,3 +212,52 @@ def test_the_offload_calls_match_the_installed_deepspeed():
     assert {"include", "device", "pin_memory", "non_blocking"} <= set(offload)
     assert "non_blocking" in inspect.signature(DeepSpeedEngine.reload_states).parameters
     assert "FusedAdam" in inspect.getsource(DeepSpeedZeroOptimizer_Stage3.offload_states)
+
+
+def _one_update(model_path: str, with_old_logp: bool) -> dict:
+    """In a fresh process: one real ZeRO-3 actor rank takes one PPO update, given the old log-probs from a
+    separate forward or not (then the update's own forward supplies them). Returns the log-probs after."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import torch.distributed as dist
+
+    from rlhf_sg.distributed import free_port
+    from rlhf_sg.trainer import build_rollout_batch
+    from rlhf_sg.workers import ModelWorker, WorkerSpec
+
+    spec = WorkerSpec(role="actor", model_path=model_path, world_size=1, master_addr="127.0.0.1",
+                      master_port=free_port(), train=True, lr=1e-2, timeout_s=120)
+    worker = ModelWorker(dataclasses.asdict(spec), 0)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (5, 9, 3, 7)]
+        responses = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (6, 2, 8, 4)]
+        rollout = [torch.randn(len(r), generator=gen).tolist() for r in responses]
+        batch = build_rollout_batch(prompts, responses, rollout, pad_id=0)
+        plan = [[0, 1, 2, 3]]
+        batch["advantages"] = torch.randn(batch["rollout_logp"].shape, generator=gen) * batch["action_mask"]
+        if with_old_logp:
+            batch["old_logp"] = worker.forward(batch, plan)[1]
+        hp = {"temperature": 1.0, "clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "tis_cap": 2.0,
+              "loss_aggregation": "token_mean", "kl_mode": "loss", "kl_coef": 0.0, "kl_estimator": "k1",
+              "entropy_coef": 0.0}
+        metrics = worker.train_actor(batch, [{"plan": plan, "normalizer": float(batch["action_mask"].sum())}], hp)
+        return {"after": worker.forward(batch, plan)[1], "metrics": metrics}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_update_without_the_old_logprob_pass_equals_the_update_with_it(tmp_path):
+    """Skipping the separate old-log-prob forward (one update per batch) changes nothing in the update."""
+    import multiprocessing
+
+    from rlhf_sg.tiny import save_tiny_model
+
+    path = save_tiny_model(str(tmp_path / "m"), arch="qwen2", size="tiny")
+    results = []
+    for with_old_logp in (True, False):  # a fresh process per rank: DeepSpeed's groups are process-wide
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            results.append(pool.apply_async(_one_update, (path, with_old_logp)).get(timeout=600))
+    separate, fused = results
+    torch.testing.assert_close(fused["after"], separate["after"], rtol=0, atol=1e-6)
+    assert "actor/logp_gap_engine_vs_trainer" in fused["metrics"]
+    assert "actor/logp_gap_engine_vs_trainer" not in separate["metrics"]

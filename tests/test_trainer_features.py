@@ -71,6 +71,10 @@ def test_grpo_with_remote_reward_kl_loss_tis_profiler_tensorboard_and_export(ray
         trainer.shutdown()
     assert _RewardHandler.calls == 2  # one scoring request per step
     assert all("actor/kl_loss" in h for h in history)  # the KL went into the loss, not the reward
+    # one update per batch and no KL in the rewards: no separate old-log-prob pass, the update measured
+    # the KL and the engine-trainer gap itself
+    assert all(h["time/actor_logprob"] == 0 and h["kl"] == h["actor/kl_loss"] for h in history)
+    assert all(0 <= h["rollout/logp_gap_engine_vs_trainer"] < 0.05 for h in history)
     for rank in (0, 1):  # each actor rank's trace of step 0, written as it ended
         with open(out / "profile" / f"step1.rank{rank}.json") as f:
             assert json.load(f)["traceEvents"]
