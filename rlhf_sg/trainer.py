@@ -173,7 +173,7 @@ class PPOTrainer:
         if not ray.is_initialized():
             # Workers and engines must import what the driver can (a user's module:Class backend or reward).
             paths = [os.getcwd(), os.path.dirname(os.path.abspath(sys.argv[0])), os.environ.get("PYTHONPATH", "")]
-            if os.environ.get("RAY_ADDRESS", "local") != "local":  # a cluster the user started: join it as is
+            if (os.environ.get("RAY_ADDRESS") or "local") != "local":  # a cluster the user started: join it
                 ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
                                                    "PYTHONPATH": os.pathsep.join(p for p in paths if p)}})
                 return

@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -14,3 +15,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@contextlib.contextmanager
+def two_ray_nodes(num_cpus: int, pythonpath: list[str]):
+    """A Ray cluster of two simulated nodes on this machine (``num_cpus`` each), connected as the driver."""
+    import ray
+    from ray import cluster_utils
+
+    os.environ["PYTHONPATH"] = os.pathsep.join([*pythonpath, os.environ.get("PYTHONPATH", "")])
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus})
+    cluster.add_node(num_cpus=num_cpus)
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

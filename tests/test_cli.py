@@ -15,7 +15,8 @@ sys.path.insert(0, RECIPES)
 
 def _run(args, tmp_path, timeout=600):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([RECIPES, os.environ.get("PYTHONPATH", "")]),
-               DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", RAY_ADDRESS="")
+               DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env.pop("RAY_ADDRESS", None)  # as on a user's machine: the command starts a Ray of its own
     return subprocess.run([sys.executable, "-m", "rlhf_sg", *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=timeout)
 

@@ -5,12 +5,12 @@ import os
 import sys
 
 import pytest
+from conftest import two_ray_nodes
 
 RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
 sys.path.insert(0, RECIPES)
 
 ray = pytest.importorskip("ray")
-cluster_utils = pytest.importorskip("ray.cluster_utils")
 
 pytestmark = pytest.mark.slow
 
@@ -21,38 +21,30 @@ def test_step_across_two_nodes(tmp_path):
 
     from rlhf_sg.trainer import PPOTrainer
 
-    os.environ["PYTHONPATH"] = os.pathsep.join([RECIPES, os.environ.get("PYTHONPATH", "")])
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
-    cluster.add_node(num_cpus=3)
-    ray.init(address=cluster.address, log_to_driver=False)
     trainer = None
-    try:
-        assert len([n for n in ray.nodes() if n["Alive"]]) == 2
-        policy, prompts = prepare(str(tmp_path / "task"), warm_start_steps=5)
-        cfg = make_config(policy, prompts, str(tmp_path / "run"), steps=1, algo="gae", backend="hf")
-        cfg.rollout.num_engines = 2
-        cfg.rollout.prompts_per_step = 4
-        cfg.train.placement_strategy = "STRICT_SPREAD"
-        cfg.rollout.sleep_engines_while_training = True  # the colocated layout: engines sleep while training
-        cfg.train.max_steps = 2
-        cfg.log.progress_bar = cfg.log.tensorboard = cfg.log.export_hf = False
-        trainer = PPOTrainer(cfg, reward_fn=arith_task.addition_reward)
-        trainer.setup()
-        actor_nodes = trainer.actor.call("node_id")
-        assert len(set(actor_nodes)) == 2, actor_nodes
-        engine_nodes = ray.get([e.describe.remote() for e in trainer.engines], timeout=120)
-        assert {e["engine_index"] for e in engine_nodes} == {0, 1}
-        trainer.train_step()
-        metrics = trainer.train_step()  # generates with engines that slept through the first step's training
-        assert metrics["weight_version"] == 2
-        assert all(metrics[f"time/{p}"] > 0 for p in ("generate", "reference", "critic", "train", "weight_sync"))
-        versions = ray.get([e.weight_version.remote() for e in trainer.engines], timeout=120)
-        assert versions == [2, 2]
-    finally:
-        if trainer is not None:
-            trainer.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
+    with two_ray_nodes(3, [RECIPES]):
+        try:
+            assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+            policy, prompts = prepare(str(tmp_path / "task"), warm_start_steps=5)
+            cfg = make_config(policy, prompts, str(tmp_path / "run"), steps=1, algo="gae", backend="hf")
+            cfg.rollout.num_engines = 2
+            cfg.rollout.prompts_per_step = 4
+            cfg.train.placement_strategy = "STRICT_SPREAD"
+            cfg.rollout.sleep_engines_while_training = True  # the colocated layout: engines sleep while training
+            cfg.train.max_steps = 2
+            cfg.log.progress_bar = cfg.log.tensorboard = cfg.log.export_hf = False
+            trainer = PPOTrainer(cfg, reward_fn=arith_task.addition_reward)
+            trainer.setup()
+            actor_nodes = trainer.actor.call("node_id")
+            assert len(set(actor_nodes)) == 2, actor_nodes
+            engine_nodes = ray.get([e.describe.remote() for e in trainer.engines], timeout=120)
+            assert {e["engine_index"] for e in engine_nodes} == {0, 1}
+            trainer.train_step()
+            metrics = trainer.train_step()  # generates with engines that slept through the first step's training
+            assert metrics["weight_version"] == 2
+            assert all(metrics[f"time/{p}"] > 0 for p in ("generate", "reference", "critic", "train", "weight_sync"))
+            versions = ray.get([e.weight_version.remote() for e in trainer.engines], timeout=120)
+            assert versions == [2, 2]
+        finally:
+            if trainer is not None:
+                trainer.shutdown()
