@@ -136,12 +136,22 @@ def test_colocate_all_places_rank_i_of_every_group_on_bundle_i_and_trains(task, 
 # ---- ZeRO-3 state offload around generation -------------------------------------------------------------------
 
 
-def _offload_round_trip(model_path: str, device: str) -> dict:
-    """In a fresh process: one real ZeRO-3 actor rank through forward, offload, reload, forward, a train
-    step between an offload round trip, forward. Returns what the test checks."""
-    os.environ["DS_ACCELERATOR"] = device
-    import torch.distributed as dist
+# Each of these runs one real ZeRO-3 actor rank in a spawned process: DeepSpeed keeps process-wide group state.
 
+_HP = {"temperature": 1.0, "clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "tis_cap": None,
+       "loss_aggregation": "token_mean", "kl_mode": "reward", "kl_coef": 0.0, "kl_estimator": "k1", "entropy_coef": 0.0}
+
+
+def _in_fresh_process(fn, *args):
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply_async(fn, args).get(timeout=600)
+
+
+def _actor_rank(model_path: str, device: str):
+    """One ZeRO-3 actor rank (world size 1) of the model, and a 4-row rollout batch with its plan."""
+    os.environ["DS_ACCELERATOR"] = device
     from rlhf_sg.distributed import free_port
     from rlhf_sg.trainer import build_rollout_batch
     from rlhf_sg.workers import ModelWorker, WorkerSpec
@@ -149,23 +159,33 @@ def _offload_round_trip(model_path: str, device: str) -> dict:
     spec = WorkerSpec(role="actor", model_path=model_path, world_size=1, master_addr="127.0.0.1",
                       master_port=free_port(), train=True, lr=1e-2, device=device, timeout_s=120)
     worker = ModelWorker(dataclasses.asdict(spec), 0)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (5, 9, 3, 7)]
+    responses = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (6, 2, 8, 4)]
+    rollout = [torch.randn(len(r), generator=gen).tolist() for r in responses]
+    batch = build_rollout_batch(prompts, responses, rollout, pad_id=0)
+    batch["advantages"] = torch.randn(batch["rollout_logp"].shape, generator=gen) * batch["action_mask"]
+    return worker, batch, [[0, 1, 2, 3]]
+
+
+def _one_step(plan, batch) -> list[dict]:
+    return [{"plan": plan, "normalizer": float(batch["action_mask"].sum())}]
+
+
+def _offload_round_trip(model_path: str, device: str) -> dict:
+    """Forward, offload, reload, forward; then a train step after another round trip, and a forward."""
+    import torch.distributed as dist
+
+    worker, batch, plan = _actor_rank(model_path, device)
     try:
-        gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (5, 9, 3, 7)]
-        responses = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (6, 2, 8, 4)]
-        batch = build_rollout_batch(prompts, responses, [[0.0] * len(r) for r in responses], pad_id=0)
-        plan = [[0, 1, 2, 3]]
         _, before = worker.forward(batch, plan)
         freed = worker.offload_states()
         taken = worker.reload_states()
         _, after = worker.forward(batch, plan)
         batch.update(old_logp=before, advantages=torch.ones_like(before), ref_logp=before)
-        hp = {"temperature": 1.0, "clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "tis_cap": None,
-              "loss_aggregation": "token_mean", "kl_mode": "reward", "kl_coef": 0.0, "kl_estimator": "k1",
-              "entropy_coef": 0.0}
         worker.offload_states()
         worker.reload_states()
-        worker.train_actor(batch, [{"plan": plan, "normalizer": float(batch["action_mask"].sum())}], hp)
+        worker.train_actor(batch, _one_step(plan, batch), _HP)
         _, trained = worker.forward(batch, plan)
         return {"freed": freed, "taken": taken, "before": before, "after": after, "trained": trained}
     finally:
@@ -176,14 +196,11 @@ def _offload_round_trip(model_path: str, device: str) -> dict:
 def test_offload_then_reload_leaves_the_worker_exact_and_trainable(tmp_path, device):
     """A real ZeRO-3 actor rank: its log-probs are bit-identical after an offload and reload, it still takes
     an optimizer step, and on GPU the offload frees device memory (on CPU there is nothing to move and it
-    says so with 0). The rank runs in a spawned process: DeepSpeed keeps process-wide group state."""
-    import multiprocessing
-
+    says so with 0)."""
     from rlhf_sg.tiny import save_tiny_model
 
     path = save_tiny_model(str(tmp_path / "m"), arch="qwen2", size="tiny")
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        out = pool.apply_async(_offload_round_trip, (path, device)).get(timeout=600)
+    out = _in_fresh_process(_offload_round_trip, path, device)
     if device == "cuda":
         assert out["freed"] > 0 and out["taken"] > 0
     else:
@@ -208,32 +225,16 @@ def test_the_offload_calls_match_the_installed_deepspeed():
 
 
 def _one_update(model_path: str, with_old_logp: bool) -> dict:
-    """In a fresh process: one real ZeRO-3 actor rank takes one PPO update, given the old log-probs from a
-    separate forward or not (then the update's own forward supplies them). Returns the log-probs after."""
-    os.environ["DS_ACCELERATOR"] = "cpu"
+    """One PPO update, given the old log-probs from a separate forward or not (then the update's own forward
+    supplies them). Returns the log-probs after and the update's metrics."""
     import torch.distributed as dist
 
-    from rlhf_sg.distributed import free_port
-    from rlhf_sg.trainer import build_rollout_batch
-    from rlhf_sg.workers import ModelWorker, WorkerSpec
-
-    spec = WorkerSpec(role="actor", model_path=model_path, world_size=1, master_addr="127.0.0.1",
-                      master_port=free_port(), train=True, lr=1e-2, timeout_s=120)
-    worker = ModelWorker(dataclasses.asdict(spec), 0)
+    worker, batch, plan = _actor_rank(model_path, "cpu")
     try:
-        gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (5, 9, 3, 7)]
-        responses = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (6, 2, 8, 4)]
-        rollout = [torch.randn(len(r), generator=gen).tolist() for r in responses]
-        batch = build_rollout_batch(prompts, responses, rollout, pad_id=0)
-        plan = [[0, 1, 2, 3]]
-        batch["advantages"] = torch.randn(batch["rollout_logp"].shape, generator=gen) * batch["action_mask"]
         if with_old_logp:
             batch["old_logp"] = worker.forward(batch, plan)[1]
-        hp = {"temperature": 1.0, "clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "tis_cap": 2.0,
-              "loss_aggregation": "token_mean", "kl_mode": "loss", "kl_coef": 0.0, "kl_estimator": "k1",
-              "entropy_coef": 0.0}
-        metrics = worker.train_actor(batch, [{"plan": plan, "normalizer": float(batch["action_mask"].sum())}], hp)
+        hp = dict(_HP, tis_cap=2.0, kl_mode="loss")
+        metrics = worker.train_actor(batch, _one_step(plan, batch), hp)
         return {"after": worker.forward(batch, plan)[1], "metrics": metrics}
     finally:
         dist.destroy_process_group()
@@ -241,16 +242,11 @@ def _one_update(model_path: str, with_old_logp: bool) -> dict:
 
 def test_one_update_without_the_old_logprob_pass_equals_the_update_with_it(tmp_path):
     """Skipping the separate old-log-prob forward (one update per batch) changes nothing in the update."""
-    import multiprocessing
-
     from rlhf_sg.tiny import save_tiny_model
 
     path = save_tiny_model(str(tmp_path / "m"), arch="qwen2", size="tiny")
-    results = []
-    for with_old_logp in (True, False):  # a fresh process per rank: DeepSpeed's groups are process-wide
-        with multiprocessing.get_context("spawn").Pool(1) as pool:
-            results.append(pool.apply_async(_one_update, (path, with_old_logp)).get(timeout=600))
-    separate, fused = results
+    separate = _in_fresh_process(_one_update, path, True)
+    fused = _in_fresh_process(_one_update, path, False)
     torch.testing.assert_close(fused["after"], separate["after"], rtol=0, atol=1e-6)
     assert "actor/logp_gap_engine_vs_trainer" in fused["metrics"]
     assert "actor/logp_gap_engine_vs_trainer" not in separate["metrics"]
