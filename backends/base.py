@@ -225,8 +225,22 @@ class RolloutBackend(abc.ABC):
     def destroy_weight_update_group(self) -> None:
         """Leave the weight-update group (a no-op when none was joined)."""
 
-    def update_weights_from_tensor(self, manifest: BucketManifest, flat: torch.Tensor) -> None:
-        """Load one flat bucket handed over in-process or through shared memory / CUDA IPC."""
+    @classmethod
+    def pack_tensor_bucket(cls, manifest: BucketManifest, flat: torch.Tensor, num_tp_ranks: int) -> Any:
+        """Tensor transport, sender side: runs in the trainer process that owns ``flat``.
+
+        ``flat`` ([manifest.numel] of manifest.dtype, on the sender's device) stays alive and unchanged
+        until the engine's :meth:`update_weights_from_tensor` call for it has returned. The result is
+        picklable and reaches ``update_weights_from_tensor(manifest, payload)`` in the engine process
+        untouched: the engine side must never re-share memory it opened from a handle (CUDA IPC memory
+        can only be shared by the process that owns it). ``num_tp_ranks``: the engine's tensor-parallel
+        ranks, for engines whose ranks each need a payload of their own. The default is the tensor
+        itself, for in-process use; backends that take buckets from another process override it.
+        """
+        return flat
+
+    def update_weights_from_tensor(self, manifest: BucketManifest, flat: Any) -> None:
+        """Load one flat bucket: a tensor in-process, or what :meth:`pack_tensor_bucket` made of it."""
         raise BackendError(f"backend {self.name!r} has no tensor transport; use one of {sorted(self.transports)}")
 
     def update_weights_from_disk(self, path: str) -> None:
