@@ -13,21 +13,27 @@ influence any output, even when they hold NaN or inf: every reduction selects wi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ActorLossConfig",
     "AdaptiveKLController",
     "FixedKLController",
     "GROUP_KINDS",
     "KL_KINDS",
+    "actor_loss",
     "approx_kl",
     "discounted_returns",
     "gae",
     "group_advantages",
+    "masked_aggregate",
     "masked_mean",
     "masked_whiten",
     "policy_loss",
+    "reinforce_baseline_advantages",
     "shape_rewards",
     "value_loss",
 ]
@@ -112,14 +118,15 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """Normalise ``x`` to zero mean, unit variance over the masked positions.
 
-    Statistics are the masked mean and the (biased) masked variance over all set positions.
-    shift_mean=False keeps the original mean (only the scale changes). Masked-out positions are 0.
+    Statistics are the masked mean and the (biased) masked variance over all set positions;
+    ``out = (x - mean) / sqrt(max(var, 1e-8))``. shift_mean=False keeps the original mean (only the
+    scale changes). Masked-out positions are 0.
     """
     _check_same_shape("masked_whiten", x=x, mask=mask)
     m = _as_bool_mask("masked_whiten", mask)
     mean = masked_mean(x, m)
     var = masked_mean((torch.where(m, x, mean) - mean) ** 2, m)
-    out = (x - mean) * torch.rsqrt(var + _WHITEN_EPS)
+    out = (x - mean) * torch.rsqrt(var.clamp(min=_WHITEN_EPS))
     if not shift_mean:
         out = out + mean
     return torch.where(m, out, torch.zeros((), dtype=out.dtype, device=out.device))
@@ -250,7 +257,8 @@ def group_advantages(scores: torch.Tensor, group_size: int, kind: str = "grpo") 
       grpo                (s - mean_g) / (std_g + 1e-6), std unbiased
       dr_grpo             s - mean_g                  (no std: no length/difficulty bias)
       rloo                s - mean of the other group_size - 1 samples
-      reinforce_baseline  s - mean_g, then whitened over the whole batch
+      reinforce_baseline  s - mean_g (the baselined score; :func:`reinforce_baseline_advantages`
+                          adds the KL penalty, takes returns and whitens over the batch's tokens)
     Returns [B] float32; a group of equal scores gets 0 everywhere. Broadcast to tokens with
     ``adv[:, None] * action_mask``.
     """
@@ -276,11 +284,60 @@ def group_advantages(scores: torch.Tensor, group_size: int, kind: str = "grpo") 
         adv = s - (s.sum(dim=1, keepdim=True) - s) / (group_size - 1)
     else:
         adv = s - mean
-        adv = (adv - adv.mean()) / (adv.std(unbiased=False) + _GROUP_STD_EPS)
     return adv.reshape(-1)
 
 
+def reinforce_baseline_advantages(
+    scores: torch.Tensor,
+    kl: torch.Tensor,
+    action_mask: torch.Tensor,
+    group_size: int,
+    kl_coef: float,
+    gamma: float = 1.0,
+    score_clip: float | None = None,
+) -> torch.Tensor:
+    """REINFORCE++ with a group baseline, per token.
+
+    scores: [B] (each prompt's ``group_size`` samples contiguous); kl, action_mask: [B, T].
+    1. each score (clipped to ``[-score_clip, score_clip]`` when given) minus its group's mean;
+    2. token rewards: that on the last action token, ``- kl_coef * kl`` on every action token;
+    3. returns ``G_t = r_t + gamma * G_{t+1}``;
+    4. whitened with the mean and (biased) variance over every action token of the batch.
+    Returns [B, T] float32, 0 where action_mask is 0.
+    """
+    clipped = _clip_scores("reinforce_baseline_advantages", scores, score_clip)
+    baselined = group_advantages(clipped, group_size, "reinforce_baseline")
+    rewards = shape_rewards(baselined, kl, action_mask, kl_coef)
+    return masked_whiten(discounted_returns(rewards, action_mask, gamma), action_mask)
+
+
+def _clip_scores(fn: str, scores: torch.Tensor, score_clip: float | None) -> torch.Tensor:
+    if score_clip is None:
+        return scores.float()
+    if score_clip <= 0:
+        raise ValueError(f"{fn}: score_clip must be > 0 or None, got {score_clip}")
+    return scores.float().clamp(-score_clip, score_clip)
+
+
 # ---- losses ------------------------------------------------------------------------------------------
+
+
+def masked_aggregate(
+    per_token: torch.Tensor, action_mask: torch.Tensor, aggregation: str = "token_mean", normalizer: float | None = None
+) -> torch.Tensor:
+    """Reduce a per-token loss term to a scalar, as every loss term of a PPO step is reduced.
+
+    per_token, action_mask: [B, T]. token_mean: sum over action tokens / (their number, or ``normalizer``);
+    seq_mean: sum over rows of each row's token mean / (the rows, or ``normalizer``). With the normalizer
+    of the whole optimizer step, micro-batches of any split add up to the same value.
+    """
+    fn = "masked_aggregate"
+    _check_2d(fn, "per_token", per_token)
+    _check_same_shape(fn, per_token=per_token, action_mask=action_mask)
+    _check_normalizer(fn, normalizer)
+    m = _as_bool_mask(fn, action_mask)
+    _check_rows_nonempty(fn, m)
+    return _aggregate(fn, per_token, m, aggregation, normalizer)
 
 
 def _aggregate(fn: str, per_token: torch.Tensor, m: torch.Tensor, aggregation: str, normalizer: float | None):
@@ -413,6 +470,62 @@ def value_loss(
     loss = _aggregate(fn, loss_tok, m, aggregation, normalizer)
     with torch.no_grad():
         metrics = {"clip_frac": masked_mean(clipped_active.float(), m), "value_mean": masked_mean(v, m)}
+    return loss, metrics
+
+
+@dataclass(frozen=True)
+class ActorLossConfig:
+    """What the actor's micro-batch loss needs besides tensors (see :func:`actor_loss`).
+
+    kl_coef is the coefficient of the KL term *in the loss* (0 when the KL penalty goes into the rewards).
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    tis_cap: float | None = None
+    aggregation: str = "token_mean"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k1"
+    entropy_coef: float = 0.0
+
+
+def actor_loss(
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    cfg: ActorLossConfig,
+    normalizer: float,
+    rollout_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's share of the actor loss: the PPO surrogate, plus ``kl_coef`` x KL(policy || ref),
+    minus ``entropy_coef`` x entropy, every term reduced by :func:`masked_aggregate` with the step's
+    ``normalizer``, so that the micro-batches of one optimizer step add up to the same loss (and gradient)
+    whatever the split.
+
+    logp, entropy: [B, T] of the current policy (carry the gradient); old_logp, advantages, action_mask,
+    rollout_logp (needed with tis_cap), ref_logp (needed with kl_coef > 0): [B, T].
+    Returns (loss, metrics: per-token means of this micro-batch, detached).
+    """
+    fn = "actor_loss"
+    if cfg.kl_coef > 0 and ref_logp is None:
+        raise ValueError(f"{fn}: kl_coef > 0 puts a KL term in the loss; pass ref_logp")
+    m = _as_bool_mask(fn, action_mask)
+    loss, metrics = policy_loss(
+        logp, old_logp, advantages, m, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+        rollout_logp=rollout_logp if cfg.tis_cap is not None else None, tis_cap=cfg.tis_cap,
+        aggregation=cfg.aggregation, normalizer=normalizer,
+    )
+    if cfg.kl_coef > 0:
+        kl = approx_kl(logp, ref_logp, cfg.kl_estimator)
+        loss = loss + cfg.kl_coef * masked_aggregate(kl, m, cfg.aggregation, normalizer)
+        metrics["kl_loss"] = masked_mean(kl.detach(), m)
+    if cfg.entropy_coef > 0:
+        loss = loss - cfg.entropy_coef * masked_aggregate(entropy, m, cfg.aggregation, normalizer)
+    metrics["entropy"] = masked_mean(entropy.detach(), m)
     return loss, metrics
 
 

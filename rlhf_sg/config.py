@@ -17,6 +17,8 @@ from typing import Any
 
 from rlhf_sg.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS
 
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+
 
 class ConfigError(ValueError):
     """The configuration is wrong; the message names the flag and what to do."""
@@ -84,6 +86,10 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     actor_lr: float = 1e-5
     critic_lr: float = 1e-5
+    #: learning-rate schedule of actor and critic over the run's optimizer steps: constant, linear or cosine
+    #: (decay to 0 at the last step), after a linear warmup over lr_warmup_ratio of the steps
+    lr_scheduler: str = "constant"
+    lr_warmup_ratio: float = 0.0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     clip_low: float = 0.2
@@ -100,11 +106,16 @@ class TrainConfig:
     kl_horizon: int = 10000
     entropy_coef: float = 0.0
     loss_aggregation: str = "token_mean"
+    #: clip each score to [-score_clip, score_clip] before any baseline or shaping (every estimator)
     score_clip: float | None = None
     #: truncated importance sampling against the engine's log-probs (None = off)
     tis_cap: float | None = None
-    #: drop groups whose scores are all equal (no signal for group estimators)
+    #: drop groups whose scores are all equal (no signal for group estimators) and draw more prompts until
+    #: the step's batch is full again (DAPO's dynamic sampling); needs n_samples_per_prompt >= 2
     dynamic_filtering: bool = False
+    #: with dynamic_filtering, at most this many generation rounds per step; if the batch is still not full,
+    #: it is filled up with filtered groups (logged as rollout/unfiltered_groups)
+    dynamic_filtering_max_draws: int = 4
     #: critic-only steps before the actor starts training (PPO)
     critic_warmup_steps: int = 0
     seed: int = 42
@@ -333,6 +344,17 @@ def validate(cfg: Config) -> Config:
         _need(r.n_samples_per_prompt >= 2,
               f"--train.advantage_estimator {t.advantage_estimator} compares samples of the same prompt: set "
               f"--rollout.n_samples_per_prompt >= 2 (got {r.n_samples_per_prompt})")
+    if t.dynamic_filtering:
+        _need(r.n_samples_per_prompt >= 2,
+              "--train.dynamic_filtering drops groups of samples of one prompt whose scores are all equal; with "
+              f"--rollout.n_samples_per_prompt {r.n_samples_per_prompt} every group is one sample and would be "
+              "dropped: set --rollout.n_samples_per_prompt >= 2 or turn --train.dynamic_filtering off")
+    _need(t.dynamic_filtering_max_draws >= 1,
+          f"--train.dynamic_filtering_max_draws must be >= 1, got {t.dynamic_filtering_max_draws}")
+    _need(t.score_clip is None or t.score_clip > 0, f"--train.score_clip must be > 0 (got {t.score_clip})")
+    _need(t.lr_scheduler in LR_SCHEDULERS,
+          f"--train.lr_scheduler must be one of {list(LR_SCHEDULERS)}, got {t.lr_scheduler!r}")
+    _need(0 <= t.lr_warmup_ratio < 1, f"--train.lr_warmup_ratio must be in [0, 1), got {t.lr_warmup_ratio}")
     _need(t.kl_estimator in KL_KINDS, f"--train.kl_estimator must be one of {list(KL_KINDS)}, got {t.kl_estimator!r}")
     _need(t.kl_mode in ("reward", "loss"), f"--train.kl_mode must be 'reward' or 'loss', got {t.kl_mode!r}")
     _need(t.kl_coef >= 0, f"--train.kl_coef must be >= 0, got {t.kl_coef}")
@@ -440,3 +462,18 @@ def offload_states(cfg: Config) -> bool:
     """Whether training states leave the device while the engines generate (the setting, or colocate_all)."""
     s = cfg.train.offload_states_while_generating
     return cfg.train.colocate_all if s is None else s
+
+
+def optimizer_steps(cfg: Config, role: str) -> int:
+    """Optimizer steps ``role`` ("actor" or "critic") takes over the whole run, what its LR schedule spans:
+    ppo_epochs x num_minibatches per training step; the actor sits out the critic's warmup steps."""
+    t = cfg.train
+    steps = t.max_steps
+    if role == "actor" and t.advantage_estimator == "gae":
+        steps = max(0, steps - t.critic_warmup_steps)
+    return steps * t.ppo_epochs * t.num_minibatches
+
+
+def lr_warmup_steps(cfg: Config, role: str) -> int:
+    """Warmup optimizer steps of ``role``: ``lr_warmup_ratio`` of :func:`optimizer_steps`, rounded."""
+    return round(cfg.train.lr_warmup_ratio * optimizer_steps(cfg, role))

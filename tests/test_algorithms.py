@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlhf_sg.algorithms import (
+    ActorLossConfig,
     AdaptiveKLController,
+    actor_loss,
     approx_kl,
     discounted_returns,
     gae,
@@ -16,6 +18,7 @@ from rlhf_sg.algorithms import (
     masked_mean,
     masked_whiten,
     policy_loss,
+    reinforce_baseline_advantages,
     shape_rewards,
     value_loss,
 )
@@ -237,10 +240,53 @@ def test_group_advantages_hand_cases():
     grpo = group_advantages(s, 2, "grpo").tolist()
     assert grpo[:2] == pytest.approx([0.5 / (std1 + 1e-6), -0.5 / (std1 + 1e-6)])
     assert grpo[2:4] == [0.0, 0.0]
-    rb = group_advantages(s, 2, "reinforce_baseline")
-    assert rb.mean().item() == pytest.approx(0.0, abs=1e-6)
-    assert rb.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
-    assert torch.sign(rb).tolist() == torch.sign(T([0.5, -0.5, 0, 0, -1, 1])).tolist()
+    # reinforce_baseline's sequence part is the group-mean baseline; the batch whitening is per token
+    # (reinforce_baseline_advantages)
+    assert group_advantages(s, 2, "reinforce_baseline").tolist() == pytest.approx([0.5, -0.5, 0, 0, -1, 1])
+
+
+def _reinforce_baseline_by_hand(scores, kl, lengths, n, kl_coef, gamma, score_clip=None):
+    """REINFORCE++-baseline from its definition, in plain Python: clip, minus the group mean, the KL
+    penalty on every action token and the score on the last, reward-to-go, then whitening over every
+    action token of the batch (mean and biased variance, 1 / sqrt(max(var, 1e-8)))."""
+    if score_clip is not None:
+        scores = [min(max(x, -score_clip), score_clip) for x in scores]
+    means = [sum(scores[g * n : (g + 1) * n]) / n for g in range(len(scores) // n)]
+    returns = []
+    for b, length in enumerate(lengths):
+        rewards = [-kl_coef * kl[b][t] for t in range(length)]
+        rewards[-1] += scores[b] - means[b // n]
+        row, running = [0.0] * length, 0.0
+        for t in reversed(range(length)):
+            running = rewards[t] + gamma * running
+            row[t] = running
+        returns.append(row)
+    flat = [x for row in returns for x in row]
+    mean = sum(flat) / len(flat)
+    var = sum((x - mean) ** 2 for x in flat) / len(flat)
+    scale = 1 / math.sqrt(max(var, 1e-8))
+    width = len(kl[0])
+    return [[(x - mean) * scale for x in row] + [0.0] * (width - len(row)) for row in returns]
+
+
+@pytest.mark.parametrize("gamma, score_clip", [(1.0, None), (0.9, None), (1.0, 1.5)])
+def test_reinforce_baseline_is_group_baseline_kl_returns_then_token_whitening(gamma, score_clip):
+    # two prompts, two samples each, responses of 3, 2, 1 and 3 tokens
+    scores = [1.0, 0.0, 2.0, -1.0]
+    kl = [[0.2, -0.1, 0.4], [0.3, 0.1, 9.0], [0.5, 9.0, 9.0], [-0.2, 0.0, 0.1]]
+    lengths = [3, 2, 1, 3]
+    expected = _reinforce_baseline_by_hand(scores, kl, lengths, 2, 0.1, gamma, score_clip)
+    got = reinforce_baseline_advantages(T(scores), T(kl), right_padded_mask(lengths, 3), 2, kl_coef=0.1,
+                                        gamma=gamma, score_clip=score_clip)
+    assert got.tolist() == approx_rows(expected, abs=1e-5)
+
+
+def test_score_clip_reaches_the_reinforce_baseline_advantages():
+    mask = right_padded_mask([2, 2, 2, 2], 2)
+    clipped = reinforce_baseline_advantages(T([5.0, 1.0, 0.0, 0.0]), torch.zeros(4, 2), mask, 2, 0.0, score_clip=1.0)
+    by_hand = reinforce_baseline_advantages(T([1.0, 1.0, 0.0, 0.0]), torch.zeros(4, 2), mask, 2, 0.0)
+    torch.testing.assert_close(clipped, by_hand)
+    assert clipped.abs().max() == 0  # both groups are constant once clipped
 
 
 def test_rloo_hand_case_group_of_three():
@@ -384,3 +430,45 @@ def test_adaptive_kl_controller_moves_toward_target():
     assert c.value == pytest.approx(0.1 * 1.02)
     c.update(current_kl=0.0, n_steps=1)
     assert c.value == pytest.approx(0.1 * 1.02 * 0.98)
+
+
+# ---- the actor loss does not depend on the micro-batch split ---------------------------------------------
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+def test_actor_loss_and_gradient_do_not_depend_on_the_micro_batch_split(aggregation):
+    """The whole actor loss (surrogate, KL term, entropy bonus) over one optimizer step: micro-batches of
+    1 row, 2 rows and the whole batch, each reduced with the step's normalizer as the trainer plans them,
+    add up to the same loss and the same gradient (rows of different lengths, so a token mean over a
+    micro-batch is not the mean of its rows' means)."""
+    g = torch.Generator().manual_seed(3)
+    B, Tn, V = 4, 5, 7
+    lengths = [5, 1, 3, 2]
+    mask = right_padded_mask(lengths, Tn)
+    tokens = torch.randint(0, V, (B, Tn), generator=g)
+    old_logp = torch.randn(B, Tn, generator=g) * 0.1 - 2
+    ref_logp = torch.randn(B, Tn, generator=g) * 0.1 - 2
+    advantages = torch.randn(B, Tn, generator=g)
+    base_logits = torch.randn(B, Tn, V, generator=g)
+    cfg = ActorLossConfig(aggregation=aggregation, kl_coef=0.3, kl_estimator="k3", entropy_coef=0.05)
+    normalizer = float(B) if aggregation == "seq_mean" else float(mask.sum())
+
+    def step_loss(split):
+        logits = base_logits.clone().requires_grad_()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        logp = logprobs.gather(-1, tokens[..., None]).squeeze(-1)
+        entropy = -(logprobs.exp() * logprobs).sum(-1)
+        total = torch.zeros(())
+        for start in range(0, B, split):
+            rows = slice(start, start + split)
+            loss, _ = actor_loss(logp[rows], entropy[rows], old_logp[rows], advantages[rows], mask[rows], cfg,
+                                 normalizer, ref_logp=ref_logp[rows])
+            total = total + loss
+        total.backward()
+        return total.detach(), logits.grad
+
+    whole, grad_whole = step_loss(B)
+    for split in (1, 2):
+        loss, grad = step_loss(split)
+        assert abs(loss.item() - whole.item()) <= 1e-6, (split, loss.item(), whole.item())
+        assert (grad - grad_whole).abs().max().item() <= 1e-6, split

@@ -68,10 +68,29 @@ def test_yaml_unknown_key_names_file(tmp_path):
     (["--reward.function", "nocolon"], "module:function"),
     (["--rollout.prompts_per_step", "1", "--rollout.n_samples_per_prompt", "1", "--train.actor_num_ranks", "2"],
      "fewer than the ranks"),
+    (["--algo", "gae", "--train.dynamic_filtering", "true", "--rollout.n_samples_per_prompt", "1"],
+     r"--train.dynamic_filtering .* --rollout.n_samples_per_prompt 1 .* set --rollout.n_samples_per_prompt >= 2"),
+    (["--train.dynamic_filtering_max_draws", "0"], "dynamic_filtering_max_draws must be >= 1"),
+    (["--train.lr_scheduler", "step"], r"lr_scheduler must be one of \['constant', 'linear', 'cosine'\]"),
+    (["--train.lr_warmup_ratio", "1.5"], r"lr_warmup_ratio must be in \[0, 1\)"),
+    (["--train.score_clip", "0"], "score_clip must be > 0"),
 ])
 def test_bad_flags_are_named(model_dir, prompts_file, flags, message):
     with pytest.raises(ConfigError, match=message):
         parse_args(base_flags(model_dir, prompts_file) + flags)
+
+
+def test_lr_schedule_spans_the_runs_optimizer_steps(model_dir, prompts_file):
+    from rlhf_sg.config import lr_warmup_steps, optimizer_steps
+
+    cfg = parse_args(base_flags(model_dir, prompts_file) + [
+        "--max-steps", "10", "--train.ppo_epochs", "2", "--train.num_minibatches", "2", "--rollout.prompts_per_step",
+        "4", "--train.critic_warmup_steps", "3", "--train.lr_scheduler", "cosine", "--train.lr_warmup_ratio", "0.1",
+    ])
+    assert optimizer_steps(cfg, "critic") == 10 * 2 * 2
+    assert optimizer_steps(cfg, "actor") == (10 - 3) * 2 * 2  # the actor waits out the critic's warmup
+    assert lr_warmup_steps(cfg, "actor") == round(0.1 * 28)
+    assert cfg.train.lr_scheduler == "cosine"
 
 
 def test_missing_model_dir_named(tmp_path, prompts_file):

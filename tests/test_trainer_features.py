@@ -1,7 +1,7 @@
 """Trainer options end to end (real Ray, DeepSpeed ZeRO-3, a tiny model), two short runs that between them
 switch on what the reward-rise tests leave off: a remote HTTP reward, KL as a loss term, truncated
-importance sampling, the torch profiler, TensorBoard and the HF export (GRPO); a reward model, a chat
-template and a critic initialised from the reward model (PPO)."""
+importance sampling, a linear learning-rate decay, the torch profiler, TensorBoard and the HF export (GRPO);
+a reward model, a chat template and a critic initialised from the reward model (PPO)."""
 
 import glob
 import json
@@ -57,7 +57,7 @@ def test_grpo_with_remote_reward_kl_loss_tis_profiler_tensorboard_and_export(ray
     out = tmp_path / "run"
     cfg = make_cfg(task, str(out), steps=2, algo="grpo", reward__kind="remote", reward__url=reward_server,
                    reward__function=None, train__kl_mode="loss", train__kl_coef=0.05, train__tis_cap=2.0,
-                   log__profile_step=0, log__tensorboard=True, log__export_hf=True)
+                   train__lr_scheduler="linear", log__profile_step=0, log__tensorboard=True, log__export_hf=True)
     _RewardHandler.calls = 0
     trainer = PPOTrainer(cfg)
     try:
@@ -71,6 +71,8 @@ def test_grpo_with_remote_reward_kl_loss_tis_profiler_tensorboard_and_export(ray
         trainer.shutdown()
     assert _RewardHandler.calls == 2  # one scoring request per step
     assert all("actor/kl_loss" in h for h in history)  # the KL went into the loss, not the reward
+    # one optimizer step a step, decaying linearly to 0 after the run's two steps
+    assert [h["actor/lr"] for h in history] == pytest.approx([cfg.train.actor_lr, cfg.train.actor_lr / 2])
     # one update per batch and no KL in the rewards: no separate old-log-prob pass, the update measured
     # the KL and the engine-trainer gap itself
     assert all(h["time/actor_logprob"] == 0 and h["kl"] == h["actor/kl_loss"] for h in history)

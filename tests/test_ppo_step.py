@@ -1,0 +1,385 @@
+"""The PPO step against the reference recipes: sampling seeds, dynamic sampling, weight versions, the
+advantage inputs, scoring forwards without dropout, metrics over ranks, and the learning-rate schedule.
+
+Pure parts run here directly; the rollout parts drive two real embedded engines on Ray; the worker parts
+run a real ZeRO-3 rank in a spawned process (DeepSpeed keeps process-wide state)."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from rlhf_sg.config import Config, validate
+from rlhf_sg.tiny import save_tiny_model
+from rlhf_sg.trainer import (
+    PPOTrainer,
+    build_rollout_batch,
+    check_weight_versions,
+    has_signal,
+    rollout_seed,
+    select_groups,
+)
+
+N = 2  # samples per prompt in these tests
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("ppo_step_model")), arch="qwen2", size="tiny")
+
+
+#: prompt texts whose samples the test reward scores differently (the others all score 0)
+SIGNAL = {"1+1=", "7+2="}
+TEXTS = ["3+3=", "1+1=", "4+0=", "5+1=", "7+2=", "2+2="]
+
+
+def position_reward(prompts, completions, labels):
+    """A group with signal for the prompts in SIGNAL (score = the sample's index in its group), else 0."""
+    return [float(i % N) if p in SIGNAL else 0.0 for i, p in enumerate(prompts)]
+
+
+def make_cfg(model_dir, tmp_path, **train) -> Config:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS))
+    cfg = Config()
+    cfg.model.pretrain = model_dir
+    cfg.data.prompt_data = str(data)
+    cfg.data.shuffle = False
+    cfg.data.max_prompt_len = 16
+    cfg.reward.function = "test_ppo_step:position_reward"
+    cfg.rollout.prompts_per_step = 2
+    cfg.rollout.n_samples_per_prompt = N
+    cfg.rollout.max_new_tokens = 8
+    cfg.rollout.num_engines = 2
+    cfg.train.actor_num_ranks = cfg.train.critic_num_ranks = 1
+    cfg.train.advantage_estimator = "grpo"
+    cfg.log.output_dir = str(tmp_path / "run")
+    for k, v in train.items():
+        setattr(cfg.train, k, v)
+    return validate(cfg)
+
+
+# ---- 1. sampling seeds ----------------------------------------------------------------------------------------
+
+
+def test_rollout_seed_differs_across_engines_steps_and_draws_and_repeats():
+    seeds = {(s, d, e): rollout_seed(42, s, d, e) for s in range(3) for d in range(3) for e in range(4)}
+    assert len(set(seeds.values())) == len(seeds)  # no two engines, steps or draws share a stream
+    assert all(0 <= v < 2**63 for v in seeds.values())
+    assert rollout_seed(42, 1, 0, 1) == seeds[(1, 0, 1)]  # a repeated run gets the same seeds
+    assert rollout_seed(43, 1, 0, 1) != seeds[(1, 0, 1)]
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir):
+    """Two real embedded engines on a local Ray, as the trainer starts them."""
+    ray = pytest.importorskip("ray")
+    from backends.base import BackendConfig
+    from rlhf_sg.engine_actor import start_engine_actors
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        config = BackendConfig(model_path=model_dir, dtype="float32", max_model_len=64, seed=42, num_threads=1)
+        yield start_engine_actors("hf", config, 2, num_cpus=1.0, start_timeout_s=300)
+    finally:
+        ray.shutdown()
+
+
+def _trainer(cfg, engines):
+    """A trainer wired to running engines and its prompt stream, without starting model groups."""
+    from rlhf_sg.data import PromptStream, load_prompts
+    from rlhf_sg.trainer import load_tokenizer
+
+    trainer = PPOTrainer(cfg, reward_fn=position_reward)
+    trainer.engines = engines
+    trainer.tokenizer = load_tokenizer(cfg.model.pretrain)
+    trainer.eos_id = trainer.pad_id = trainer.tokenizer.eos_token_id
+    prompts, _ = load_prompts(cfg.data.prompt_data, trainer.tokenizer, max_prompt_len=cfg.data.max_prompt_len)
+    trainer.stream = PromptStream(prompts, cfg.rollout.prompts_per_step, cfg.train.seed, shuffle=False)
+    return trainer
+
+
+@pytest.mark.slow
+def test_engines_sample_the_same_prompt_differently_and_a_rerun_repeats(model_dir, tmp_path, engines):
+    """The same prompt at the same position on two engines gets different samples (each engine's call has its
+    own seed); the same step generated again gets the same samples; the next draw of the step new ones."""
+    from rlhf_sg.data import Prompt
+
+    cfg = make_cfg(model_dir, tmp_path)
+    cfg.rollout.n_samples_per_prompt = 4
+    cfg.rollout.temperature = 1.5
+    trainer = _trainer(cfg, engines)
+    trainer.step = 3
+    prompt = trainer.stream.prompts[0]
+    same = [prompt, Prompt(token_ids=list(prompt.token_ids), text=prompt.text)]  # prompt 0 of engine 0 and 1
+
+    def sample(draw=0):
+        completions = trainer.generate(same, draw=draw)
+        return [c.token_ids for c in completions[:4]], [c.token_ids for c in completions[4:]]
+
+    on_engine0, on_engine1 = sample()
+    assert on_engine0 != on_engine1
+    assert sample() == (on_engine0, on_engine1)
+    assert sample(draw=1)[0] != on_engine0
+
+
+# ---- 5. dynamic sampling ----------------------------------------------------------------------------------------
+
+
+def test_select_groups_takes_groups_with_signal_first_then_fills_up():
+    assert select_groups([False, True, False, True, True], 2) == ([1, 3], 0)
+    assert select_groups([False, True, False], 2) == ([1, 0], 1)
+    assert select_groups([False, False], 2) == ([0, 1], 2)
+    assert has_signal(torch.tensor([0.0, 1.0])) and not has_signal(torch.tensor([0.5, 0.5]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_draws, draws, filler", [(4, 3, 0), (2, 2, 1)])
+def test_dynamic_sampling_draws_prompts_until_the_batch_is_full(model_dir, tmp_path, engines, max_draws, draws,
+                                                                  filler):
+    """Prompts come in pairs (3+3 1+1) (4+0 5+1) (7+2 2+2); only 1+1 and 7+2 have signal. The batch of two
+    groups is full after the third draw; capped at two draws, one group without signal fills it."""
+    from rlhf_sg.timing import StepTimer
+
+    cfg = make_cfg(model_dir, tmp_path, dynamic_filtering=True, dynamic_filtering_max_draws=max_draws)
+    trainer = _trainer(cfg, engines)
+    timer = StepTimer(sync=lambda: None)
+    timer.start_step()
+    prompts, completions, batch, metrics = trainer._make_rollout(timer)
+    expected = ["1+1=", "7+2="] if not filler else ["1+1=", "3+3="]
+    assert [p.text for p in prompts] == expected
+    assert batch["sequences"].shape[0] == len(completions) == 2 * N
+    assert batch["scores"].tolist() == [float(i % N) if expected[i // N] in SIGNAL else 0.0 for i in range(2 * N)]
+    assert metrics["rollout/sample_draws"] == draws
+    assert metrics["rollout/unfiltered_groups"] == filler
+    assert metrics["rollout/groups_kept_frac"] == pytest.approx((2 if draws == 3 else 1) / (2 * draws))
+    assert trainer.step == 0  # generating more is part of the step, not a step
+    assert timer.end_step()["generate"] > 0
+
+
+# ---- 9. weight versions -----------------------------------------------------------------------------------------
+
+
+def test_rollout_batch_carries_each_samples_weight_version_and_a_mismatch_is_refused():
+    batch = build_rollout_batch([[5, 6], [7]], [[8], [9, 10]], [[-1.0], [-1.0, -2.0]], 0, weight_versions=[3, 3])
+    assert batch["weight_version"].tolist() == [3, 3]
+    check_weight_versions([3, 3], 3)
+    with pytest.raises(RuntimeError, match=r"sampled with weight version\(s\) \[2\], but the trainer's policy is "
+                                           r"version 3"):
+        check_weight_versions([3, 2], 3)
+
+
+@pytest.mark.slow
+def test_completions_from_other_weights_are_refused_on_policy(model_dir, tmp_path, engines):
+    from rlhf_sg.timing import StepTimer
+
+    trainer = _trainer(make_cfg(model_dir, tmp_path), engines)
+    trainer.weight_version = 1  # the engines still hold version 0: they missed a sync
+    timer = StepTimer(sync=lambda: None)
+    timer.start_step()
+    with pytest.raises(RuntimeError, match="on-policy step"):
+        trainer._make_rollout(timer)
+
+
+# ---- 2, 7. advantages from the trainer's scores -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algo", ["grpo", "dr_grpo", "rloo", "reinforce_baseline", "reinforce"])
+def test_score_clip_applies_to_every_estimator(model_dir, tmp_path, algo):
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+
+    def advantages(scores, score_clip):
+        trainer = PPOTrainer(make_cfg(model_dir, tmp_path, advantage_estimator=algo, score_clip=score_clip,
+                                      kl_coef=0.0))
+        batch = {"scores": torch.tensor(scores), "action_mask": mask, "rollout_logp": torch.zeros(4, 3)}
+        trainer.compute_advantages(batch)
+        return batch["advantages"]
+
+    # clipped to 1, the first group is constant: no advantage
+    clipped = advantages([5.0, 1.2, -4.0, 0.0], 1.0)
+    torch.testing.assert_close(clipped, advantages([1.0, 1.0, -1.0, 0.0], None))
+    assert not torch.allclose(clipped, advantages([5.0, 1.2, -4.0, 0.0], None))
+
+
+def test_trainer_reinforce_baseline_is_the_token_whitened_recipe(model_dir, tmp_path):
+    from rlhf_sg.algorithms import reinforce_baseline_advantages
+
+    trainer = PPOTrainer(make_cfg(model_dir, tmp_path, advantage_estimator="reinforce_baseline", kl_coef=0.1))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    kl = torch.tensor([[0.2, -0.1, 0.4], [0.3, 0.1, 0.0], [0.5, 0.0, 0.0], [-0.2, 0.0, 0.1]])
+    scores = torch.tensor([1.0, 0.0, 2.0, -1.0])
+    batch = {"scores": scores, "action_mask": mask, "rollout_logp": torch.zeros(4, 3), "kl": kl}
+    trainer.compute_advantages(batch)
+    torch.testing.assert_close(batch["advantages"], reinforce_baseline_advantages(scores, kl, mask, N, 0.1))
+    tokens = batch["advantages"][mask]
+    assert abs(tokens.mean().item()) < 1e-6 and tokens.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
+
+
+# ---- worker-level: a real ZeRO-3 rank in a spawned process -------------------------------------------------------
+
+_HP = {"temperature": 1.0, "clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "tis_cap": None,
+       "loss_aggregation": "token_mean", "kl_mode": "reward", "kl_coef": 0.0, "kl_estimator": "k1", "entropy_coef": 0.0}
+
+
+def _in_fresh_process(fn, *args):
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply_async(fn, args).get(timeout=600)
+
+
+def _actor_rank(model_path: str, **spec_kwargs):
+    """One ZeRO-3 actor rank (world size 1) and a 4-row rollout batch with advantages, and its plan."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    from rlhf_sg.distributed import free_port
+    from rlhf_sg.workers import ModelWorker, WorkerSpec
+
+    spec = WorkerSpec(role="actor", model_path=model_path, world_size=1, master_addr="127.0.0.1",
+                      master_port=free_port(), train=True, lr=1e-2, timeout_s=120, **spec_kwargs)
+    worker = ModelWorker(dataclasses.asdict(spec), 0)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (5, 9, 3, 7)]
+    responses = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (6, 2, 8, 4)]
+    rollout = [torch.randn(len(r), generator=gen).tolist() for r in responses]
+    batch = build_rollout_batch(prompts, responses, rollout, pad_id=0)
+    batch["advantages"] = torch.randn(batch["rollout_logp"].shape, generator=gen) * batch["action_mask"]
+    return worker, batch, [[0, 1, 2, 3]]
+
+
+def _one_step(plan, batch) -> list[dict]:
+    return [{"plan": plan, "normalizer": float(batch["action_mask"].sum())}]
+
+
+def _scoring_after_an_update(model_path: str) -> dict:
+    import torch.distributed as dist
+
+    from rlhf_sg.packing import response_logprobs
+
+    worker, batch, plan = _actor_rank(model_path)
+    try:
+        worker.train_actor(batch, _one_step(plan, batch), _HP)  # leaves the model as the update used it
+        first = worker.forward(batch, plan)[1]
+        second = worker.forward(batch, plan)[1]
+        width = batch["action_mask"].shape[1]
+        with torch.no_grad():
+            worker.module.eval()
+            evaluated = response_logprobs(worker.engine, batch["sequences"], batch["attention_mask"], width)
+            worker.module.train()
+            dropped = [response_logprobs(worker.engine, batch["sequences"], batch["attention_mask"], width)
+                       for _ in range(2)]
+        return {"first": first, "second": second, "eval": evaluated * batch["action_mask"],
+                "train_mode_differs": not torch.equal(dropped[0], dropped[1])}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_scoring_forwards_run_without_dropout_after_an_update(tmp_path):
+    """On a model with attention dropout, the old log-probs a forward returns after an update are the
+    eval-mode (dropout-free) ones: repeatable, and equal to an explicit eval-mode forward; in train mode the
+    same forward differs from call to call."""
+    from rlhf_sg.tiny import build_tiny_model
+
+    model = build_tiny_model("qwen2", "tiny", seed=0)
+    model.config.attention_dropout = 0.5
+    path = save_tiny_model(str(tmp_path / "m"), model=model)
+    out = _in_fresh_process(_scoring_after_an_update, path)
+    assert out["train_mode_differs"]  # the dropout is real
+    assert torch.equal(out["first"], out["second"])
+    torch.testing.assert_close(out["first"], out["eval"], rtol=0, atol=1e-6)
+
+
+def _lr_run(model_path: str, ckpt: str, resume: bool) -> dict:
+    """Four single-step updates under a linear schedule with 2 warmup of 6 steps, checkpointed after the
+    second; or, with resume, the checkpoint loaded and the last two updates."""
+    import torch.distributed as dist
+
+    worker, batch, plan = _actor_rank(model_path, lr_scheduler="linear", lr_warmup_steps=2, lr_total_steps=6)
+    try:
+        lrs = []
+        if resume:
+            worker.load_checkpoint(ckpt, "step2")
+        for update in range(2 if resume else 4):
+            lrs.append(worker.train_actor(batch, _one_step(plan, batch), _HP)["actor/lr"])
+            if not resume and update == 1:
+                worker.save_checkpoint(ckpt, "step2", {"step": 2})
+        return {"lrs": lrs, "logp": worker.forward(batch, plan)[1]}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_lr_schedule_warms_up_decays_and_resumes_exactly(tmp_path):
+    from rlhf_sg.tiny import save_tiny_model as save
+
+    path = save(str(tmp_path / "m"), arch="qwen2", size="tiny")
+    ckpt = str(tmp_path / "ckpt")
+    full = _in_fresh_process(_lr_run, path, ckpt, False)
+    # transformers' linear schedule: k / warmup during the warmup, then (total - k) / (total - warmup)
+    assert full["lrs"] == pytest.approx([0.0, 0.5e-2, 1e-2, 0.75e-2])
+    resumed = _in_fresh_process(_lr_run, path, ckpt, True)
+    assert resumed["lrs"] == pytest.approx(full["lrs"][2:], abs=1e-12)
+    torch.testing.assert_close(resumed["logp"], full["logp"], rtol=0, atol=1e-6)
+
+
+def _cuda_rng_round_trip(model_path: str, ckpt: str) -> bool:
+    import torch.distributed as dist
+
+    os.environ["DS_ACCELERATOR"] = "cuda"
+    from rlhf_sg.distributed import free_port
+    from rlhf_sg.workers import ModelWorker, WorkerSpec
+
+    spec = WorkerSpec(role="actor", model_path=model_path, world_size=1, master_addr="127.0.0.1",
+                      master_port=free_port(), train=True, device="cuda", timeout_s=120)
+    worker = ModelWorker(dataclasses.asdict(spec), 0)
+    try:
+        worker.save_checkpoint(ckpt, "t", {})
+        before = torch.rand(4, device="cuda")
+        worker.load_checkpoint(ckpt, "t")
+        return torch.equal(before, torch.rand(4, device="cuda"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_checkpoint_restores_the_cuda_rng(tmp_path):
+    """On a GPU, a checkpoint keeps the CUDA generator: the draws after loading repeat those after saving."""
+    path = save_tiny_model(str(tmp_path / "m"), arch="qwen2", size="tiny")
+    assert _in_fresh_process(_cuda_rng_round_trip, path, str(tmp_path / "ckpt"))
+
+
+# ---- 8. metrics over ranks --------------------------------------------------------------------------------------
+
+
+def _reduce_on_rank(rank: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    from rlhf_sg.workers import allreduce_weighted_means
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        # rank 0: a mean of 1.0 over 3 tokens; rank 1: 5.0 over 1 token (the means times the tokens)
+        tokens = torch.tensor(3.0 if rank == 0 else 1.0)
+        mean = torch.tensor(1.0 if rank == 0 else 5.0)
+        queue.put((rank, allreduce_weighted_means({"clip_frac": mean * tokens}, {"clip_frac": tokens}, 60)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_metrics_are_token_weighted_means_over_every_rank():
+    import multiprocessing
+
+    from rlhf_sg.distributed import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_reduce_on_rank, args=(r, port, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    # (1.0 x 3 + 5.0 x 1) / 4 tokens on both ranks, not rank 0's 1.0 nor the unweighted 3.0
+    assert results == {0: {"clip_frac": 2.0}, 1: {"clip_frac": 2.0}}
