@@ -9,8 +9,12 @@ Two things are added on top of the interface, both for the weight sync:
 
 * whole-sync calls (``update_weights_from_collective`` takes every bucket of a sync in one call),
   so a sync costs one Ray round trip per engine instead of one per bucket;
-* the CPU shared-memory hand-off: the trainer writes a bucket into a file under ``/dev/shm`` and the
-  actor maps that file, so the bytes never pass through Ray's object store.
+* the plan check (:meth:`EngineActor.check_manifests`): a sync's names, shapes and dtypes checked once
+  against the safetensors headers of the checkpoint the engine started from, reading no weight.
+
+The tensor transport's bytes never pass through Ray's object store: the trainer rank packs a bucket
+with the engine's ``pack_tensor_bucket`` (shared memory on CPU, CUDA IPC on GPU) and only that small
+payload crosses Ray.
 
 Every wait on an engine goes through :func:`wait_engine_calls`, which has a deadline and names the
 engine and the call in its errors.
@@ -40,10 +44,12 @@ class EngineActor:
         import backends
 
         self.engine_index = engine_index
+        self.backend_name = backend_name
         threads = config.num_threads or _cpu_share()
         torch.set_num_threads(threads)
         self.backend = backends.create_backend(backend_name, dataclasses.replace(config, num_threads=threads))
-        self._mapped: dict[str, torch.Tensor] = {}  # shared-memory path -> its bytes, mapped once
+        self._reference: dict[str, tuple[tuple[int, ...], str]] | None = None  # checkpoint: name -> (shape, dtype)
+        self._checked_plans: set[int] = set()
 
     def describe(self) -> dict[str, Any]:
         """What the trainer needs to plan a sync: node, transports, group size, weight version."""
@@ -52,6 +58,9 @@ class EngineActor:
         return {
             "engine_index": self.engine_index,
             "backend": self.backend.name,
+            # the name the registry built this backend from: the trainer resolves the same class with it
+            # (the tensor transport's pack_tensor_bucket and the group's open_sender_group run there)
+            "backend_class": self.backend_name,
             "transports": sorted(self.backend.transports),
             "node_id": ray.get_runtime_context().get_node_id(),
             "gpu_ids": [int(g) for g in ray.get_gpu_ids()],  # physical ids (CUDA IPC needs the trainer's)
@@ -69,30 +78,78 @@ class EngineActor:
 
     # ---- weights -------------------------------------------------------------------------
     def check_manifests(self, manifests: list[BucketManifest]) -> int:
-        """Check every tensor of a sync plan against this engine's weights before any byte moves.
+        """Check a sync plan against this engine's model before any byte moves; reads no weight.
 
-        Names must be the engine's parameters and shapes must match; dtypes may differ (the engine
-        casts on load). Returns the number of tensors checked. Raises :class:`BackendError` naming
-        the bucket and tensor.
+        The reference is the checkpoint the engine was started from (``config.model_path``): the
+        names, shapes and dtypes in its safetensors headers, read once. Every tensor of the plan must
+        be one of its weights with the same shape; its dtype must be a floating type when the
+        checkpoint's is (engines cast between floating types on load, not to or from integers). A
+        plan is checked once (the trainer sends it again only when it changes). Returns the number of
+        tensors checked; raises :class:`BackendError` naming the bucket and tensor.
         """
+        key = hash(tuple((t.name, t.shape, str(m.dtype)) for m in manifests for t in m.tensors))
+        if key in self._checked_plans:
+            return sum(len(m.tensors) for m in manifests)
+        reference = self._checkpoint_weights()
+        where = f"engine {self.engine_index} ({self.backend.name}, model {self.backend.config.model_path})"
         checked = 0
         for b, manifest in enumerate(manifests):
             for spec in manifest.tensors:
-                try:
-                    held = self.backend.get_weights_by_name(spec.name)
-                except BackendError as exc:
+                held = reference.get(spec.name)
+                if held is None:
                     raise BackendError(
-                        f"engine {self.engine_index}: bucket {b} tensor {spec.name!r} is not a weight of this "
-                        f"engine ({exc}); start the engines from the trainer's model"
-                    ) from exc
-                if tuple(held.shape) != tuple(spec.shape):
+                        f"{where}: bucket {b} tensor {spec.name!r} is not a weight of the engine's checkpoint "
+                        f"({len(reference)} weights, e.g. {sorted(reference)[:3]}); start the engines from the "
+                        "trainer's model"
+                    )
+                shape, dtype = held
+                if tuple(spec.shape) != shape:
                     raise BackendError(
-                        f"engine {self.engine_index}: bucket {b} tensor {spec.name!r} has shape "
-                        f"{tuple(spec.shape)} in the trainer but {tuple(held.shape)} in the engine; "
-                        "start the engines from the trainer's model"
+                        f"{where}: bucket {b} tensor {spec.name!r} has shape {tuple(spec.shape)} in the trainer "
+                        f"but {shape} in the engine; start the engines from the trainer's model"
+                    )
+                if spec.dtype.is_floating_point != _is_floating(dtype):
+                    raise BackendError(
+                        f"{where}: bucket {b} tensor {spec.name!r} is {spec.dtype} in the trainer but {dtype} in "
+                        "the engine, which cannot cast between them on load"
                     )
                 checked += 1
+        self._checked_plans.add(key)
         return checked
+
+    def _checkpoint_weights(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """name -> (shape, safetensors dtype) of every tensor in the engine's checkpoint (headers only)."""
+        if self._reference is None:
+            import glob
+            import json
+            import os
+            import struct
+
+            path = self.backend.config.model_path
+            if not os.path.isdir(path):  # a model-hub id: the copy the engine loaded, from the local cache
+                try:
+                    from huggingface_hub import snapshot_download
+
+                    path = snapshot_download(path, local_files_only=True, allow_patterns=["*.safetensors"])
+                except Exception:  # not a hub id, or not cached here
+                    pass
+            files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else []
+            if not files:
+                raise BackendError(
+                    f"engine {self.engine_index}: cannot check the sync plan: {path!r} is neither a directory of "
+                    "*.safetensors files nor a model-hub id cached on this machine (start the engines from a "
+                    "saved model directory)"
+                )
+            reference = {}
+            for file in files:
+                with open(file, "rb") as f:
+                    (size,) = struct.unpack("<Q", f.read(8))
+                    header = json.loads(f.read(size))
+                for name, entry in header.items():
+                    if name != "__metadata__":
+                        reference[name] = (tuple(int(s) for s in entry["shape"]), entry["dtype"])
+            self._reference = reference
+        return self._reference
 
     def init_weight_update_group(self, spec: WeightGroupSpec) -> None:
         self.backend.init_weight_update_group(spec)
@@ -100,43 +157,23 @@ class EngineActor:
     def destroy_weight_update_group(self) -> None:
         self.backend.destroy_weight_update_group()
 
-    def update_weights_from_collective(self, manifests: list[BucketManifest], src_rank: int = 0) -> int:
-        """Receive the buckets of one sync, in order, from group rank ``src_rank``; returns the bytes."""
-        received = 0
+    def update_weights_from_collective(self, manifests: list[BucketManifest], src_rank: int = 0) -> list[float]:
+        """Receive the buckets of one sync, in order, from group rank ``src_rank``.
+
+        Returns the seconds each bucket took here, from the end of the previous one (receive + load).
+        """
+        seconds = []
         for manifest in manifests:
+            start = time.perf_counter()
             self.backend.update_weights_from_collective(manifest, src_rank)
-            received += manifest.numel * manifest.dtype.itemsize
-        return received
+            seconds.append(time.perf_counter() - start)
+        return seconds
 
-    def update_weights_from_tensor(self, manifest: BucketManifest, flat) -> None:
-        """Load a bucket handed over as a tensor or a CUDA IPC ``(rebuild_fn, args)`` pair."""
-        self.backend.update_weights_from_tensor(manifest, flat)
-
-    def update_weights_from_shared_memory(self, path: str, manifest: BucketManifest) -> None:
-        """Load a bucket the trainer wrote at the start of the shared-memory file ``path``."""
-        mapped = self._mapped.get(path)
-        nbytes = manifest.numel * manifest.dtype.itemsize
-        if mapped is None or mapped.numel() < nbytes:
-            import os
-
-            if not os.path.exists(path):
-                raise BackendError(
-                    f"engine {self.engine_index}: shared-memory bucket file {path!r} does not exist; the "
-                    "tensor transport needs the trainer rank and the engine on the same machine"
-                )
-            mapped = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
-            self._mapped[path] = mapped
-        if mapped.numel() < nbytes:
-            raise BackendError(
-                f"engine {self.engine_index}: shared-memory file {path!r} holds {mapped.numel()} bytes, "
-                f"the bucket needs {nbytes}"
-            )
-        self.backend.update_weights_from_tensor(manifest, mapped[:nbytes].view(manifest.dtype))
-
-    def release_shared_memory(self, paths: list[str]) -> None:
-        """Unmap shared-memory files the trainer is about to delete."""
-        for path in paths:
-            self._mapped.pop(path, None)
+    def update_weights_from_tensor(self, manifest: BucketManifest, payload: Any) -> float:
+        """Load a bucket the trainer packed with this backend's ``pack_tensor_bucket``; returns the seconds."""
+        start = time.perf_counter()
+        self.backend.update_weights_from_tensor(manifest, payload)
+        return time.perf_counter() - start
 
     def update_weights_from_disk(self, path: str) -> None:
         self.backend.update_weights_from_disk(path)
@@ -150,11 +187,15 @@ class EngineActor:
         return self.backend.get_weights_by_name(name)
 
     # ---- memory and lifetime ---------------------------------------------------------------
-    def sleep(self) -> None:
-        self.backend.sleep()
+    def sleep(self, tags: tuple[str, ...] | None = None) -> list[str]:
+        """Release the memory ``tags`` name (None: all, see ``backends.base``); returns what is now released."""
+        self.backend.sleep(tags)
+        return sorted(self.backend.released_memory)
 
-    def wake(self) -> None:
-        self.backend.wake()
+    def wake(self, tags: tuple[str, ...] | None = None) -> list[str]:
+        """Restore the memory ``tags`` name (None: all); returns what is still released."""
+        self.backend.wake(tags)
+        return sorted(self.backend.released_memory)
 
     def reset_prefix_cache(self) -> None:
         self.backend.reset_prefix_cache()
@@ -170,8 +211,11 @@ class EngineActor:
                 "placement_group_id": ctx.get_placement_group_id()}
 
     def shutdown(self) -> None:
-        self._mapped.clear()
         self.backend.shutdown()
+
+
+def _is_floating(safetensors_dtype: str) -> bool:
+    return safetensors_dtype.startswith(("F", "BF"))  # F64, F32, F16, BF16, F8_E4M3, ...; not I*, U*, BOOL
 
 
 def _cpu_share() -> int:

@@ -622,7 +622,7 @@ def test_weight_update_errors(embedded, tmp_path):
         embedded.update_weights_from_collective(BucketManifest((), torch.float32, 0))
     with pytest.raises(BackendError, match="no \\*.safetensors"):
         embedded.update_weights_from_disk(str(tmp_path))
-    with pytest.raises(BackendError, match="reduce_tensor"):
+    with pytest.raises(BackendError, match="pack_tensor_bucket"):
         embedded.update_weights_from_tensor(BucketManifest((), torch.float32, 0), [1, 2])
     with pytest.raises(BackendError, match="rank_offset"):
         embedded.init_weight_update_group(WeightGroupSpec("127.0.0.1", 1, 0, 2, "g", "gloo", 1.0))
@@ -647,12 +647,11 @@ def test_join_timeout_names_the_group(embedded):
 
 # ---- GPU-only: the CUDA IPC hand-off and NCCL ---------------------------------------------------
 def _ipc_sender(bucket_queue, done_event, seed: int, numel: int) -> None:
-    """Child process: build a CUDA bucket, hand its IPC handle over, keep it alive until told."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
+    """Child process: build a CUDA bucket, hand its packed IPC payload over, keep it alive until told."""
     flat = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).cuda()
-    torch.cuda.synchronize()
-    bucket_queue.put(reduce_tensor(flat))
+    name_shape = (f"t{seed}", (numel,))
+    manifest = BucketManifest((TensorSpec(*name_shape, torch.float32, 0),), torch.float32, numel)
+    bucket_queue.put(EmbeddedBackend.pack_tensor_bucket(manifest, flat, 1))
     done_event.wait(GROUP_TIMEOUT_S)
 
 

@@ -331,7 +331,7 @@ def test_imports_from_sglang_resolve():
             for alias in node.names:
                 assert alias.name in defined, f"{node.module} defines no {alias.name}"
                 checked += 1
-    assert checked >= 4
+    assert checked >= 2
 
 
 def test_flattened_bucket_layout_matches_what_the_backend_sends():
@@ -343,6 +343,12 @@ def test_flattened_bucket_layout_matches_what_the_backend_sends():
         if isinstance(n, ast.AnnAssign)
     }
     assert meta == {"name", "shape", "dtype", "start_idx", "end_idx", "numel"}
+    # The trainer-side packer writes records with exactly these fields (SGLang's loader reads them by name).
+    pack = next(
+        n for n in ast.walk(parse(BACKEND_SRC)) if isinstance(n, ast.FunctionDef) and n.name == "pack_tensor_bucket"
+    )
+    records = [n for n in ast.walk(pack) if isinstance(n, ast.Call) and ast.unparse(n.func) == "SimpleNamespace"]
+    assert records and all({k.arg for k in r.keywords} == meta for r in records)
     empty = methods(bucket, "FlattenedTensorBucket")["empty"]
     source = ast.unparse(empty)
     assert "torch.uint8" in source and "offset += size" in source

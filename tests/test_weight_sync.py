@@ -8,6 +8,7 @@ log of its prefix-cache resets so the test can see them).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 import os
 import time
@@ -15,9 +16,9 @@ import time
 import pytest
 import torch
 
-from backends.base import BackendConfig, BucketManifest, SamplingParams, TensorSpec
+from backends.base import BackendConfig, BucketManifest, SamplingParams, TensorSpec, WeightGroupSpec
 from backends.embedded import EmbeddedBackend
-from rlhf_sg.weight_sync import WeightSyncer, gather_bucket, hf_name, named_weights, plan_buckets
+from rlhf_sg.sync import WeightSyncer, gather_bucket, hf_name, named_weights, plan_buckets
 
 F32, BF16 = torch.float32, torch.bfloat16
 TIMEOUT_S = 300.0
@@ -40,6 +41,20 @@ class ResetCountingBackend(EmbeddedBackend):
         super().reset_prefix_cache()
         with open(self._reset_log, "a") as f:
             f.write("reset\n")
+
+
+class PackLoggingBackend(EmbeddedBackend):
+    """The embedded engine whose sender-side ``pack_tensor_bucket`` logs each payload it makes to the file
+    ``$RLHF_SG_TEST_PACK_LOG`` (the registry may load this file as a module of its own, so a file, not a list)."""
+
+    name = "hf-pack-logging"
+
+    @classmethod
+    def pack_tensor_bucket(cls, manifest, flat, num_tp_ranks):
+        payload = super().pack_tensor_bucket(manifest, flat, num_tp_ranks)
+        with open(os.environ["RLHF_SG_TEST_PACK_LOG"], "a") as f:
+            f.write(f"{manifest.tensors[0].name}\n")
+        return payload
 
 
 # ---- bucket planning (pure) --------------------------------------------------------------------
@@ -138,8 +153,6 @@ def test_weight_syncer_rejects_bad_arguments():
         WeightSyncer(0, 1, [])
     with pytest.raises(ValueError, match="rank 2 outside"):
         WeightSyncer(2, 2, [object()])
-    with pytest.raises(ValueError, match="per_tensor"):
-        WeightSyncer(0, 1, [object()], transport="disk", mode="per_tensor")
     with pytest.raises(ValueError, match="bucket_bytes"):
         WeightSyncer(0, 1, [object()], bucket_bytes=-5)
 
@@ -149,7 +162,6 @@ def test_weight_syncer_spreads_engines_over_sender_ranks():
     assert [WeightSyncer(r, 2, engines).my_engines for r in range(2)] == [[0, 2, 4], [1, 3]]
     assert [WeightSyncer(r, 2, engines, num_senders=1).my_engines for r in range(2)] == [[0, 1, 2, 3, 4], []]
     assert [WeightSyncer(r, 3, engines[:1]).my_engines for r in range(3)] == [[0], [], []]
-    assert [WeightSyncer(r, 2, engines, mode="per_tensor").my_engines for r in range(2)] == [[0, 1, 2, 3, 4], []]
 
 
 # ---- round trips with Ray + ZeRO-3 ----------------------------------------------------------------
@@ -275,7 +287,7 @@ def test_zero3_trainer_really_partitions_every_parameter(cluster):
         ("collective", {"num_senders": 1}),
         ("collective", {"num_senders": 2}),
         ("collective", {"num_senders": 2, "overlap": False}),
-        ("collective", {"mode": "per_tensor"}),
+        ("collective", {"baseline": True}),  # the benchmark's per-tensor baseline must deliver the same weights
         ("tensor", {}),
         ("disk", {}),
     ],
@@ -319,6 +331,36 @@ def test_round_trip_engines_hold_the_trainers_weights(cluster, transport, kwargs
             completion = _get(engine.generate.remote([prompt], params))[0]
             assert completion.weight_version == version
             _assert_greedy_equals_hf(cluster["model_path"], trainer, prompt, completion)
+
+
+@pytest.mark.slow
+def test_tensor_transport_packs_a_payload_of_its_own_for_every_engine(cluster, tmp_path, monkeypatch):
+    """Two engines served by one sender rank: the sender packs each bucket once per engine (a CUDA IPC
+    handle must be made for each receiving process, never shared between two), and both engines then
+    hold the trainer's weights."""
+    from rlhf_sg.engine_actor import start_engine_actors
+
+    log = tmp_path / "packs.log"
+    monkeypatch.setenv("RLHF_SG_TEST_PACK_LOG", str(log))
+    backend = f"{os.path.abspath(__file__)}:PackLoggingBackend"
+    config = BackendConfig(model_path=cluster["model_path"], num_threads=1)
+    engines = start_engine_actors(backend, config, 2, num_cpus=0)
+    model = odd_model(seed=11)
+    syncer = WeightSyncer(0, 1, engines, transport="tensor", bucket_bytes=8192, timeout_s=TIMEOUT_S)
+    syncer.setup()
+    try:
+        stats = syncer.sync(model, 1)
+    finally:
+        syncer.close()
+    packs = log.read_text().split("\n")[:-1]
+    buckets = int(stats["buckets"])
+    assert buckets > 2 and len(packs) == 2 * buckets, f"{len(packs)} payloads for {buckets} buckets x 2 engines"
+    want = dict(model.named_parameters())
+    for i, engine in enumerate(engines):
+        for name in ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"):
+            assert torch.equal(_get(engine.get_weights_by_name.remote(name)), want[name].detach()), (i, name)
+    for engine in engines:
+        ray.kill(engine)
 
 
 @pytest.mark.slow
@@ -378,6 +420,7 @@ def test_an_engine_that_never_joins_times_out_naming_group_and_rank(cluster):
             return {
                 "engine_index": 0,
                 "backend": "never-joins",
+                "backend_class": "backends.embedded:EmbeddedBackend",  # its group is the plain one
                 "transports": ["collective"],
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "weight_group_size": 1,
@@ -473,13 +516,16 @@ def test_open_group_hook_meets_an_engine_that_joins_with_prefixed_keys(cluster):
         def update_weights_from_collective(self, manifests, src_rank=0):
             import torch.distributed as dist
 
+            seconds = []  # EngineActor's answer: each bucket's receive-and-load time
             for m in manifests:
+                start = time.perf_counter()
                 flat = torch.empty(m.numel, dtype=m.dtype)
                 opts = dist.BroadcastOptions()
                 opts.rootRank = src_rank
                 self.group.broadcast([flat], opts).wait()
                 self.received.update((name, t.clone()) for name, t in m.unflatten(flat))
-            return sum(m.numel for m in manifests)
+                seconds.append(time.perf_counter() - start)
+            return seconds
 
         def finish_weight_update(self, version):
             return version
@@ -553,3 +599,229 @@ def test_collective_transport_over_nccl_into_a_gpu_engine(cluster):
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL cannot put two ranks of one group on one GPU; needs 2 GPUs")
     _sync_into_cuda_engine(cluster, "collective", trainer_gpu_differs=True)
+
+
+# ---- issue 11: waits on collectives, the in-memory hand-off, the plan check ------------------------
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: receivers whose ``.wait(...)`` takes arguments and is not a collective's Work
+_WAITS_WITH_ARGUMENTS = {"ray", "concurrent.futures", "transport", "self._transport"}
+
+
+def test_no_code_passes_a_timeout_to_a_collectives_wait():
+    """On ProcessGroupNCCL a ``Work.wait(timeout)`` that expires aborts the communicator: nothing in
+    rlhf_sg/ or backends/ may call ``.wait(...)`` with arguments, except on receivers known not to be
+    a collective's Work (``ray.wait``, ``concurrent.futures.wait``, our transports' ``wait(handle)``)."""
+    import ast
+    import pathlib
+
+    found = []
+    for root in ("rlhf_sg", "backends"):
+        for path in sorted(pathlib.Path(REPO, root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                    continue
+                if node.func.attr == "wait" and (node.args or node.keywords):
+                    if ast.unparse(node.func.value) not in _WAITS_WITH_ARGUMENTS:
+                        found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "a wait with a timeout on what may be a collective's Work:\n" + "\n".join(found)
+
+
+class _RecordingWork:
+    """A c10d Work that records how it is waited for (a boundary: wraps a real gloo Work)."""
+
+    def __init__(self, work, log: list):
+        self._work, self._log = work, log
+
+    def is_completed(self) -> bool:
+        self._log.append("is_completed")
+        return self._work.is_completed()
+
+    def wait(self, *args, **kwargs):
+        self._log.append(("wait", args, kwargs))
+        return self._work.wait()
+
+
+class _RecordingGroup:
+    def __init__(self, group, log: list):
+        self._group, self._log = group, log
+
+    def broadcast(self, tensors, opts):
+        return _RecordingWork(self._group.broadcast(tensors, opts), self._log)
+
+    def shutdown(self):
+        self._group.shutdown()
+
+
+def _gloo_pair(timeout_s: float = 60.0):
+    """Ranks 0 and 1 of a real gloo group in this process (built concurrently, as the peers would)."""
+    import concurrent.futures
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(dist.ProcessGroupGloo, store, r, 2, timeout) for r in range(2)]
+        return [f.result(timeout=timeout_s) for f in futures]
+
+
+def test_broadcast_sender_and_embedded_receiver_never_wait_with_a_timeout(tmp_path):
+    """A bucket whose receiver arrives late (longer than any short poll) goes through; the sender's
+    work and the embedded engine's receive are polled with ``is_completed`` and waited for without a
+    timeout, only once complete (the old sender called ``wait(timedelta(0.05))`` in a loop)."""
+    import threading
+
+    from rlhf_sg.sync.transports import BroadcastTransport, SenderContext
+    from rlhf_sg.tiny import build_tiny_model, save_tiny_model
+
+    model = build_tiny_model("llama", "tiny", seed=2)
+    path = save_tiny_model(str(tmp_path / "m"), model=build_tiny_model("llama", "tiny", seed=1))
+    named = named_weights(model)
+    (manifest,) = plan_buckets([(n, p.shape, p.dtype) for n, p in named], 1 << 30)
+    params = dict(named)
+    flat = torch.cat([params[t.name].detach().reshape(-1) for t in manifest.tensors])
+    sender_group, receiver_group = _gloo_pair()
+    sent, received = [], []
+    ctx = SenderContext(0, 1, [], [], 60.0, torch.device("cpu"), "recorded")
+    transport = BroadcastTransport(ctx, [])
+    transport.group = _RecordingGroup(sender_group, sent)
+    engine = EmbeddedBackend(BackendConfig(model_path=path, num_threads=1))
+    engine._group = _RecordingGroup(receiver_group, received)
+    engine._group_spec = WeightGroupSpec("127.0.0.1", 1, 1, 2, "recorded", "gloo", timeout_s=60.0)
+
+    def receive_late():
+        time.sleep(0.5)
+        engine.update_weights_from_collective(manifest, 0)
+
+    thread = threading.Thread(target=receive_late)
+    thread.start()
+    transport.wait(transport.send(0, manifest, flat))
+    thread.join(60)
+    for log in (sent, received):
+        waits = [entry for entry in log if entry != "is_completed"]
+        assert waits == [("wait", (), {})], log[-5:]
+        assert log.index(waits[0]) > 0 and log[log.index(waits[0]) - 1] == "is_completed"
+    assert sent.count("is_completed") > 1, "the sender did not have to poll: the test proves nothing"
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(engine.get_weights_by_name(name), params[name].detach())
+    engine.shutdown()
+
+
+def test_shared_tensor_payload_opens_in_an_unrelated_process(tmp_path):
+    """The hand-off's CPU payload works between processes that share no multiprocessing authkey (as Ray
+    actors and SGLang's schedulers): the receiver maps the sender's memory, and writes are seen both ways."""
+    import subprocess
+    import sys
+
+    from backends.shared_tensor import share, shared_cpu_buffer
+
+    buffer = shared_cpu_buffer(64)
+    buffer.fill_(7)
+    payload = tmp_path / "payload.bin"
+    payload.write_bytes(share(buffer[:16].view(torch.float32)))
+    code = (
+        "import sys, torch; from backends.shared_tensor import open_shared\n"
+        "t = open_shared(open(sys.argv[1], 'rb').read())\n"
+        "assert t.shape == (4,) and t.dtype == torch.float32, (t.shape, t.dtype)\n"
+        "print(int(t.view(torch.uint8)[0])); t.view(torch.uint8)[1] = 9\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(payload)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["7"] and int(buffer[1]) == 9
+
+
+def test_plan_check_reads_the_checkpoint_headers_not_the_weights(tmp_path):
+    """``check_manifests`` refuses wrong names, shapes and integer dtypes from the checkpoint's headers,
+    never reading a weight back (a full copy per engine, and wrong with SGLang TP > 1)."""
+    from backends.base import BackendError
+    from rlhf_sg.engine_actor import EngineActor
+    from rlhf_sg.tiny import build_tiny_model, save_tiny_model
+
+    model = build_tiny_model("llama", "tiny", seed=3)
+    path = save_tiny_model(str(tmp_path / "m"), model=model)
+    actor = EngineActor("hf", BackendConfig(model_path=path, num_threads=1))
+
+    def no_readback(name):
+        raise AssertionError(f"check_manifests read weight {name!r} back")
+
+    actor.backend.get_weights_by_name = no_readback
+    named = named_weights(model)
+    plan = plan_buckets([(n, p.shape, p.dtype) for n, p in named], 8192)
+    assert actor.check_manifests(plan) == len(named)
+    assert actor.check_manifests(plan) == len(named)  # once per plan: the second call is free
+    name = "model.layers.0.mlp.gate_proj.weight"
+    shape = dict(named)[name].shape
+    cases = [
+        ((name, (shape[0] + 1, shape[1]), F32), rf"{name}.*shape \({shape[0] + 1}, {shape[1]}\) in the trainer"),
+        (("model.no_such.weight", (2,), F32), r"'model.no_such.weight' is not a weight of the engine's checkpoint"),
+        ((name, tuple(shape), torch.int32), r"torch.int32 in the trainer but F32 in the engine"),
+        ((name, tuple(shape), BF16), None),  # engines cast between floating types
+    ]
+    for meta, error in cases:
+        bad = plan_buckets([meta], 1 << 30)
+        if error is None:
+            assert actor.check_manifests(bad) == 1
+        else:
+            with pytest.raises(BackendError, match=error):
+                actor.check_manifests(bad)
+    actor.shutdown()
+
+
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_SGLANG, reason="sglang not installed (recipes/install/sglang_cpu.sh)")
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_tensor_transport_packs_in_the_trainer_and_sglang_loads_the_bytes_untouched(tmp_path, tp):
+    """The colocated hand-off into SGLang, on CPU the same path as on GPU up to the device: the trainer
+    process packs one payload per TP rank (SGLangBackend.pack_tensor_bucket, shared memory by name), the
+    engine actor passes them to SGLang's Engine untouched, and SGLang's scheduler(s) open the trainer's
+    memory. Weights and greedy output then match the trainer's model."""
+    from rlhf_sg.engine_actor import start_engine_actors
+    from rlhf_sg.tiny import build_tiny_model, save_tiny_model
+
+    path = save_tiny_model(str(tmp_path / "m"), arch="llama", size="tiny", seed=0)
+    model = build_tiny_model("llama", "tiny", seed=8)
+    extra = {"engine_kwargs": {}}
+    env = os.environ.get("SGLANG_CPU_OMP_THREADS_BIND")
+    if tp == 2:
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per TP rank (Ray's workers inherit it)
+    if ray.is_initialized() and tp == 2:
+        ray.shutdown()
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        config = BackendConfig(
+            model_path=path, max_model_len=256, num_threads=1, tensor_parallel_size=tp, extra=extra
+        )
+        engines = start_engine_actors("sglang", config, 1, num_cpus=0, start_timeout_s=600)
+        syncer = WeightSyncer(0, 1, engines, transport="tensor", bucket_bytes=64 * 1024, timeout_s=TIMEOUT_S)
+        syncer.setup()
+        try:
+            stats = syncer.sync(model, 1)
+        finally:
+            syncer.close()
+        assert stats["buckets"] > 2
+        params = SamplingParams(temperature=0.0, max_new_tokens=8)
+        out = ray.get(engines[0].generate.remote(PROMPTS, params), timeout=TIMEOUT_S)
+        assert all(c.weight_version == 1 for c in out)
+        state = {n: p.detach() for n, p in model.state_dict().items()}
+        for prompt, completion in zip(PROMPTS, out):
+            _assert_greedy_equals_hf(path, state, prompt, completion)
+        if tp == 1:
+            name = "model.layers.1.mlp.down_proj.weight"
+            got = ray.get(engines[0].get_weights_by_name.remote(name), timeout=TIMEOUT_S)
+            assert torch.equal(got, state[name])
+        ray.get(engines[0].shutdown.remote(), timeout=TIMEOUT_S)
+    finally:
+        if env is None:
+            os.environ.pop("SGLANG_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = env
+        if started:
+            ray.shutdown()

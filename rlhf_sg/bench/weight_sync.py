@@ -4,15 +4,18 @@ A ZeRO-3 trainer (``--ranks`` Ray actors, gloo on CPU) pushes a model of about 1
 ``--engines`` embedded rollout engines. In every round, one after another:
 
 (a) baseline: each parameter gathered alone and broadcast by rank 0 to all engines, one engine
-    call per tensor;
+    call per tensor (:class:`PerTensorBaseline`, here rather than in the library);
 (b) buckets, one sender (rank 0), no overlap;
 (c) buckets, every rank a sender for its engines, gather of bucket k+1 overlapped with the send of k;
 (d) the limit: the same bytes as one flat broadcast from a ready buffer per sender (the topology of
     (c)), no gather, received into a ready buffer (nothing loaded);
 
-and, to explain (c) against (d), the ZeRO-3 gather of all buckets alone (no send). GB/s is one copy
-of the model over the wall time of the sync (every engine receives the whole model). Medians over
-the rounds; the ratios are c/a and c/d.
+and, to explain (c) against (d), the ZeRO-3 gather of all buckets alone (no send), and where a bucket's
+time goes in (b) and (c), measured by the syncer on rank 0 and by the engines: the shard exchange
+(gather), the copy into the bucket buffer (copy), the sender blocked on the broadcast (wire: with
+overlap, only what the gather did not hide) and the engine's receive and load (engine). GB/s is one
+copy of the model over the wall time of the sync (every engine receives the whole model). Medians
+over the rounds; the ratios are c/a and c/d.
 
 :class:`Zero3SyncRank` (one trainer rank with a weight syncer) is also what the weight-sync tests
 drive.
@@ -37,13 +40,69 @@ from rlhf_sg.distributed import (
     side_broadcast,
     zero3_config,
 )
-from rlhf_sg.weight_sync import GatherStaging, gather_bucket, gathered, named_weights, plan_buckets
+from rlhf_sg.sync import GatherStaging, gather_bucket, gathered, named_weights, plan_buckets
 
-__all__ = ["FlatReceiver", "Zero3SyncRank", "main", "start_trainer_ranks"]
+__all__ = ["FlatReceiver", "PerTensorBaseline", "Zero3SyncRank", "main", "start_trainer_ranks"]
+
+
+class PerTensorBaseline:
+    """The baseline the bucketed sync is measured against: every parameter gathered alone, broadcast
+    by trainer rank 0 on the same side group as the syncer's, one engine call per tensor.
+
+    The same interface as :class:`~rlhf_sg.sync.WeightSyncer` (setup / sync / close); every rank
+    takes part in each gather, rank 0 alone sends.
+    """
+
+    def __init__(self, rank: int, world_size: int, engines: list, timeout_s: float = 600.0, **_: Any):
+        self.rank, self.world_size, self.engines, self.timeout_s = rank, world_size, list(engines), timeout_s
+        self.my_engines = list(range(len(self.engines))) if rank == 0 else []
+        self.bucket_times: list[dict[str, float]] = []
+        self._transport = None
+
+    def setup(self) -> None:
+        from rlhf_sg.engine_actor import wait_engine_calls
+        from rlhf_sg.sync.transports import BroadcastTransport, SenderContext
+
+        ctx = SenderContext(
+            self.rank, self.world_size, self.engines, self.my_engines, self.timeout_s, torch.device("cpu"),
+            f"per-tensor-baseline-{time.monotonic_ns()}",
+        )
+        infos = wait_engine_calls(ctx.call_mine("describe"), self.timeout_s)
+        self._transport = BroadcastTransport(ctx, infos)
+        self._transport.setup()
+
+    def sync(self, model: torch.nn.Module, version: int) -> dict[str, float]:
+        from backends.base import BucketManifest, TensorSpec
+        from rlhf_sg.engine_actor import wait_engine_calls
+        from rlhf_sg.sync import full_shape
+
+        transport, ctx = self._transport, self._transport.ctx
+        named = named_weights(model)
+        total = 0
+        for name, param in named:
+            shape = full_shape(param)
+            numel = 1
+            for size in shape:
+                numel *= size
+            manifest = BucketManifest((TensorSpec(name, shape, param.dtype, 0),), param.dtype, numel)
+            total += numel * param.dtype.itemsize
+            if ctx.my_engines:
+                transport.begin([manifest], version)  # one engine call for this tensor
+            with gathered([param]):
+                if ctx.my_engines:
+                    transport.wait(transport.send(0, manifest, param.data.reshape(-1)))
+                    transport.end([manifest], version)
+        versions = wait_engine_calls(ctx.call_mine("finish_weight_update", version), self.timeout_s)
+        if any(v != version for v in versions):
+            raise RuntimeError(f"per-tensor baseline: engines report weight versions {versions}, not {version}")
+        return {"buckets": float(len(named)), "bytes": float(total), "engines": float(len(ctx.my_engines))}
+
+    def close(self) -> None:
+        self._transport.close()
 
 
 class Zero3SyncRank:
-    """One DeepSpeed ZeRO-3 rank holding a causal LM, with a :class:`~rlhf_sg.weight_sync.WeightSyncer`."""
+    """One DeepSpeed ZeRO-3 rank holding a causal LM, with a :class:`~rlhf_sg.sync.WeightSyncer`."""
 
     def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, timeout_s: float = 300.0):
         torch.set_num_threads(1)
@@ -77,11 +136,17 @@ class Zero3SyncRank:
                 state[name] = p.data.detach().clone()
         return state
 
-    def setup_syncer(self, engines: list, **kwargs: Any) -> None:
-        from rlhf_sg.weight_sync import WeightSyncer
+    def setup_syncer(self, engines: list, baseline: bool = False, **kwargs: Any) -> None:
+        """A :class:`~rlhf_sg.sync.WeightSyncer` (or, ``baseline=True``, the :class:`PerTensorBaseline`)."""
+        from rlhf_sg.sync import WeightSyncer
 
-        self.syncer = WeightSyncer(self.rank, self.world_size, engines, **kwargs)
+        cls = PerTensorBaseline if baseline else WeightSyncer
+        self.syncer = cls(self.rank, self.world_size, engines, **kwargs)
         self.syncer.setup()
+
+    def bucket_times(self) -> list[dict[str, float]]:
+        """Seconds by phase for each bucket of the last sync (see ``WeightSyncer.bucket_times``)."""
+        return self.syncer.bucket_times
 
     def sync(self, version: int) -> dict[str, float]:
         return self.syncer.sync(self.engine, version)
@@ -205,11 +270,12 @@ def main(argv: list[str] | None = None) -> None:
         receivers = _start_flat_receivers(ranks, senders, args.engines, numel, args.timeout_s)
 
         modes = {
-            "a": dict(mode="per_tensor"),
+            "a": dict(baseline=True),
             "b": dict(num_senders=1, overlap=False),
             "c": dict(num_senders=senders, overlap=True),
         }
         times: dict[str, list[float]] = {k: [] for k in ("a", "b", "c", "d", "g", "g_ds")}
+        phases: dict[str, list[dict[str, float]]] = {"b": [], "c": []}  # rank 0's buckets, every round
         version = 0
         for _ in range(args.rounds):
             for key, kwargs in modes.items():
@@ -225,7 +291,9 @@ def main(argv: list[str] | None = None) -> None:
                 version += 1
                 seconds, stats = _timed([r.sync.remote(version) for r in ranks], args.timeout_s)
                 times[key].append(seconds)
-                buckets = int(stats[0]["buckets"])
+                if key in phases:
+                    buckets = int(stats[0]["buckets"])
+                    phases[key] += ray.get(ranks[0].bucket_times.remote(), timeout=args.timeout_s)
                 ray.get([r.close_syncer.remote() for r in ranks], timeout=args.timeout_s)
             refs = [ranks[s].broadcast_flat.remote() for s in range(senders)]
             times["d"].append(_timed(refs + [rc.receive.remote() for rc in receivers], args.timeout_s)[0])
@@ -257,6 +325,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  c/a = {med['a'] / med['c']:.2f}x (target >= 5)   c/d = {med['d'] / med['c']:.0%} (target >= 70%)")
     ratios = f"b/a = {med['a'] / med['b']:.2f}x   c/b = {med['b'] / med['c']:.2f}x"
     print(f"  {ratios}   g/c = {med['g'] / med['c']:.0%}   g_ds/g = {med['g_ds'] / med['g']:.2f}x")
+    print(f"  per bucket ({buckets} buckets of <= {args.bucket_mb:g} MiB, median over buckets and rounds, ms):")
+    header = f"    {'':<22}{'gather':>9}{'copy':>9}{'wire':>9}{'engine':>9}"
+    print(header + "   (summed over a sync, s: gather copy wire engine)")
+    for key, label in (("b", "(b) one sender, serial"), ("c", "(c) overlap")):
+        cols = [("exchange_s", "gather"), ("copy_s", "copy"), ("send_wait_s", "wire"), ("engine_s", "engine")]
+        med_ms = [1e3 * statistics.median(t.get(c, 0.0) for t in phases[key]) for c, _ in cols]
+        sums = [sum(t.get(c, 0.0) for t in phases[key]) / args.rounds for c, _ in cols]
+        print(f"    {label:<22}" + "".join(f"{v:9.1f}" for v in med_ms) + "   " + " ".join(f"{v:.3f}" for v in sums))
     # On one machine the gather's bytes cross the same loopback and cores as the sends: with perfect
     # overlap (c) still costs about (d) plus the gather's traffic, which bounds c/d below 100%.
     print(f"  estimate when gather and send share the cores: c/d <= d/(d+g) = {med['d'] / (med['d'] + med['g']):.0%}")
