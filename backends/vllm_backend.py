@@ -21,12 +21,30 @@ vLLM's layerwise reload, opened by the first bucket and closed by :meth:`VLLMBac
 which also resets the prefix cache (a layer may span buckets; each bucket is checked, names and
 shapes, before any of it loads).
 
+Tensor transport across processes: :meth:`VLLMBackend.pack_tensor_bucket` runs in the trainer
+process that owns the bucket and returns a :class:`backends.shared_tensor.SharedBucket`, handles
+and no bytes: a CUDA IPC handle on GPU, a name in torch's file-system shared memory on CPU (one
+code path, the device decides). It carries the sender's device identity (the GPU's UUID; the
+host on CPU); each worker refuses a bucket from another device, naming both, opens the memory
+itself, copies the bucket out and waits for the copy before its call returns, so the sender may
+reuse its buffer as soon as ``update_weights_from_tensor`` has returned.
+
+vLLM 0.32's own weight-transfer engines (``WeightTransferConfig`` backends "nccl", "ipc", ...) are
+not used: each needs CUDA (no CPU / gloo path, so CI could not run the path a GPU run takes), the
+trainer side needs vLLM installed in the trainer's process and drives one whole sync from one
+sender, and moving the bytes is the same either way (one broadcast or one IPC copy per flat
+bucket, then ``model.load_weights`` inside a layerwise reload). ``python -m rlhf_sg.bench
+vllm-transfer`` measures both on a GPU node.
+
 Sleep / wake: on CUDA the engine starts with ``enable_sleep_mode=True`` and :meth:`VLLMBackend.sleep`
-calls ``LLM.sleep(level)`` (level 1: weights offloaded to host memory, KV cache dropped; level 2:
-both dropped, so weights must be pushed after :meth:`VLLMBackend.wake`). On CPU vLLM has no sleep
-mode (its platform check refuses ``enable_sleep_mode``): ``sleep`` frees nothing, it only drops
-the prefix cache and refuses ``generate`` until ``wake``; the weights and the KV-cache reservation
-stay in host memory.
+calls ``LLM.sleep(level)`` whatever tags it is given (vLLM releases weights and KV cache together;
+level 1: weights offloaded to host memory, KV cache dropped; level 2: both dropped, so weights must be
+pushed after :meth:`VLLMBackend.wake`). :meth:`VLLMBackend.wake` passes its tags on,
+``LLM.wake_up(tags=["weights"])`` then ``LLM.wake_up(tags=["kv_cache"])`` for a staged wake (vLLM's
+tags are ours); vLLM resumes scheduling once both are back. Weight updates need ``"weights"`` awake.
+On CPU vLLM has no sleep mode (its platform check refuses ``enable_sleep_mode``): ``sleep`` frees
+nothing, it only drops the prefix cache and refuses ``generate`` until every tag is woken; the weights
+and the KV-cache reservation stay in host memory.
 
 Engine-specific keys in ``BackendConfig.extra``:
 
@@ -55,6 +73,8 @@ from typing import Any
 import torch
 
 from backends.base import (
+    MEMORY_TAGS,
+    MEMORY_WEIGHTS,
     BackendConfig,
     BackendError,
     BucketManifest,
@@ -63,6 +83,7 @@ from backends.base import (
     SamplingParams,
     WeightGroupSpec,
     check_generate_args,
+    memory_tags,
 )
 from backends.embedded import row_seed
 
@@ -118,6 +139,12 @@ def vllm_engine_kwargs(config: BackendConfig) -> dict[str, Any]:
         "worker_extension_cls": _EXTENSION,
         "disable_log_stats": True,
     }
+    if on_cpu:
+        # vLLM's CPU worker sizes the KV cache as this fraction of the NUMA node's memory minus what
+        # the process already holds, which fails to start in a process that has loaded torch and
+        # transformers (a test, a trainer); an explicit size (per worker) is the documented meaning.
+        # vLLM's VLLM_CPU_KVCACHE_SPACE and engine_kwargs["kv_cache_memory_bytes"] still take precedence.
+        kwargs["kv_cache_memory_bytes"] = int(kwargs["gpu_memory_utilization"] * _host_memory_bytes())
     if "enable_prefix_caching" in extra:
         kwargs["enable_prefix_caching"] = bool(extra["enable_prefix_caching"])
     if not on_cpu and extra.get("enable_sleep_mode", True):
@@ -150,7 +177,8 @@ class VLLMBackend(RolloutBackend):
         self._unseeded = random.Random(config.seed)
         self._group_spec: WeightGroupSpec | None = None
         self._sync_open = False
-        self._asleep = False
+        self._asleep = False  # some memory tag is released (generate refused)
+        self._released: set[str] = set()  # our memory tags released by sleep, not yet woken
         self._closed = False
         try:
             self.llm = vllm.LLM(**engine_kwargs)
@@ -255,15 +283,34 @@ class VLLMBackend(RolloutBackend):
             self._rpc("rlhf_destroy_weight_update_group")
         self._group_spec = None
 
-    def update_weights_from_tensor(self, manifest: BucketManifest, flat) -> None:
-        """Load one flat bucket: a 1-D tensor, or the ``(rebuild_fn, args)`` pair of ``reduce_tensor``.
+    @classmethod
+    def pack_tensor_bucket(cls, manifest: BucketManifest, flat: torch.Tensor, num_tp_ranks: int):
+        """Sender side of the tensor transport: a :class:`backends.shared_tensor.SharedBucket` of ``flat``.
 
-        A CPU tensor (in this process, or mapped from shared memory by the engine actor) reaches the
-        worker by reference when the engine runs in process, else through vLLM's RPC. A CUDA IPC pair
-        is opened by each worker on its own device (colocated: the same physical GPU).
+        Runs in the trainer process that owns ``flat`` (vLLM need not be installed there). The same
+        code serves both devices: :func:`backends.shared_tensor.share` payloads, a CUDA IPC handle on
+        CUDA (after the device has finished writing ``flat``), a name in torch's file-system shared
+        memory on CPU, with the sender's device identity (GPU UUID, or host) and no bytes of the
+        bucket. One payload per tensor-parallel rank: worker ``r`` opens the ``r``-th on its own device.
+        """
+        from backends.shared_tensor import share_bucket
+
+        _check_flat(manifest, flat, "pack_tensor_bucket")
+        if num_tp_ranks < 1:
+            raise BackendError(f"pack_tensor_bucket: num_tp_ranks must be >= 1, got {num_tp_ranks}")
+        return share_bucket(flat, num_receivers=num_tp_ranks)
+
+    def update_weights_from_tensor(self, manifest: BucketManifest, flat) -> None:
+        """Load one flat bucket: a 1-D tensor in this process, or what :meth:`pack_tensor_bucket` made.
+
+        A tensor reaches the worker by reference when the engine runs in process, else through
+        vLLM's RPC. A :class:`~backends.shared_tensor.SharedBucket` goes to every worker untouched;
+        each checks that its device is the sender's (GPU UUID; host on CPU), opens its payload
+        itself, and has copied the bucket out of it before this call returns.
         """
         self._check_usable("update_weights_from_tensor")
         self._check_awake_for_weights("update_weights_from_tensor")
+        from backends.shared_tensor import SharedBucket
         from backends.vllm_worker import manifest_to_wire
 
         for spec in manifest.tensors:
@@ -274,23 +321,28 @@ class VLLMBackend(RolloutBackend):
                 )
         wire = manifest_to_wire(manifest)
         if isinstance(flat, torch.Tensor):
-            if flat.dim() != 1 or flat.numel() != manifest.numel or flat.dtype != manifest.dtype:
-                raise BackendError(
-                    f"tensor bucket: buffer is {tuple(flat.shape)} {flat.dtype}, manifest expects "
-                    f"[{manifest.numel}] {manifest.dtype}"
-                )
+            _check_flat(manifest, flat, "tensor bucket")
             self._sync_open = True
             self._rpc("rlhf_load_tensor_bucket", wire, flat, None, what="tensor bucket")
             return
-        from torch.multiprocessing import reductions
-
-        if not (isinstance(flat, tuple) and len(flat) == 2 and flat[0] is reductions.rebuild_cuda_tensor):
+        if not isinstance(flat, SharedBucket):
             raise BackendError(
-                "update_weights_from_tensor: flat must be a torch.Tensor or the (rebuild_cuda_tensor, args) pair "
-                f"from torch.multiprocessing.reductions.reduce_tensor of a CUDA tensor, got {type(flat).__name__}"
+                "update_weights_from_tensor: flat must be a torch.Tensor (in this process) or the SharedBucket "
+                f"that VLLMBackend.pack_tensor_bucket made in the sender's process, got {type(flat).__name__}"
+            )
+        if flat.numel != manifest.numel or flat.dtype != str(manifest.dtype).removeprefix("torch."):
+            raise BackendError(
+                f"tensor bucket: the shared buffer is [{flat.numel}] {flat.dtype}, manifest expects "
+                f"[{manifest.numel}] {manifest.dtype}; nothing was loaded"
+            )
+        tp = self.config.tensor_parallel_size
+        if len(flat.payloads) < tp:
+            raise BackendError(
+                f"tensor bucket: packed for {len(flat.payloads)} tensor-parallel rank(s), the engine has {tp}: "
+                "pass the engine's tensor_parallel_size as num_tp_ranks; nothing was loaded"
             )
         self._sync_open = True
-        self._rpc("rlhf_load_tensor_bucket", wire, None, list(flat[1]), what="CUDA IPC tensor bucket")
+        self._rpc("rlhf_load_tensor_bucket", wire, None, flat, what=f"shared tensor bucket from {flat.device_name}")
 
     def update_weights_from_disk(self, path: str) -> None:
         """Reload every weight from the ``*.safetensors`` files in directory ``path`` (HF names)."""
@@ -351,22 +403,34 @@ class VLLMBackend(RolloutBackend):
         return torch.cat([by_index[i] for i in sorted(by_index)], dim=shard_dim)
 
     # ---- memory and lifetime ---------------------------------------------------------------
-    def sleep(self) -> None:
-        """CUDA: ``LLM.sleep(sleep_level)``. CPU: frees nothing (no sleep mode); drops the prefix cache."""
+    def sleep(self, tags: tuple[str, ...] | None = None) -> None:
+        """CUDA: ``LLM.sleep(sleep_level)``, which releases weights and KV cache both, whatever ``tags`` names.
+        CPU: frees nothing (no sleep mode); drops the prefix cache and holds ``generate`` until :meth:`wake`."""
         self._check_usable("sleep")
-        if self._asleep:
+        if not [t for t in memory_tags(tags, "sleep") if t not in self._released]:
             return
         if self._can_sleep:
+            if self._released:  # partly awake: vLLM goes to sleep only from fully awake
+                self.llm.wake_up(tags=sorted(self._released))
             self.llm.sleep(level=self._sleep_level)
+            self._released.update(MEMORY_TAGS)
         else:
-            self.reset_prefix_cache()
+            if not self._asleep:
+                self.reset_prefix_cache()
+            self._released.update(memory_tags(tags, "sleep"))
         self._asleep = True
 
-    def wake(self) -> None:
+    def wake(self, tags: tuple[str, ...] | None = None) -> None:
+        """CUDA: ``LLM.wake_up(tags=...)`` for the released ``tags`` (None: all); vLLM schedules again once
+        every tag is back."""
         self._check_usable("wake")
-        if self._asleep and self._can_sleep:
-            self.llm.wake_up()
-        self._asleep = False
+        wanted = [t for t in memory_tags(tags, "wake") if t in self._released]
+        if not wanted:
+            return
+        if self._can_sleep:
+            self.llm.wake_up(tags=wanted)
+        self._released.difference_update(wanted)
+        self._asleep = bool(self._released)
 
     def reset_prefix_cache(self) -> None:
         self._check_usable("reset_prefix_cache")
@@ -405,11 +469,22 @@ class VLLMBackend(RolloutBackend):
         if self._closed:
             raise BackendError(f"{what}: the vLLM backend was shut down; create a new one")
         if self._asleep and what == "generate":
-            raise BackendError("generate: the vLLM backend is asleep; call wake() first")
+            raise BackendError(
+                f"generate: the vLLM backend is asleep (released: {sorted(self._released)}); call wake() first"
+            )
 
     def _check_awake_for_weights(self, what: str) -> None:
-        if self._asleep and self._can_sleep:
-            raise BackendError(f"{what}: the engine sleeps and its GPU memory is released; call wake() first")
+        if MEMORY_WEIGHTS in self._released and self._can_sleep:
+            raise BackendError(
+                f"{what}: the engine sleeps and its weights' GPU memory is released; call wake(('weights',)) first"
+            )
+
+
+def _check_flat(manifest: BucketManifest, flat: torch.Tensor, what: str) -> None:
+    if flat.dim() != 1 or flat.numel() != manifest.numel or flat.dtype != manifest.dtype:
+        raise BackendError(
+            f"{what}: buffer is {tuple(flat.shape)} {flat.dtype}, manifest expects [{manifest.numel}] {manifest.dtype}"
+        )
 
 
 def _check_config(config: BackendConfig) -> None:
@@ -491,6 +566,19 @@ def _set_cpu_threads(config: BackendConfig) -> None:
         per_rank = len(cores) // tp
         groups = [cores[r * per_rank : (r + 1) * per_rank] for r in range(tp)]
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(str(c) for c in g) for g in groups)
+
+
+def _host_memory_bytes() -> int:
+    """Memory of NUMA node 0 (what vLLM's CPU worker takes its fraction of), else of the host."""
+    try:
+        with open("/sys/devices/system/node/node0/meminfo") as f:
+            for line in f:
+                parts = line.split()  # "Node 0 MemTotal: 8480972 kB"
+                if len(parts) >= 4 and parts[2] == "MemTotal:":
+                    return int(parts[3]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _read_model_facts(model_path: str) -> tuple[int, set[int]]:

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from backends.shared_tensor import SharedBucket, open_shared_bucket
+
 __all__ = ["WeightSyncExtension", "manifest_to_wire"]
 
 
@@ -139,7 +141,9 @@ class WeightSyncExtension:
         opts.rootTensor = 0
         opts.timeout = datetime.timedelta(seconds=spec.timeout_s)
         try:
-            group.broadcast([flat], opts).wait(opts.timeout)
+            # No timeout on wait: on NCCL an expired timed wait aborts the communicator. The
+            # broadcast's own timeout (gloo) or the group's (NCCL watchdog) bounds it.
+            group.broadcast([flat], opts).wait()
         except Exception as exc:
             raise RuntimeError(
                 f"worker rank {self.rank}: receiving a bucket of {len(wire['names'])} tensors "
@@ -151,21 +155,27 @@ class WeightSyncExtension:
 
     # ---- other transports ----------------------------------------------------------------
     def rlhf_load_tensor_bucket(
-        self, wire: dict[str, Any], flat: torch.Tensor | None = None, ipc_args: list | None = None
+        self, wire: dict[str, Any], flat: torch.Tensor | None = None, shared: SharedBucket | None = None
     ) -> None:
-        """Load a bucket handed over as a tensor, or as CUDA IPC ``rebuild_cuda_tensor`` arguments.
+        """Load a bucket handed over as a tensor (in process), or as a
+        :class:`backends.shared_tensor.SharedBucket` (this worker opens the payload of its rank).
 
-        The bucket is copied into memory of this worker first: a layer that spans buckets keeps
-        views of its tensors until its last tensor arrives, and the sender reuses its buffer.
+        A shared bucket is opened here, by this worker, on its own device: the sender's device
+        identity must be this worker's (GPU UUID; host on CPU), else it is refused naming both. It
+        is copied into memory of this worker, and the copy is complete before this returns: the
+        sender reuses its buffer as soon as the call returns, and a layer that spans buckets keeps
+        views of its tensors until its last tensor arrives.
         """
-        if ipc_args is not None:
-            from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-            args = list(ipc_args)
-            args[6] = self.device.index  # the colocated GPU, as this worker numbers it
-            flat = rebuild_cuda_tensor(*args)
-        owned = torch.empty(flat.shape, dtype=flat.dtype, device=self.device)
-        owned.copy_(flat)
+        if shared is not None:
+            source = open_shared_bucket(shared, self.device, receiver=self.rank)
+            owned = torch.empty(source.shape, dtype=source.dtype, device=self.device)
+            owned.copy_(source)
+            if owned.is_cuda:  # the copy is queued on this worker's current stream: wait for it
+                torch.cuda.current_stream(owned.device).synchronize()
+            del source  # release the mapping (and, on CUDA, torch's reference on the sender's block)
+        else:
+            owned = torch.empty(flat.shape, dtype=flat.dtype, device=self.device)
+            owned.copy_(flat)
         self._rlhf_load(_unflatten(wire, owned))
 
     def rlhf_reload_from_disk(self, path: str) -> None:

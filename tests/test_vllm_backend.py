@@ -36,6 +36,52 @@ def test_missing_vllm_is_a_clear_error_with_the_install_command(tmp_path, monkey
         VLLMBackend(BackendConfig(model_path=path, num_threads=1))
 
 
+def test_device_check_compares_gpu_uuids_not_indices():
+    """The check behind the CUDA IPC hand-off, on given UUIDs: the same physical GPU under two indices
+    passes; two GPUs are refused with a message naming both devices."""
+    from backends.shared_tensor import check_same_device
+
+    uuid_a, uuid_b = "GPU-8f0c3e2a-0000-4000-8000-00000000000a", "GPU-8f0c3e2a-0000-4000-8000-00000000000b"
+    check_same_device(uuid_a, f"cuda:0 (NVIDIA H100, {uuid_a})", uuid_a, f"cuda:3 (NVIDIA H100, {uuid_a})")
+    with pytest.raises(RuntimeError, match=rf"shared on cuda:0 \(NVIDIA H100, {uuid_a}\).*runs on cuda:1 \(.*{uuid_b}"):
+        check_same_device(uuid_a, f"cuda:0 (NVIDIA H100, {uuid_a})", uuid_b, f"cuda:1 (NVIDIA H100, {uuid_b})")
+
+
+def test_shared_bucket_opens_in_an_unrelated_process_and_refuses_another_device_kind():
+    """The CPU leg of the hand-off without vLLM: a bucket shared here (one payload per receiver) is
+    read by an unrelated process through its own payload (torch's file-system shared memory, which
+    needs no inherited file descriptor), the buffer's views follow its storage into shared memory,
+    and a receiver index without a payload, or a bucket from another kind of device, is refused."""
+    import dataclasses
+    import pickle
+    import subprocess
+
+    from backends.shared_tensor import open_shared_bucket, share_bucket
+
+    buffer = torch.zeros(64)
+    flat = buffer[8:40]
+    flat.copy_(torch.arange(32, dtype=torch.float32))
+    payload = share_bucket(flat, num_receivers=2)
+    assert len(payload.payloads) == 2 and (payload.numel, payload.dtype) == (32, "float32")
+    assert buffer.is_shared()  # the whole buffer moved into shared memory, not a copy of the slice
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    reader = (
+        "import pickle, sys, torch; sys.path.insert(0, sys.argv[1]); "
+        "from backends.shared_tensor import open_shared_bucket; "
+        "t = open_shared_bucket(pickle.load(sys.stdin.buffer), torch.device('cpu'), receiver=1); "
+        "print(t.tolist()); t[0] = 100.0"
+    )
+    out = subprocess.run([sys.executable, "-c", reader, root], input=pickle.dumps(payload), capture_output=True)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.decode().strip() == str([float(i) for i in range(32)])
+    assert buffer[8].item() == 100.0  # the reader wrote into this process's buffer: shared, not copied
+    with pytest.raises(RuntimeError, match=r"packed for 2 receiver\(s\) but receiver 2 opens it"):
+        open_shared_bucket(payload, torch.device("cpu"), receiver=2)
+    as_cuda = dataclasses.replace(payload, device_type="cuda", device_name="cuda:0 (GPU-x)")
+    with pytest.raises(RuntimeError, match=r"shared on cuda:0 \(GPU-x\) but this worker runs on cpu"):
+        open_shared_bucket(as_cuda, torch.device("cpu"))
+
+
 def _head32_model(seed: int):
     """The tiny Qwen2 with 2 attention heads of 32 (1 KV head): a shape vLLM's CPU build runs."""
     from transformers import AutoModelForCausalLM
@@ -169,6 +215,153 @@ def test_sleep_on_cpu_holds_generate_until_wake(backend, prompts):
     assert len(backend.generate(prompts, SamplingParams(max_new_tokens=4))) == len(prompts)
 
 
+# ---- the tensor transport by reference: packed in the sender's process, opened by each worker -------
+# The sender is an unrelated process (not a multiprocessing child), as a Ray trainer rank is to an
+# engine actor: it reads (manifest, bucket) pairs on stdin, writes each into ONE reused buffer on
+# its device, and answers with the pickled payload of VLLMBackend.pack_tensor_bucket; "next" lets it
+# overwrite the buffer with the next bucket, "scribble" fills the buffer with NaN, "exit" ends it.
+_SENDER = r"""
+import pickle, struct, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from backends.vllm_backend import VLLMBackend
+
+def send(obj):
+    data = pickle.dumps(obj)
+    sys.stdout.buffer.write(struct.pack("<Q", len(data)) + data)
+    sys.stdout.buffer.flush()
+
+buckets = pickle.load(sys.stdin.buffer)
+device = torch.device(sys.argv[2])
+buffer = torch.empty(max(flat.numel() for _, flat in buckets), dtype=torch.float32, device=device)
+for manifest, values in buckets:
+    flat = buffer[: values.numel()]
+    flat.copy_(values)
+    send(VLLMBackend.pack_tensor_bucket(manifest, flat, num_tp_ranks=1))
+    assert sys.stdin.readline().strip() == "next"
+assert sys.stdin.readline().strip() == "scribble"
+buffer.fill_(float("nan"))
+if device.type == "cuda":
+    torch.cuda.synchronize(device)
+send("scribbled")
+assert sys.stdin.readline().strip() == "exit"
+"""
+
+
+def _read_message(stream) -> tuple[bytes, object]:
+    import pickle
+    import struct
+
+    header = stream.read(8)
+    if len(header) < 8:
+        raise RuntimeError("the sender process ended early")
+    data = stream.read(struct.unpack("<Q", header)[0])
+    return data, pickle.loads(data)
+
+
+def sync_from_sender_process(engine, buckets: list[tuple[BucketManifest, torch.Tensor]], device: str) -> list:
+    """Push ``buckets`` into ``engine`` from an unrelated sender process whose one buffer lives on
+    ``device``; the sender scribbles over its buffer after the sync. Returns the payloads and the
+    size each pickled to."""
+    import pickle
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pipe = subprocess.PIPE
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, root, device], stdin=pipe, stdout=pipe, stderr=pipe)
+    received = []
+
+    def say(word: str) -> None:
+        sender.stdin.write(word.encode() + b"\n")
+        sender.stdin.flush()
+
+    try:
+        sender.stdin.write(pickle.dumps(buckets))
+        sender.stdin.flush()
+        for manifest, _ in buckets:
+            data, payload = _read_message(sender.stdout)
+            received.append((payload, len(data)))
+            engine.update_weights_from_tensor(manifest, payload)
+            say("next")
+        engine.finish_weight_update(engine.weight_version + 1)
+        say("scribble")
+        assert _read_message(sender.stdout)[1] == "scribbled"
+        say("exit")
+        assert sender.wait(timeout=60) == 0, sender.stderr.read().decode()[-2000:]
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait(timeout=60)
+    return received
+
+
+@requires_vllm
+def test_tensor_bucket_packed_in_another_process_loads_exactly(backend, reference, new_model, prompts):
+    """Pack in an unrelated process, load in a real vLLM engine: weights exact, bytes by reference.
+
+    The sender reuses one buffer for every bucket and scribbles over it after the last load: the
+    engine's weights stay exact, so each load had copied its bucket out before returning. Each
+    payload pickles to a few hundred bytes whatever the bucket's size: a handle, not the bytes.
+    (Fails without ``VLLMBackend.pack_tensor_bucket``: a tensor pickles by value, and the
+    interface's default payload is not one vLLM's workers open.)
+    """
+    sent = contract.named_params(new_model)
+    buckets = contract.make_buckets(sent, bucket_bytes=96 * 1024)
+    assert len(buckets) > 2 and max(flat.numel() * 4 for _, flat in buckets) > 64 * 1024
+    try:
+        received = sync_from_sender_process(backend, buckets, "cpu")
+        for payload, size in received:
+            assert size < 2048, f"the payload pickles to {size} bytes: the bucket went by value"
+            assert payload.device_type == "cpu" and payload.device_id.startswith("host ")
+        for name, tensor in sent.items():
+            assert torch.equal(backend.get_weights_by_name(name), tensor), f"{name} differs after the shared load"
+        assert contract.greedy(backend, prompts) == [contract.hf_greedy(new_model, p, 12, {EOS_ID}) for p in prompts]
+    finally:
+        _push(backend, contract.named_params(reference))  # the module's engine goes back to its weights
+        backend.finish_weight_update(backend.weight_version + 1)
+
+
+@requires_vllm
+def test_tensor_bucket_from_another_device_is_refused(backend, reference):
+    """A payload whose sender device is not the worker's is refused, naming both, before any load.
+
+    (Fails without the device check in ``backends.shared_tensor.open_shared_bucket``: on one host
+    the shared memory opens fine and the bucket would load.)
+    """
+    import dataclasses
+
+    name = "model.layers.0.mlp.down_proj.weight"
+    before = backend.get_weights_by_name(name)
+    flat = (before + 1.0).reshape(-1).clone()
+    manifest = BucketManifest((TensorSpec(name, tuple(before.shape), torch.float32, 0),), torch.float32, flat.numel())
+    payload = VLLMBackend.pack_tensor_bucket(manifest, flat, num_tp_ranks=1)
+    elsewhere = dataclasses.replace(payload, device_id="host other boot 0", device_name="cpu (host other boot 0)")
+    with pytest.raises(BackendError, match=r"shared on cpu \(host other boot 0\).*this worker runs on cpu \(host "):
+        backend.update_weights_from_tensor(manifest, elsewhere)
+    with pytest.raises(BackendError, match=r"\[7\] float32, manifest expects"):
+        backend.update_weights_from_tensor(manifest, dataclasses.replace(payload, numel=7))
+    assert torch.equal(backend.get_weights_by_name(name), before)
+    backend.update_weights_from_tensor(manifest, payload)  # the same payload from the right device loads
+    backend.finish_weight_update(backend.weight_version + 1)
+    assert torch.equal(backend.get_weights_by_name(name), before + 1.0)
+    _push(backend, {name: before})
+    backend.finish_weight_update(backend.weight_version + 1)
+
+
+@requires_vllm
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what vLLM's engines do without CUDA")
+def test_vllm_own_weight_transfer_engines_have_no_cpu_path():
+    """Evidence for keeping our transports (backends/vllm_backend.py docstring): vLLM 0.32's NCCL
+    engines need libnccl, which vLLM loads only on CUDA / ROCm, and its IPC engine needs a GPU at
+    construction. If a vLLM release adds a CPU path this fails: measure again with
+    ``python -m rlhf_sg.bench vllm-transfer`` and reconsider."""
+    from rlhf_sg.bench.vllm_transfer import probe_cpu
+
+    found = probe_cpu()
+    assert "only supports CUDA and ROCm" in found["nccl"], found["nccl"]
+    assert "accelerator" in found["ipc"], found["ipc"]
+
+
 # ---- a 2-rank ZeRO-3 trainer into a vLLM engine in a Ray actor --------------------------------------
 @requires_vllm
 @pytest.mark.slow
@@ -206,6 +399,44 @@ def test_zero3_trainer_round_trip_into_a_vllm_engine_actor(zero3_cluster, transp
     assert all(c.weight_version == version for c in out)
 
 
+@requires_vllm
+@pytest.mark.slow
+def test_shared_buckets_from_a_ray_worker_into_the_vllm_engine_actor(zero3_cluster, new_model):
+    """The tensor transport across Ray processes: a Ray task packs buckets (torch's file-system
+    shared memory, which needs no file descriptor passed between the two Ray workers) and the
+    engine actor hands the payload to vLLM's worker untouched; the weights are exact afterwards."""
+    import ray
+
+    def send(engine, buckets, timeout_s: float) -> list[int]:
+        """In a Ray worker: each bucket into ONE reused buffer, packed, loaded by the engine actor."""
+        import pickle
+
+        from backends.vllm_backend import VLLMBackend
+
+        buffer = torch.empty(max(flat.numel() for _, flat in buckets))
+        sizes = []
+        for manifest, values in buckets:
+            flat = buffer[: values.numel()]
+            flat.copy_(values)
+            payload = VLLMBackend.pack_tensor_bucket(manifest, flat, num_tp_ranks=1)
+            sizes.append(len(pickle.dumps(payload)))
+            ray.get(engine.update_weights_from_tensor.remote(manifest, payload), timeout=timeout_s)
+        buffer.fill_(float("nan"))  # the engine must hold copies, not views of this buffer
+        return sizes
+
+    engine, timeout_s = zero3_cluster["engine"], 300
+    sent = contract.named_params(new_model)
+    buckets = contract.make_buckets(sent, bucket_bytes=96 * 1024)
+    sender = ray.remote(num_cpus=0)(send)  # defined here, so Ray ships it by value
+    sizes = ray.get(sender.remote(engine, buckets, timeout_s), timeout=timeout_s)
+    assert max(sizes) < 2048, f"payloads of {sizes} bytes: buckets went by value"
+    zero3_cluster["state"]["version"] += 1
+    ray.get(engine.finish_weight_update.remote(zero3_cluster["state"]["version"]), timeout=timeout_s)
+    held = ray.get([engine.get_weights_by_name.remote(name) for name in sent], timeout=timeout_s)
+    for (name, want), got in zip(sent.items(), held):
+        assert torch.equal(got, want), f"{name} differs after the shared-memory sync from a Ray worker"
+
+
 @pytest.fixture(scope="module")
 def zero3_cluster(model_dir):
     import ray
@@ -213,7 +444,7 @@ def zero3_cluster(model_dir):
     from rlhf_sg.bench.weight_sync import start_trainer_ranks
     from rlhf_sg.engine_actor import start_engine_actors
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)  # never a running cluster
     try:
         config = contract._contract_config("vllm", VLLMBackend, model_dir)
         (engine,) = start_engine_actors("vllm", config, 1, num_cpus=1, start_timeout_s=600)
@@ -228,6 +459,10 @@ def zero3_cluster(model_dir):
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="tensor parallelism on CPU needs a core per rank")
 def test_tensor_parallel_engine_gathers_weights_and_loads_buckets(model_dir, reference, new_model, prompts):
+    """TP = 2 through vLLM's multiprocess executor: weights read back gathered over both ranks, and a
+    sync made of shared buckets (``pack_tensor_bucket`` here, one payload per rank, each opened by its
+    worker process) and in-process tensors loads exactly and decodes as transformers does; a bucket
+    packed for one rank is refused before any load."""
     engine = VLLMBackend(
         BackendConfig(model_path=model_dir, max_model_len=contract.MAX_MODEL_LEN, tensor_parallel_size=2, num_threads=2)
     )
@@ -235,7 +470,12 @@ def test_tensor_parallel_engine_gathers_weights_and_loads_buckets(model_dir, ref
         for name, tensor in contract.named_params(reference).items():
             assert torch.equal(engine.get_weights_by_name(name), tensor), f"{name} gathered over 2 ranks differs"
         sent = contract.named_params(new_model)
-        _push(engine, sent)
+        buckets = contract.make_buckets(sent, bucket_bytes=96 * 1024)
+        with pytest.raises(BackendError, match=r"packed for 1 tensor-parallel rank\(s\), the engine has 2"):
+            engine.update_weights_from_tensor(buckets[0][0], VLLMBackend.pack_tensor_bucket(*buckets[0], 1))
+        for k, (manifest, flat) in enumerate(buckets):
+            payload = VLLMBackend.pack_tensor_bucket(manifest, flat, num_tp_ranks=2) if k % 2 == 0 else flat
+            engine.update_weights_from_tensor(manifest, payload)
         engine.finish_weight_update(1)
         for name, tensor in sent.items():
             assert torch.equal(engine.get_weights_by_name(name), tensor), f"{name} differs after the TP=2 load"
@@ -244,7 +484,7 @@ def test_tensor_parallel_engine_gathers_weights_and_loads_buckets(model_dir, ref
         engine.shutdown()
 
 
-# ---- GPU-only: the CUDA model runner's sampler hook, sleep mode, CUDA IPC ---------------------------
+# ---- GPU-only: the CUDA model runner's sampler hook, sleep mode (CUDA IPC and NCCL: test_gpu_vllm.py) --
 def _cuda_backend(model_dir: str) -> VLLMBackend:
     return VLLMBackend(
         BackendConfig(
@@ -287,32 +527,5 @@ def test_cuda_sleep_frees_memory_and_wake_restores_the_engine(model_dir, prompts
             engine.generate(prompts, SamplingParams(max_new_tokens=4))
         engine.wake()
         assert contract.greedy(engine, prompts) == before
-    finally:
-        engine.shutdown()
-
-
-@requires_vllm
-@pytest.mark.gpu
-def test_cuda_ipc_bucket_from_another_process(model_dir):
-    import torch.multiprocessing as mp
-
-    engine = _cuda_backend(model_dir)
-    try:
-        name = "model.layers.0.mlp.down_proj.weight"  # a layer of its own: one tensor completes it
-        shape = tuple(engine.get_weights_by_name(name).shape)
-        numel = shape[0] * shape[1]
-        manifest = BucketManifest((TensorSpec(name, shape, torch.float32, 0),), torch.float32, numel)
-        ctx = mp.get_context("spawn")
-        bucket_queue, done = ctx.Queue(), ctx.Event()
-        child = ctx.Process(target=contract._ipc_sender, args=(bucket_queue, done, 3, numel))
-        child.start()
-        try:
-            engine.update_weights_from_tensor(manifest, bucket_queue.get(timeout=contract.GROUP_TIMEOUT_S))
-            engine.finish_weight_update(1)
-        finally:
-            done.set()
-            child.join(contract.GROUP_TIMEOUT_S)
-        expected = torch.randn(numel, generator=torch.Generator().manual_seed(3)).view(shape)
-        assert torch.equal(engine.get_weights_by_name(name), expected)
     finally:
         engine.shutdown()
