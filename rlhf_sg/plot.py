@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 from rlhf_sg.timing import PHASES
 
@@ -12,8 +13,17 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def sync_share(row: dict) -> float:
+    """The share of one step's time spent on weight sync (0 when the row has no step time)."""
+    if "perf/weight_sync_share" in row:
+        return float(row["perf/weight_sync_share"])
+    step = row.get("time/step", 0.0)
+    return row.get("time/weight_sync", 0.0) / step if step else 0.0
+
+
 def plot_run(metrics_path: str, png_path: str, title: str = "") -> str:
-    """Write a PNG: reward and KL curves per step (left), stacked phase times per step (right)."""
+    """Write a PNG: reward and KL curves per step (left), stacked phase times per step and the weight-sync
+    share of each step (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,7 +49,14 @@ def plot_run(metrics_path: str, png_path: str, title: str = "") -> str:
     ax_t.set_xlabel("step")
     ax_t.set_ylabel("seconds")
     ax_t.set_title("time per step, by phase")
-    ax_t.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # beside the bars
+    ax_t.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.2, 1.0), borderaxespad=0.0)  # beside the bars
+    shares = [sync_share(r) for r in rows]
+    if any(shares):
+        ax_s = ax_t.twinx()  # the cost weight sync exists to keep small, as a share of each step
+        ax_s.plot(steps, [100 * s for s in shares], "k.-", linewidth=1, label="weight_sync share")
+        ax_s.set_ylabel("weight_sync share of step (%)")
+        ax_s.set_ylim(0, max(10.0, 110 * max(shares)))
+        ax_t.set_title(f"time per step, by phase; weight_sync median {100 * statistics.median(shares):.0f} % of step")
     if title:
         fig.suptitle(title)
     fig.tight_layout()

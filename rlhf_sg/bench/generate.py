@@ -206,19 +206,26 @@ def make_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int, 
     ]
 
 
-def run_row(row: BenchRow, rounds: int) -> dict[str, float]:
-    """Warm both sides up, then time them alternately; returns tokens/s of each and the ratio."""
+def run_row(row: BenchRow, rounds: int, min_seconds: float = 0.0) -> dict[str, float]:
+    """Warm both sides up, then time them alternately; returns tokens/s of each and the ratio.
+
+    At least ``rounds`` rounds, and more until each side has run ``min_seconds`` in all: short work
+    (a few tokens per completion) takes a fraction of a second per call, and a handful of such calls
+    on a shared machine gives a ratio that swings by 10-20 % from run to run.
+    """
     row.baseline()
     row.candidate()
     seconds = {"baseline": [], "candidate": []}
     tokens = {"baseline": 0, "candidate": 0}
-    for r in range(rounds):
+    r = 0
+    while r < rounds or min(sum(v) for v in seconds.values()) < min_seconds:
         order = ("baseline", "candidate") if r % 2 == 0 else ("candidate", "baseline")
         for side in order:
             fn = row.baseline if side == "baseline" else row.candidate
             start = time.perf_counter()
             tokens[side] += fn()
             seconds[side].append(time.perf_counter() - start)
+        r += 1
     rate = {side: tokens[side] / sum(seconds[side]) for side in seconds}
     return {
         "baseline_tok_s": rate["baseline"],
@@ -226,6 +233,7 @@ def run_row(row: BenchRow, rounds: int) -> dict[str, float]:
         "ratio": rate["candidate"] / rate["baseline"],
         "baseline_median_s": statistics.median(seconds["baseline"]),
         "candidate_median_s": statistics.median(seconds["candidate"]),
+        "rounds": r,
     }
 
 
@@ -237,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", default="16,64", help="min,max prompt length in tokens")
     parser.add_argument("--size", default="25m", help="tiny model size from rlhf_sg.tiny.SIZES")
     parser.add_argument("--arch", default="qwen2")
-    parser.add_argument("--rounds", type=int, default=3, help="timed runs of each side")
+    parser.add_argument("--rounds", type=int, default=3, help="timed runs of each side, at least")
+    parser.add_argument("--min-seconds", type=float, default=5.0, help="more rounds until each side ran this long")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for this process")
     parser.add_argument("--seed", type=int, default=0)
@@ -263,18 +272,20 @@ def main(argv: list[str] | None = None) -> None:
         del model
         print(
             f"generate: {args.num_prompts} prompts (len {min_len}-{max_len}) x {args.max_new_tokens} new tokens, "
-            f"model {args.arch}/{args.size}, device {args.device}, {args.threads} thread(s), {args.rounds} rounds"
+            f"model {args.arch}/{args.size}, device {args.device}, {args.threads} thread(s), "
+            f">= {args.rounds} rounds and >= {args.min_seconds:g} s a side"
         )
         print(f"{'row':<10} {'baseline':<24} {'tok/s':>9} {'candidate':<24} {'tok/s':>9} {'ratio':>6}")
         for name in names:
             row = ROW_BUILDERS[name](args, model_path, prompts)
             try:
-                result = run_row(row, args.rounds)
+                result = run_row(row, args.rounds, args.min_seconds)
             finally:
                 row.close()
             print(
                 f"{row.name:<10} {row.baseline_name:<24} {result['baseline_tok_s']:>9.1f} "
-                f"{row.candidate_name:<24} {result['candidate_tok_s']:>9.1f} {result['ratio']:>6.2f}"
+                f"{row.candidate_name:<24} {result['candidate_tok_s']:>9.1f} {result['ratio']:>6.2f} "
+                f"({result['rounds']} rounds)"
             )
 
 

@@ -1,0 +1,49 @@
+"""The engines bench's summary and the quickstart plot's weight-sync share, on hand-written metrics rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlhf_sg.bench.engines import format_table, phase_medians
+from rlhf_sg.plot import plot_run, sync_share
+
+
+def _rows(sync_s: float, step_s: float = 1.0, n: int = 6) -> list[dict]:
+    # step 1 is a slow start-up step the medians must leave out
+    return [
+        {"step": i, "time/step": step_s * (10 if i == 1 else 1), "time/generate": 0.2, "time/weight_sync": sync_s}
+        for i in range(1, n + 1)
+    ]
+
+
+def test_phase_medians_skip_the_start_and_give_the_sync_share():
+    medians = phase_medians(_rows(sync_s=0.3), skip=1)
+    assert medians["steps"] == 5
+    assert medians["step"] == pytest.approx(1.0)
+    assert medians["weight_sync"] == pytest.approx(0.3)
+    assert medians["share"] == pytest.approx(0.3)
+
+
+def test_table_puts_backends_side_by_side_with_ratios_to_the_first():
+    table = format_table({"hf": phase_medians(_rows(0.03), 1), "sglang": phase_medians(_rows(0.3), 1)})
+    header, hf, sglang = table.splitlines()
+    assert "sync share" in header and "sync x" in header
+    assert hf.split()[0] == "hf" and "3.0%" in hf
+    assert sglang.split()[0] == "sglang" and "30.0%" in sglang
+    assert float(sglang.split()[-1]) == pytest.approx(10.0)  # weight_sync, sglang over hf
+
+
+def test_plot_shows_the_sync_share(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [
+        dict(r, **{"reward/mean": 0.5, "perf/weight_sync_share": r["time/weight_sync"] / r["time/step"]})
+        for r in _rows(0.1)
+    ]
+    assert sync_share(rows[1]) == pytest.approx(0.1)
+    assert sync_share({"time/step": 2.0, "time/weight_sync": 0.5}) == pytest.approx(0.25)  # logs from before the key
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    png = plot_run(str(metrics), str(tmp_path / "run.png"))
+    assert (tmp_path / "run.png").stat().st_size > 0 and png.endswith("run.png")
