@@ -16,23 +16,51 @@ shape and element offset. Three transports carry them:
 
 * collective — the engine's workers join a side process group with the trainer's sender rank
   (:class:`WeightGroupSpec`), and the sender broadcasts each flat bucket;
-* tensor — a colocated hand-off of the bucket itself (shared memory on CPU, CUDA IPC on GPU);
+* tensor — a colocated hand-off of the bucket itself (shared memory on CPU, CUDA IPC on GPU): the
+  trainer process that owns the bucket packs it (:meth:`RolloutBackend.pack_tensor_bucket`, resolved
+  through the registry from the engine's backend name) and the engine opens the payload;
 * disk — a directory of safetensors files, reloaded by the engine.
 
 After the last bucket of a sync the trainer calls :meth:`RolloutBackend.finish_weight_update`,
 which records the new ``weight_version`` and resets the prefix cache.
+
+Memory (colocated engines). :meth:`RolloutBackend.sleep` and :meth:`RolloutBackend.wake` take the memory
+tags to release or restore, ``None`` meaning all of them:
+
+* ``"weights"`` (:data:`MEMORY_WEIGHTS`): the model's parameters;
+* ``"kv_cache"`` (:data:`MEMORY_KV_CACHE`): the KV cache and what only generation needs (SGLang's CUDA
+  graphs come back with it).
+
+The names are SGLang's and vLLM's own (``sglang.srt.constants.GPU_MEMORY_TYPE_*``, vLLM's ``wake_up``
+tags); ``tests/test_colocation.py`` holds them to the installed sources. An engine that cannot release one
+tag alone may release more than asked (vLLM's ``sleep`` drops both); releasing a released tag or waking an
+awake one does nothing. ``generate`` needs every tag awake; a weight update needs ``"weights"`` awake (the
+embedded engine also takes one while asleep, into its host copy). Weights that come back after a release may
+be stale or gone (engines that discard them), so a wake that restores ``"weights"`` is always followed by a
+full weight sync before the next ``generate``. When the trainer shares the device, one step runs
+(``PPOTrainer._hand_device_to_engines``)::
+
+    training states off -> wake(("weights",)) -> sync -> wake(("kv_cache",)) -> generate
+        -> sleep() -> training states on -> train
+
+so weights, KV cache and training states are never on the device together.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 __all__ = [
+    "MEMORY_KV_CACHE",
+    "MEMORY_TAGS",
+    "MEMORY_WEIGHTS",
     "check_generate_args",
+    "memory_tags",
     "BackendConfig",
     "BackendError",
     "BucketManifest",
@@ -46,6 +74,29 @@ __all__ = [
 
 class BackendError(RuntimeError):
     """A backend could not do what was asked; the message says what and what to do."""
+
+
+#: memory tag of :meth:`RolloutBackend.sleep` / :meth:`RolloutBackend.wake`: the model's weights
+MEMORY_WEIGHTS = "weights"
+#: memory tag of :meth:`RolloutBackend.sleep` / :meth:`RolloutBackend.wake`: the KV cache (and CUDA graphs)
+MEMORY_KV_CACHE = "kv_cache"
+#: every memory tag, in the order a full wake restores them (weights before the KV cache)
+MEMORY_TAGS: tuple[str, ...] = (MEMORY_WEIGHTS, MEMORY_KV_CACHE)
+
+
+def memory_tags(tags: Iterable[str] | None, what: str = "sleep/wake") -> tuple[str, ...]:
+    """``tags`` checked and in :data:`MEMORY_TAGS` order; ``None`` is every tag. BackendError names a bad one."""
+    if tags is None:
+        return MEMORY_TAGS
+    if isinstance(tags, str):
+        tags = (tags,)  # a lone tag, not its letters
+    tags = tuple(tags)
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown or not tags:
+        raise BackendError(
+            f"{what}: memory tags {list(tags)!r}: each must be one of {list(MEMORY_TAGS)} (or pass None for all)"
+        )
+    return tuple(t for t in MEMORY_TAGS if t in tags)
 
 
 @dataclass(frozen=True)
@@ -204,6 +255,7 @@ class RolloutBackend(abc.ABC):
     def __init__(self, config: BackendConfig):
         self.config = config
         self._weight_version = 0
+        self._released: set[str] = set()  # memory tags sleep released and wake has not brought back
 
     # ---- rollout -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -226,6 +278,28 @@ class RolloutBackend(abc.ABC):
         """Leave the weight-update group (a no-op when none was joined)."""
 
     @classmethod
+    def open_sender_group(cls, spec: WeightGroupSpec, store: Any) -> Any:
+        """Collective transport, sender side: the trainer's end (group rank 0) of a weight-update group.
+
+        Runs in the trainer rank that hosts ``store`` (a ``torch.distributed.TCPStore`` it is master of,
+        at ``spec.master_address:spec.master_port``) while this backend's engines join through
+        :meth:`init_weight_update_group`; both sides must meet on the same store keys. Blocks until
+        every rank has joined (at most ``spec.timeout_s``). The default builds the group straight on
+        the store (``ProcessGroupGloo`` / ``ProcessGroupNCCL``, no key prefix); a backend whose engine
+        joins another way (SGLang's prefixed keys) overrides it.
+        """
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        if spec.backend == "gloo":
+            return dist.ProcessGroupGloo(store, 0, spec.world_size, timeout)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, 0, spec.world_size, options)
+
+    @classmethod
     def pack_tensor_bucket(cls, manifest: BucketManifest, flat: torch.Tensor, num_tp_ranks: int) -> Any:
         """Tensor transport, sender side: runs in the trainer process that owns ``flat``.
 
@@ -234,13 +308,23 @@ class RolloutBackend(abc.ABC):
         picklable and reaches ``update_weights_from_tensor(manifest, payload)`` in the engine process
         untouched: the engine side must never re-share memory it opened from a handle (CUDA IPC memory
         can only be shared by the process that owns it). ``num_tp_ranks``: the engine's tensor-parallel
-        ranks, for engines whose ranks each need a payload of their own. The default is the tensor
-        itself, for in-process use; backends that take buckets from another process override it.
+        ranks, for engines whose ranks each need a payload of their own. Make the bytes ready first
+        (on CUDA: synchronise the stream that wrote ``flat``).
+
+        The default is one :func:`backends.shared_tensor.share` payload of ``flat``: shared memory by
+        segment name on CPU, a CUDA IPC handle naming the device by UUID on GPU; the engine side opens
+        it with :func:`backends.shared_tensor.open_shared`. Backends whose engines take another format
+        (SGLang: serialized per-TP-rank buckets) override it.
         """
-        return flat
+        from backends.shared_tensor import share
+
+        if flat.is_cuda:
+            torch.cuda.current_stream(flat.device).synchronize()
+        return share(flat)
 
     def update_weights_from_tensor(self, manifest: BucketManifest, flat: Any) -> None:
-        """Load one flat bucket: a tensor in-process, or what :meth:`pack_tensor_bucket` made of it."""
+        """Load one flat bucket: what :meth:`pack_tensor_bucket` made of it in the sender, or (in-process)
+        the tensor itself. Never re-share memory opened from a payload."""
         raise BackendError(f"backend {self.name!r} has no tensor transport; use one of {sorted(self.transports)}")
 
     def update_weights_from_disk(self, path: str) -> None:
@@ -257,11 +341,18 @@ class RolloutBackend(abc.ABC):
         raise BackendError(f"backend {self.name!r} cannot read its weights back")
 
     # ---- memory and lifetime ---------------------------------------------------------------
-    def sleep(self) -> None:
-        """Free what memory the engine can (weights and KV cache) while the trainer runs."""
+    def sleep(self, tags: tuple[str, ...] | None = None) -> None:
+        """Release the engine memory named by ``tags`` (see the module docstring; None: all of it) while
+        the trainer uses the device. ``generate`` is refused until every tag is awake again."""
 
-    def wake(self) -> None:
-        """Restore what :meth:`sleep` freed; weights must then be pushed again if they changed."""
+    def wake(self, tags: tuple[str, ...] | None = None) -> None:
+        """Restore the memory :meth:`sleep` released, the tags named (None: all of them). After
+        ``"weights"`` comes back, push a full weight sync before the next ``generate``."""
+
+    @property
+    def released_memory(self) -> frozenset[str]:
+        """The memory tags :meth:`sleep` released and :meth:`wake` has not brought back (empty: awake)."""
+        return frozenset(self._released)
 
     def reset_prefix_cache(self) -> None:
         """Drop cached KV so nothing computed with old weights is reused."""

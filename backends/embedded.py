@@ -30,11 +30,13 @@ import datetime
 import glob
 import os
 import random
+import time
 from collections.abc import Iterable
 
 import torch
 
 from backends.base import (
+    MEMORY_WEIGHTS,
     BackendConfig,
     BackendError,
     BucketManifest,
@@ -43,6 +45,7 @@ from backends.base import (
     SamplingParams,
     WeightGroupSpec,
     check_generate_args,
+    memory_tags,
 )
 
 __all__ = ["EmbeddedBackend", "open_weight_update_group", "sample_next_tokens"]
@@ -199,7 +202,8 @@ class EmbeddedBackend(RolloutBackend):
         self._unseeded = random.Random(config.seed)
         self._group = None
         self._group_spec: WeightGroupSpec | None = None
-        self._asleep = False
+        self._asleep = False  # some memory tag is released (generate refused)
+        self._released: set[str] = set()  # memory tags released by sleep, not yet woken
         self._closed = False
 
     # ---- rollout -------------------------------------------------------------------------
@@ -418,7 +422,15 @@ class EmbeddedBackend(RolloutBackend):
         opts.rootTensor = 0
         opts.timeout = datetime.timedelta(seconds=spec.timeout_s)
         try:
-            self._group.broadcast([flat], opts).wait(opts.timeout)
+            # Poll, then wait() without a timeout: on NCCL a wait whose timeout expires aborts the communicator.
+            work = self._group.broadcast([flat], opts)
+            deadline, pause = time.monotonic() + spec.timeout_s, 5e-5
+            while not work.is_completed():
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no bucket within timeout_s={spec.timeout_s}")
+                time.sleep(pause)
+                pause = min(2 * pause, 2e-3)
+            work.wait()
         except Exception as exc:
             raise BackendError(
                 f"receiving a bucket of {len(manifest.tensors)} tensors ({flat.numel() * flat.element_size()} "
@@ -435,11 +447,11 @@ class EmbeddedBackend(RolloutBackend):
         self._group_spec = None
 
     def update_weights_from_tensor(self, manifest: BucketManifest, flat) -> None:
-        """Load one flat bucket: a tensor, or a CUDA IPC handle from ``reduce_tensor(flat)``.
+        """Load one flat bucket: a tensor (in-process) or the payload ``pack_tensor_bucket`` made of it.
 
-        ``flat``: a 1-D tensor of ``manifest.dtype`` (in-process, or a CPU tensor that came through
-        shared memory), or the ``(rebuild_fn, args)`` pair that
-        ``torch.multiprocessing.reductions.reduce_tensor`` returns for a CUDA tensor in another process.
+        ``flat``: a 1-D tensor of ``manifest.dtype``, or the bytes of :func:`backends.shared_tensor.share`
+        from the trainer process that owns the bucket (shared memory on CPU, CUDA IPC on GPU). The
+        opened memory is only read, never re-shared.
         """
         self._check_usable("update_weights_from_tensor")
         self._validate_manifest(manifest, "tensor bucket")
@@ -487,23 +499,32 @@ class EmbeddedBackend(RolloutBackend):
         return params[name].detach().to("cpu", copy=True)
 
     # ---- memory and lifetime ---------------------------------------------------------------
-    def sleep(self) -> None:
-        """Move the weights to host memory (on CUDA) and refuse to generate until :meth:`wake`.
+    def sleep(self, tags: tuple[str, ...] | None = None) -> None:
+        """Release ``tags`` (None: all) and refuse to generate until :meth:`wake` brings every tag back.
 
-        The KV cache lives only inside a ``generate`` call, so there is none to drop. Weight
-        updates are accepted while asleep and land in the host copy.
+        ``"weights"``: the model moves to host memory (on CUDA). ``"kv_cache"``: the KV cache lives only
+        inside a ``generate`` call, so there is none to drop; the allocator's cached blocks are returned.
+        Weight updates are accepted while the weights sleep and land in the host copy.
         """
         self._check_usable("sleep")
-        if self._device.type == "cuda":
+        wanted = [t for t in memory_tags(tags, "sleep") if t not in self._released]
+        if not wanted:
+            return
+        if MEMORY_WEIGHTS in wanted and self._device.type == "cuda":
             self.model.to("cpu")
+        if self._device.type == "cuda":
             torch.cuda.empty_cache()
+        self._released.update(wanted)
         self._asleep = True
 
-    def wake(self) -> None:
+    def wake(self, tags: tuple[str, ...] | None = None) -> None:
+        """Bring back the released ``tags`` (None: all); the weights return to the device."""
         self._check_usable("wake")
-        if self._device.type == "cuda":
+        wanted = [t for t in memory_tags(tags, "wake") if t in self._released]
+        if MEMORY_WEIGHTS in wanted and self._device.type == "cuda":
             self.model.to(self._device)
-        self._asleep = False
+        self._released.difference_update(wanted)
+        self._asleep = bool(self._released)
 
     def reset_prefix_cache(self) -> None:
         """Nothing to drop: the KV cache never outlives one ``generate`` call."""
@@ -521,7 +542,9 @@ class EmbeddedBackend(RolloutBackend):
         if self._closed:
             raise BackendError(f"{what}: the embedded backend was shut down; create a new one")
         if self._asleep and what == "generate":
-            raise BackendError("generate: the embedded backend is asleep; call wake() first")
+            raise BackendError(
+                f"generate: the embedded backend is asleep (released: {sorted(self._released)}); call wake() first"
+            )
 
 
 def _length_groups(lengths: list[int], max_growth: float = 1.25) -> list[range]:
@@ -543,20 +566,16 @@ def _as_id_set(ids) -> set[int]:
     return {int(i) for i in ids}
 
 
-def _rebuild_ipc_tensor(handle) -> torch.Tensor:
-    """Open a tensor from the ``(rebuild_fn, args)`` pair of ``reduce_tensor`` (CUDA IPC)."""
-    from torch.multiprocessing import reductions
+def _rebuild_ipc_tensor(payload) -> torch.Tensor:
+    """Open the tensor of a :func:`backends.shared_tensor.share` payload (shared memory or CUDA IPC)."""
+    from backends.shared_tensor import open_shared
 
-    ok = (
-        isinstance(handle, tuple)
-        and len(handle) == 2
-        and callable(handle[0])
-        and getattr(handle[0], "__module__", None) == reductions.__name__
-    )
-    if not ok:
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise BackendError(
-            "update_weights_from_tensor: flat must be a torch.Tensor or the (rebuild_fn, args) pair from "
-            f"torch.multiprocessing.reductions.reduce_tensor, got {type(handle).__name__}"
+            "update_weights_from_tensor: flat must be a torch.Tensor or the bytes of "
+            f"EmbeddedBackend.pack_tensor_bucket (backends.shared_tensor.share), got {type(payload).__name__}"
         )
-    rebuild_fn, args = handle
-    return rebuild_fn(*args)
+    flat = open_shared(payload)
+    if not isinstance(flat, torch.Tensor):
+        raise BackendError(f"update_weights_from_tensor: the payload holds a {type(flat).__name__}, not a tensor")
+    return flat

@@ -31,8 +31,11 @@ its ``"flattened_bucket"`` format, in both transports:
   :func:`open_weight_update_group` on the trainer (it mirrors ``sglang.srt.utils.
   init_custom_process_group``: a ``PrefixStore(group_name)`` over the TCP store, then torch's
   process-group helper), otherwise the two sides rendezvous on different keys and hang.
-* tensor (engine mode, colocated): the bucket's bytes are handed to SGLang's workers through torch
-  multiprocessing (shared memory on CPU, CUDA IPC on GPU) with its metadata, one payload per TP rank.
+* tensor (colocated): the trainer rank that owns the bucket packs it (:meth:`SGLangBackend.
+  pack_tensor_bucket`): one serialized ``flattened_bucket`` payload per TP rank, shared memory on CPU,
+  CUDA IPC on GPU. The engine passes the bytes to SGLang untouched (``Engine.update_weights_from_tensor``
+  in engine mode; ``POST /update_weights_from_tensor`` in http mode, where the servers must run on the
+  trainer rank's machine and GPU), and each TP rank opens the sender's memory itself.
 
 SGLang 0.5.23 accepts weights only between ``begin_weight_update`` and ``end_weight_update``: the
 first bucket of a sync pauses generation (mode ``"retract"``) and opens that window;
@@ -41,11 +44,27 @@ with ``flush_cache=False``), records the version and continues generation. A ``g
 or disk reload that comes while the window is open closes it first (without a new version), so
 the engine never waits on a sync nobody finishes.
 
-Sleep / wake call ``release_memory_occupation`` / ``resume_memory_occupation`` (weights, KV cache,
-CUDA graphs). They free memory only when the engine runs with ``enable_memory_saver=True``
-(``engine_kwargs``, GPU only); on CPU they run but free nothing. Weights released without
-``enable_weights_cpu_backup=True`` come back as garbage, so a full weight sync must then precede the
-next ``generate`` (enforced).
+The flush. SGLang flushes in two ways that reset the same state (radix tree, KV slot allocators,
+request pool, grammar cache): ``Engine.flush_cache`` / ``POST /flush_cache`` ends in
+``current_platform.empty_cache()``, which on CPU is a full ``gc.collect()`` of the scheduler's heap
+(0.3-0.5 s on the tiny model, every sync); the flush an update call makes (``flush_cache=True``)
+skips it (``torch_empty_cache=False``). Which bucket is a sync's last is known only at
+``finish_weight_update``, so the window is closed with one more update call that loads nothing and
+flushes: ``update_weights_from_tensor`` with an empty tensor list, local to each server whatever the
+transport (2-5 ms). A disk reload flushes in its own update call. On GPU the skipped step is
+``torch.cuda.empty_cache()``, which ``continue_generation`` (its ``torch_empty_cache`` default) runs
+when generation resumes, so the allocator's cached blocks are still handed back once per sync; the
+KV pool itself stays allocated either way (only ``sleep`` releases it).
+
+Sleep / wake call ``release_memory_occupation`` / ``resume_memory_occupation`` with SGLang's memory
+tags: our ``"weights"`` is SGLang's ``"weights"``, our ``"kv_cache"`` is its ``"kv_cache"`` and
+``"cuda_graph"`` (graphs serve generation only, so they leave and come back with the KV cache). SGLang
+releases memory only on an idle scheduler, so ``sleep`` pauses generation first; generation continues
+once every tag is back. Only released tags are resumed (SGLang fails on a tag it did not release).
+They free memory only when the engine runs with ``enable_memory_saver=True`` (``engine_kwargs``, GPU
+only); on CPU they run but free nothing. Weight updates need the weights awake (``wake(("weights",))``
+is enough; enforced). Weights released without ``enable_weights_cpu_backup=True`` come back as garbage,
+so a full weight sync must then precede the next ``generate`` (enforced).
 
 Seeds. SGLang honours a per-request seed only with ``enable_deterministic_inference=True``, which
 needs a GPU attention backend (fa3 / flashinfer / triton). With it, each completion row gets its own
@@ -68,12 +87,14 @@ backend sets. It runs the model in plain torch (no SGLang CPU kernels), float32 
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import datetime
 import importlib.util
 import json
 import logging
 import os
+import pickle
 import re
 import sys
 import tempfile
@@ -86,6 +107,8 @@ from typing import Any
 import torch
 
 from backends.base import (
+    MEMORY_KV_CACHE,
+    MEMORY_WEIGHTS,
     BackendConfig,
     BackendError,
     BucketManifest,
@@ -94,6 +117,7 @@ from backends.base import (
     SamplingParams,
     WeightGroupSpec,
     check_generate_args,
+    memory_tags,
 )
 from backends.embedded import row_seed
 
@@ -105,7 +129,12 @@ _DTYPES = ("float32", "bfloat16", "float16")
 _EXTRA_KEYS = {"engine_kwargs", "server_urls", "router_url", "request_timeout_s", "max_concurrency"}
 INSTALL_CPU = "bash recipes/install/sglang_cpu.sh"
 INSTALL_GPU = "pip install 'rlhf-sg[sglang]'"
-_MEMORY_TAGS = None  # None = every tag SGLang knows (weights, KV cache, CUDA graphs)
+#: our memory tags -> SGLang's (``sglang.srt.constants.GPU_MEMORY_TYPE_*``); CUDA graphs serve generation
+#: only, so they go and come back with the KV cache
+SGLANG_MEMORY_TAGS: dict[str, tuple[str, ...]] = {
+    MEMORY_WEIGHTS: ("weights",),
+    MEMORY_KV_CACHE: ("kv_cache", "cuda_graph"),
+}
 #: SGLang's fused weights and the HF projections stacked in them, in row order
 _FUSED_PROJECTIONS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
 _DISCARD_NAME = "rlhf_sg.refused_bucket"  # matches no model's weight
@@ -378,32 +407,14 @@ class _EngineDriver:
             lambda: self.engine.loop.run_until_complete(tm.continue_generation(ContinueGenerationReqInput())),
         )
 
-    def update_from_bucket(self, manifest: BucketManifest, flat: torch.Tensor) -> None:
-        from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+    def update_from_bucket(self, payloads: list[bytes]) -> None:
+        """Load one bucket from :meth:`SGLangBackend.pack_tensor_bucket`'s per-TP-rank payloads, untouched.
 
-        itemsize = manifest.dtype.itemsize
-        metadata = [
-            FlattenedTensorMetadata(
-                name=t.name,
-                shape=torch.Size(t.shape),
-                dtype=manifest.dtype,
-                start_idx=t.offset * itemsize,
-                end_idx=(t.offset + t.numel) * itemsize,
-                numel=t.numel * itemsize,
-            )
-            for t in manifest.tensors
-        ]
-        data = flat.view(torch.uint8)
-        if data.device.type == "cpu":
-            # A fresh shared-memory segment for SGLang's workers to map: a buffer the trainer handed over
-            # in a mapped file (the engine actor's hand-off) cannot be re-shared by file descriptor.
-            data = torch.empty_like(data).share_memory_().copy_(data)
-        payload = {"flattened_tensor": data, "metadata": metadata}
-        # One payload per TP rank: each rank deserialises (and, on GPU, opens the IPC handle of) its own.
-        per_rank = [MultiprocessingSerializer.serialize(payload) for _ in range(self.tp_sizes[0])]
+        ``Engine.update_weights_from_tensor`` passes ``"flattened_bucket"`` payloads straight to the
+        schedulers, where TP rank ``r`` deserialises payload ``r`` and opens the sender's memory.
+        """
         self.call(
-            "update_weights_from_tensor", named_tensors=per_rank, load_format="flattened_bucket", flush_cache=False
+            "update_weights_from_tensor", named_tensors=payloads, load_format="flattened_bucket", flush_cache=False
         )
 
     def get_weights(self, name: str) -> Any:
@@ -431,9 +442,14 @@ class _EngineDriver:
         return state
 
     def flush_cache(self) -> None:
+        """SGLang's standalone flush (on CPU it ends in a full ``gc.collect()`` of the scheduler)."""
         result = self.run("flush_cache", self.engine.flush_cache)
         if not getattr(result, "success", True):
             raise BackendError(f"SGLang engine: flush_cache failed: {getattr(result, 'message', result)}")
+
+    def flush_in_update(self) -> None:
+        """Flush through an update call that loads nothing (inside an open update window)."""
+        self.call("update_weights_from_tensor", named_tensors=[], flush_cache=True)
 
     def shutdown(self) -> None:
         if self.engine is not None and self._stuck is None:
@@ -548,8 +564,19 @@ class _HTTPDriver:
     def resume(self) -> None:
         self._on_every_server("continue_generation", "POST", {})
 
-    def update_from_bucket(self, manifest: BucketManifest, flat: torch.Tensor) -> None:
-        raise BackendError("SGLang http mode has no tensor transport; use 'collective' or 'disk'")
+    def update_from_bucket(self, payloads: list[bytes]) -> None:
+        """POST each server its TP ranks' payloads (base64, as SGLang's HTTP API takes bytes)."""
+        import base64
+
+        start = 0
+        for url, tp in zip(self.server_urls, self.tp_sizes):
+            body = {
+                "serialized_named_tensors": [base64.b64encode(p).decode("ascii") for p in payloads[start : start + tp]],
+                "load_format": "flattened_bucket",
+                "flush_cache": False,
+            }
+            _check_answer("update_weights_from_tensor", self.request(url + "/update_weights_from_tensor", "POST", body))
+            start += tp
 
     def get_weights(self, name: str) -> Any:
         return self.request(
@@ -560,7 +587,28 @@ class _HTTPDriver:
         raise BackendError("SGLang http mode cannot read weights back beyond what the servers' model class exports")
 
     def flush_cache(self) -> None:
-        self._on_every_server("flush_cache", "POST", None)
+        """SGLang's standalone flush on every server (on CPU it ends in a full ``gc.collect()``)."""
+        for url, answer in zip(self.server_urls, self._on_every_server("flush_cache", "POST", None)):
+            _check_answer(f"flush_cache on {url}", answer)
+
+    def flush_in_update(self) -> None:
+        """Flush every server through an update call that loads nothing (inside an open update window).
+
+        The payload is each TP rank's serialized empty tensor list (SGLang's unpickler reads plain
+        pickles), so no sglang import is needed here.
+        """
+        empty = base64.b64encode(pickle.dumps([])).decode("ascii")
+        futures = [
+            self._pool.submit(
+                self.request,
+                f"{url}/update_weights_from_tensor",
+                "POST",
+                {"serialized_named_tensors": [empty] * tp, "flush_cache": True},
+            )
+            for url, tp in zip(self.server_urls, self.tp_sizes)
+        ]
+        for url, future in zip(self.server_urls, futures):
+            _check_answer(f"update_weights_from_tensor (flush) on {url}", future.result())
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -600,7 +648,8 @@ class SGLangBackend(RolloutBackend):
         self._group_name: str | None = None
         self._group_timeout_s = timeout_s
         self._update_open = False  # inside begin_weight_update .. end_weight_update
-        self._asleep = False
+        self._asleep = False  # some memory tag is released (generate refused)
+        self._released: set[str] = set()  # our memory tags released by sleep, not yet woken
         self._weights_lost = False  # released without a CPU backup: a full sync must come first
         self._closed = True  # until the driver is up
         self._warned_seed = False
@@ -624,7 +673,6 @@ class SGLangBackend(RolloutBackend):
                     f"server_urls run tp_size {self._driver.tp_sizes} (sum {sum(self._driver.tp_sizes)}): set it "
                     "to the sum, the number of ranks the engine takes in a weight-update group"
                 )
-            self.transports = frozenset({"collective", "disk"})
         else:
             if "router_url" in extra:
                 raise BackendError("BackendConfig.extra['router_url'] needs extra['server_urls'] (http mode)")
@@ -701,7 +749,13 @@ class SGLangBackend(RolloutBackend):
         if self._closed:
             raise BackendError(f"{what}: the SGLang backend is shut down")
         if self._asleep and what == "generate":
-            raise BackendError("generate: the SGLang backend is asleep; call wake() first")
+            raise BackendError(
+                f"generate: the SGLang backend is asleep (released: {sorted(self._released)}); call wake() first"
+            )
+        if MEMORY_WEIGHTS in self._released and what.startswith("update_weights"):
+            raise BackendError(
+                f"{what}: the SGLang backend released its weights; call wake(('weights',)) before pushing weights"
+            )
 
     # ---- weights -------------------------------------------------------------------------
     def init_weight_update_group(self, spec: WeightGroupSpec) -> None:
@@ -718,6 +772,11 @@ class SGLangBackend(RolloutBackend):
         self._driver.init_group(spec)
         self._group_name = spec.group_name
         self._group_timeout_s = spec.timeout_s
+
+    @classmethod
+    def open_sender_group(cls, spec: WeightGroupSpec, store: Any) -> Any:
+        """The trainer's end of the group, on SGLang's key layout (see :func:`open_weight_update_group`)."""
+        return open_weight_update_group(spec, 0, store=store)
 
     def update_weights_from_collective(self, manifest: BucketManifest, src_rank: int = 0) -> None:
         """Receive one bucket broadcast by group rank 0 (the trainer's sender) and load it."""
@@ -757,19 +816,74 @@ class SGLangBackend(RolloutBackend):
         name, self._group_name = self._group_name, None
         self._driver.call("destroy_weights_update_group", group_name=name)
 
-    def update_weights_from_tensor(self, manifest: BucketManifest, flat: torch.Tensor) -> None:
-        """Load one bucket handed over in memory (colocated; engine mode only)."""
-        self._check_usable("update_weights_from_tensor")
+    @classmethod
+    def pack_tensor_bucket(cls, manifest: BucketManifest, flat: torch.Tensor, num_tp_ranks: int) -> list[bytes]:
+        """Sender side of the tensor transport: one ``flattened_bucket`` payload per TP rank.
+
+        Runs in the process that owns ``flat`` (the trainer rank). Each payload is SGLang's own format
+        for ``update_weights_from_tensor(load_format="flattened_bucket")``: the ForkingPickler bytes
+        (what ``sglang.srt.utils.MultiprocessingSerializer.serialize`` makes) of ``{"flattened_tensor":
+        the bucket's bytes as uint8, "metadata": [one record per tensor]}``. The bytes go by shared
+        memory on CPU and by CUDA IPC on GPU, the device named by UUID as SGLang's receivers expect
+        (see :mod:`backends.shared_tensor`). The records are ``types.SimpleNamespace`` with the fields
+        of SGLang's ``FlattenedTensorMetadata`` (its loader reads them by attribute; its unpickler
+        admits the type), so the trainer never imports sglang. Each rank deserialises only its own
+        payload, so every payload is made here, by the owner of the memory.
+        """
+        from types import SimpleNamespace
+
+        from backends.shared_tensor import share
+
+        if num_tp_ranks < 1:
+            raise BackendError(f"pack_tensor_bucket: num_tp_ranks must be >= 1, got {num_tp_ranks}")
         if flat.dim() != 1 or flat.numel() != manifest.numel or flat.dtype != manifest.dtype:
             raise BackendError(
-                f"update_weights_from_tensor: buffer is {tuple(flat.shape)} {flat.dtype}, manifest "
-                f"expects [{manifest.numel}] {manifest.dtype}"
+                f"pack_tensor_bucket: buffer is {tuple(flat.shape)} {flat.dtype}, manifest expects "
+                f"[{manifest.numel}] {manifest.dtype}"
+            )
+        if not flat.is_contiguous():  # a contiguous copy would be freed before the engine opens it
+            raise BackendError("pack_tensor_bucket: the bucket buffer must be contiguous")
+        _check_packed(manifest)
+        itemsize = manifest.dtype.itemsize
+        metadata = [
+            SimpleNamespace(
+                name=t.name,
+                shape=torch.Size(t.shape),
+                dtype=manifest.dtype,
+                start_idx=t.offset * itemsize,
+                end_idx=(t.offset + t.numel) * itemsize,
+                numel=t.numel * itemsize,
+            )
+            for t in manifest.tensors
+        ]
+        if flat.is_cuda:
+            torch.cuda.current_stream(flat.device).synchronize()
+        payload = {"flattened_tensor": flat.view(torch.uint8), "metadata": metadata}
+        return [share(payload) for _ in range(num_tp_ranks)]
+
+    def update_weights_from_tensor(self, manifest: BucketManifest, flat: Any) -> None:
+        """Load one bucket handed over in memory (colocated): the per-TP-rank payloads of
+        :meth:`pack_tensor_bucket`, passed to SGLang untouched. A tensor (in-process use) is packed here,
+        by this process, which then owns its memory."""
+        self._check_usable("update_weights_from_tensor")
+        ranks = self.config.tensor_parallel_size
+        if isinstance(flat, torch.Tensor):
+            flat = self.pack_tensor_bucket(manifest, flat, ranks)
+        if (
+            not isinstance(flat, (list, tuple))
+            or len(flat) != ranks
+            or not all(isinstance(p, (bytes, bytearray)) for p in flat)
+        ):
+            kind = f"{len(flat)} items" if isinstance(flat, (list, tuple)) else type(flat).__name__
+            raise BackendError(
+                f"update_weights_from_tensor: expected {ranks} payload(s) (bytes, one per TP rank) from "
+                f"SGLangBackend.pack_tensor_bucket in the process that owns the bucket, got {kind}"
             )
         refusal = self._refusal([(t.name, t.shape) for t in manifest.tensors], "update_weights_from_tensor")
         if refusal is not None:
             raise BackendError(refusal)
         self._open_update()
-        self._driver.update_from_bucket(manifest, flat.contiguous())
+        self._driver.update_from_bucket([bytes(p) for p in flat])
 
     def update_weights_from_disk(self, path: str) -> None:
         """Reload every weight from a directory of HF-named safetensors files."""
@@ -780,7 +894,7 @@ class SGLangBackend(RolloutBackend):
         if refusal is not None:
             raise BackendError(refusal)
         if self._update_open:
-            self._close_update()
+            self._close_update(flush=False)  # the reload below flushes
         self._export = None
         self._driver.pause()
         try:
@@ -790,12 +904,14 @@ class SGLangBackend(RolloutBackend):
         self._weights_lost = False
 
     def finish_weight_update(self, version: int) -> None:
-        """Close the sync: end SGLang's update window, flush the prefix cache once, record ``version``."""
+        """Close the sync: flush the prefix cache once (in the update window), end it, record ``version``.
+
+        With no window open no bucket has loaded since the last flush (closing a window flushes, a
+        disk reload flushes in SGLang's own update call), so nothing is flushed again.
+        """
         self._check_usable("finish_weight_update")
         if self._update_open:
             self._close_update()
-        else:
-            self._driver.flush_cache()
         self._weights_lost = False
         self._weight_version = int(version)
 
@@ -811,12 +927,18 @@ class SGLangBackend(RolloutBackend):
                 raise
             self._update_open = True
 
-    def _close_update(self) -> None:
-        """End the window (SGLang finalises the loaded weights), flush stale KV, continue generation."""
+    def _close_update(self, flush: bool = True) -> None:
+        """Flush stale KV inside the window (cheap; see the module docstring), end it, continue generation.
+
+        ``flush=False`` when the caller flushes right after (a disk reload does, in its update call).
+        """
         self._update_open = False
         try:
-            self._driver.call("end_weight_update")
-            self._driver.flush_cache()
+            try:
+                if flush:
+                    self._driver.flush_in_update()
+            finally:
+                self._driver.call("end_weight_update")  # SGLang finalises the loaded weights
         finally:
             self._driver.resume()
 
@@ -889,30 +1011,41 @@ class SGLangBackend(RolloutBackend):
         )
 
     # ---- memory and lifetime ---------------------------------------------------------------
-    def sleep(self) -> None:
-        """Release weights, KV cache and CUDA graphs (frees memory only with enable_memory_saver)."""
+    def sleep(self, tags: tuple[str, ...] | None = None) -> None:
+        """Release ``tags`` (None: all) with SGLang's ``release_memory_occupation``, generation paused.
+
+        Frees device memory only with ``enable_memory_saver``; released tags stay released until :meth:`wake`.
+        """
         self._check_usable("sleep")
-        if self._asleep:
+        wanted = [t for t in memory_tags(tags, "sleep") if t not in self._released]
+        if not wanted:
             return
         if self._update_open:
             self._close_update()
         self._export = None
-        self._driver.pause()
-        self._driver.call("release_memory_occupation", tags=_MEMORY_TAGS)
+        self._driver.pause()  # SGLang asserts an idle scheduler before it releases anything
+        self._driver.call("release_memory_occupation", tags=_sglang_tags(wanted))
+        self._released.update(wanted)
         self._asleep = True
         saver = self._driver.server_info
-        if saver.get("enable_memory_saver") and not saver.get("enable_weights_cpu_backup"):
+        if MEMORY_WEIGHTS in wanted and saver.get("enable_memory_saver") and not saver.get("enable_weights_cpu_backup"):
             self._weights_lost = True
 
-    def wake(self) -> None:
+    def wake(self, tags: tuple[str, ...] | None = None) -> None:
+        """Resume the released ``tags`` (None: all) with ``resume_memory_occupation``; generation continues
+        once nothing is released any more."""
         self._check_usable("wake")
-        if not self._asleep:
+        wanted = [t for t in memory_tags(tags, "wake") if t in self._released]
+        if not wanted:
             return
-        self._driver.call("resume_memory_occupation", tags=_MEMORY_TAGS)
-        self._driver.resume()
-        self._asleep = False
+        self._driver.call("resume_memory_occupation", tags=_sglang_tags(wanted))
+        self._released.difference_update(wanted)
+        self._asleep = bool(self._released)
+        if not self._asleep:
+            self._driver.resume()
 
     def reset_prefix_cache(self) -> None:
+        """Drop cached KV now: SGLang's standalone ``flush_cache`` (a weight sync needs no call to this)."""
         self._check_usable("reset_prefix_cache")
         self._driver.flush_cache()
 
@@ -924,6 +1057,11 @@ class SGLangBackend(RolloutBackend):
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+def _sglang_tags(tags: list[str]) -> list[str]:
+    """SGLang's memory tags for ours (see :data:`SGLANG_MEMORY_TAGS`)."""
+    return [sglang_tag for tag in tags for sglang_tag in SGLANG_MEMORY_TAGS[tag]]
+
+
 def _check_packed(manifest: BucketManifest) -> None:
     """SGLang's receive buffer packs the tensors back to back in manifest order; so must the bucket."""
     offset = 0

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rlhf_sg import algorithms as algo
-from rlhf_sg.config import Config, offload_states, sleep_engines, validate
+from rlhf_sg.config import Config, lr_warmup_steps, offload_states, optimizer_steps, sleep_engines, validate
 from rlhf_sg.data import Prompt, PromptStream, load_prompts
 from rlhf_sg.timing import StepTimer
 
@@ -49,13 +49,41 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def rollout_seed(run_seed: int, step: int, draw: int, engine_index: int) -> int:
+    """The sampling seed of one generate call: a 63-bit hash of (run seed, step, draw within the step,
+    engine). Engines, steps and draws get unrelated random streams (the k-th prompt of two engines does not
+    draw the same numbers), and a repeated run gets the same ones."""
+    import hashlib
+
+    key = f"{run_seed}/{step}/{draw}/{engine_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def check_weight_versions(versions: list[int], expected: int) -> None:
+    """On-policy (synchronous) training: every completion must come from the weights the trainer holds.
+    Raises RuntimeError naming the completions and versions otherwise."""
+    stale = [i for i, v in enumerate(versions) if v != expected]
+    if stale:
+        found = sorted({versions[i] for i in stale})
+        raise RuntimeError(
+            f"on-policy step: {len(stale)} completion(s) (e.g. {stale[:4]}) were sampled with weight version(s) "
+            f"{found}, but the trainer's policy is version {expected}; an engine missed a weight sync (check the "
+            "engine logs, and that every wake after a sleep is followed by a sync)"
+        )
+
+
 def build_rollout_batch(
-    prompts: list[list[int]], responses: list[list[int]], rollout_logps: list[list[float]], pad_id: int
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    rollout_logps: list[list[float]],
+    pad_id: int,
+    weight_versions: list[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Left-padded prompts + right-padded responses.
 
     Returns sequences [B, P + T] int64, attention_mask [B, P + T], action_mask [B, T] bool,
-    rollout_logp [B, T] float32 (0 on padding).
+    rollout_logp [B, T] float32 (0 on padding), and with ``weight_versions`` weight_version [B] int64:
+    the engine weights each completion was sampled with.
     """
     B = len(prompts)
     P = max(len(p) for p in prompts)
@@ -72,12 +100,15 @@ def build_rollout_batch(
         attention_mask[i, P - len(p) : P + len(r)] = 1
         action_mask[i, : len(r)] = True
         rollout_logp[i, : len(r)] = torch.as_tensor(lp, dtype=torch.float32)
-    return {
+    batch = {
         "sequences": sequences,
         "attention_mask": attention_mask,
         "action_mask": action_mask,
         "rollout_logp": rollout_logp,
     }
+    if weight_versions is not None:
+        batch["weight_version"] = torch.as_tensor(weight_versions, dtype=torch.long)
+    return batch
 
 
 def filter_groups(batch: dict[str, torch.Tensor], n: int) -> tuple[dict[str, torch.Tensor] | None, float]:
@@ -93,6 +124,24 @@ def filter_groups(batch: dict[str, torch.Tensor], n: int) -> tuple[dict[str, tor
         return None, kept
     rows = torch.repeat_interleave(keep_groups, n).nonzero().flatten()
     return {k: v.index_select(0, rows) for k, v in batch.items()}, kept
+
+
+def has_signal(group_scores: torch.Tensor) -> bool:
+    """Whether a group's scores ([n], one prompt's samples) differ: a group of equal scores gets zero
+    advantage from every group estimator, so it costs training compute and teaches nothing."""
+    return bool((group_scores.max() - group_scores.min()) > 0)
+
+
+def select_groups(signal: list[bool], want: int) -> tuple[list[int], int]:
+    """Dynamic sampling's choice of the step's groups from all drawn so far (in draw order).
+
+    signal[g]: whether group g has signal. Returns (the indices of the ``want`` groups to train on: the
+    first groups with signal, then, when there are too few, the first groups without; the number of
+    groups without signal among them).
+    """
+    kept = [g for g, s in enumerate(signal) if s][:want]
+    filler = [g for g, s in enumerate(signal) if not s][: want - len(kept)]
+    return kept + filler, len(filler)
 
 
 class PPOTrainer:
@@ -239,6 +288,8 @@ class PPOTrainer:
         return WorkerSpec(
             role=role, model_path=path, world_size=world, master_addr="127.0.0.1", master_port=free_port(),
             train=train, dtype=m.dtype, attn_implementation=m.attn_implementation, lr=lr,
+            lr_scheduler=t.lr_scheduler, lr_warmup_steps=lr_warmup_steps(self.cfg, role),
+            lr_total_steps=optimizer_steps(self.cfg, role),
             weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, offload=(role == "ref" and t.ref_offload),
             gradient_checkpointing=train and t.gradient_checkpointing,
             seed=t.seed, threads=t.worker_threads, device=t.device, timeout_s=t.timeout_s,
@@ -303,8 +354,11 @@ class PPOTrainer:
         )
 
     # ---- one step ------------------------------------------------------------------------------------
-    def generate(self, prompts: list[Prompt]) -> list:
-        """Completions for every prompt, n each, prompt-major; prompts are spread over the engines."""
+    def generate(self, prompts: list[Prompt], draw: int = 0) -> list:
+        """Completions for every prompt, n each, prompt-major; prompts are spread over the engines, each
+        call seeded by :func:`rollout_seed` (``draw``: the generation round within the step)."""
+        import dataclasses
+
         from backends.base import SamplingParams
         from rlhf_sg.engine_actor import wait_engine_calls
 
@@ -312,11 +366,13 @@ class PPOTrainer:
         params = SamplingParams(
             n=r.n_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
             max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(r.stop_token_ids) + (self.eos_id,),
-            seed=self.cfg.train.seed * 1_000_003 + self.step,
         )
         shards = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
         calls = [
-            (i, "generate", engine.generate.remote([prompts[j].token_ids for j in shard], params))
+            (i, "generate", engine.generate.remote(
+                [prompts[j].token_ids for j in shard],
+                dataclasses.replace(params, seed=rollout_seed(self.cfg.train.seed, self.step, draw, i)),
+            ))
             for i, (engine, shard) in enumerate(zip(self.engines, shards))
             if shard
         ]
@@ -327,18 +383,124 @@ class PPOTrainer:
                 by_prompt.setdefault(shard[c.prompt_index], []).append(c)
         return [c for j in range(len(prompts)) for c in by_prompt[j]]
 
+    def _make_rollout(self, timer: StepTimer) -> tuple[list[Prompt], list, dict[str, torch.Tensor], dict[str, float]]:
+        """Generate and score the step's samples: (prompts, completions, rollout batch with scores, metrics).
+
+        With ``dynamic_filtering``, groups whose scores are all equal are dropped and more prompts are drawn
+        and generated until ``prompts_per_step`` groups have signal, at most ``dynamic_filtering_max_draws``
+        rounds; a batch still short is filled up with dropped groups. Every completion must come from the
+        weights the trainer holds (:func:`check_weight_versions`)."""
+        cfg, t = self.cfg, self.cfg.train
+        n, want = cfg.rollout.n_samples_per_prompt, cfg.rollout.prompts_per_step
+        groups: list[tuple[Prompt, list, torch.Tensor]] = []
+        draws = 0
+        while True:
+            prompts = self.stream.next_batch()
+            with timer.phase("generate"):
+                completions = self.generate(prompts, draw=draws)
+            draws += 1
+            check_weight_versions([c.weight_version for c in completions], self.weight_version)
+            batch = self._rollout_batch(prompts, completions)
+            with timer.phase("reward"):
+                scores = self.compute_rewards(prompts, completions, batch)
+            groups += [(p, completions[g * n : (g + 1) * n], scores[g * n : (g + 1) * n])
+                       for g, p in enumerate(prompts)]
+            if not t.dynamic_filtering:
+                batch["scores"] = scores
+                return prompts, completions, batch, self._reward_metrics(scores)
+            signal = [has_signal(sc) for _, _, sc in groups]
+            if sum(signal) >= want or draws >= t.dynamic_filtering_max_draws:
+                break
+        chosen, filler = select_groups(signal, want)
+        if filler:
+            log.warning("step %d: %d of %d groups have signal after %d draws (--train.dynamic_filtering_max_draws);"
+                        " %d groups without signal fill the batch", self.step, want - filler, want, draws, filler)
+        prompts = [groups[g][0] for g in chosen]
+        completions = [c for g in chosen for c in groups[g][1]]
+        batch = self._rollout_batch(prompts, completions)
+        batch["scores"] = torch.cat([groups[g][2] for g in chosen])
+        metrics = self._reward_metrics(torch.cat([sc for _, _, sc in groups]))
+        metrics.update({"rollout/sample_draws": draws, "rollout/groups_kept_frac": sum(signal) / len(signal),
+                        "rollout/unfiltered_groups": filler})
+        return prompts, completions, batch, metrics
+
+    def _rollout_batch(self, prompts: list[Prompt], completions: list) -> dict[str, torch.Tensor]:
+        n = self.cfg.rollout.n_samples_per_prompt
+        return build_rollout_batch(
+            [prompts[i // n].token_ids for i in range(len(completions))],
+            [c.token_ids for c in completions],
+            [c.logprobs for c in completions],
+            self.pad_id,
+            weight_versions=[c.weight_version for c in completions],
+        )
+
+    @staticmethod
+    def _reward_metrics(scores: torch.Tensor) -> dict[str, float]:
+        """Reward statistics over every sample generated in the step (filtered ones included)."""
+        return {"reward/mean": scores.mean().item(), "reward/std": scores.std().item()}
+
     def _training_groups(self) -> list:
         return [g for g in (self.actor, self.critic) if g is not None]
 
-    def _move_states(self, method: str) -> int:
-        """``offload_states`` / ``reload_states`` on every training rank; returns the device bytes moved."""
-        return sum(sum(g.call(method, what=f"{method} ({g.spec.role})")) for g in self._training_groups())
+    def _move_states(self, method: str, groups: list | None = None, **kwargs) -> int:
+        """``offload_states`` / ``reload_states`` on every rank of ``groups`` (default: the training groups);
+        returns the device bytes moved."""
+        groups = self._training_groups() if groups is None else groups
+        return sum(sum(g.call(method, what=f"{method} ({g.spec.role})", **kwargs)) for g in groups)
 
-    def _engines_call(self, method: str) -> list:
+    def _engines_call(self, method: str, *args) -> list:
         from rlhf_sg.engine_actor import wait_engine_calls
 
-        calls = [(i, method, getattr(e, method).remote()) for i, e in enumerate(self.engines)]
+        calls = [(i, method, getattr(e, method).remote(*args)) for i, e in enumerate(self.engines)]
         return wait_engine_calls(calls, self.cfg.train.timeout_s)
+
+    # ---- the device between engines and trainer (colocated layouts) -------------------------------------
+    # With engines asleep while the trainer trains and training states offloaded while the engines generate,
+    # one step hands the device over in this order, so that engine weights, KV cache and training states are
+    # never on it together (see backends.base):
+    #   training states off -> engine weights on -> sync -> KV cache on -> generate -> engines off -> states on
+    def _hand_device_to_engines(self, timer: StepTimer, version: int) -> list[dict]:
+        """Push the trainer's weights as ``version`` and leave the engines ready to generate.
+
+        1. training states off the device; the actor keeps its ZeRO-3 parameter shards, which the sync gathers;
+        2. engine weights on (``wake(("weights",))``), the KV cache still released;
+        3. the weight sync: after a release the engine's weights are stale or gone, so one always follows;
+        4. the actor's parameter shards off;
+        5. KV cache on (``wake(("kv_cache",))``): the engines can generate.
+
+        Without sleeping engines or offloaded states only step 3 runs. Returns the sync's per-rank stats."""
+        from backends.base import MEMORY_KV_CACHE, MEMORY_WEIGHTS
+
+        offloading, sleeping = offload_states(self.cfg), sleep_engines(self.cfg)
+        if offloading:
+            with timer.phase("offload"):
+                self._move_states("offload_states", [self.actor], keep_params=True)
+                if self.critic is not None:
+                    self._move_states("offload_states", [self.critic])
+        with timer.phase("weight_sync"):
+            if sleeping:
+                self._engines_call("wake", (MEMORY_WEIGHTS,))
+            stats = self.actor.call("sync_weights", version, what=f"weight sync to version {version}")
+        if offloading:
+            with timer.phase("offload"):
+                self._move_states("offload_states", [self.actor])
+        if sleeping:
+            with timer.phase("weight_sync"):
+                still = self._engines_call("wake", (MEMORY_KV_CACHE,))
+            if any(still):
+                raise RuntimeError(f"engines still hold released memory after waking every tag: {still}")
+        return stats
+
+    def _hand_device_to_trainer(self, timer: StepTimer) -> int:
+        """After generation: the engines release weights and KV cache, then the training states come back.
+        Returns the device bytes the training states took back (what they had left to the engines)."""
+        if sleep_engines(self.cfg):
+            with timer.phase("generate"):
+                self._engines_call("sleep")
+        if not offload_states(self.cfg):
+            return 0
+        with timer.phase("offload"):
+            return self._move_states("reload_states")
 
     def compute_rewards(self, prompts: list[Prompt], completions: list, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Scores [B], one per completion. Override for custom scoring."""
@@ -367,8 +529,16 @@ class PPOTrainer:
         kl_in_reward = kl is not None and t.kl_mode == "reward"
         kl_coef = self.kl_ctl.value if kl_in_reward else 0.0
         kl_term = kl if kl_in_reward else torch.zeros_like(batch["rollout_logp"])
+        n = self.cfg.rollout.n_samples_per_prompt
+        # group estimators take gamma = 1: the baseline is a sequence-level quantity
+        if est == "reinforce_baseline":
+            batch["advantages"] = algo.reinforce_baseline_advantages(
+                batch["scores"], kl_term, mask, n, kl_coef, 1.0, t.score_clip
+            )
+            return
         if est in GROUP_ESTIMATORS:
-            seq_adv = algo.group_advantages(batch["scores"], self.cfg.rollout.n_samples_per_prompt, est)
+            scores = batch["scores"] if t.score_clip is None else batch["scores"].clamp(-t.score_clip, t.score_clip)
+            seq_adv = algo.group_advantages(scores, n, est)
             rewards = algo.shape_rewards(seq_adv, kl_term, mask, kl_coef)
             batch["advantages"] = algo.discounted_returns(rewards, mask, 1.0)
             return
@@ -422,45 +592,15 @@ class PPOTrainer:
         profiling = cfg.log.profile_step is not None and cfg.log.profile_step == self.step
         if profiling:
             self.actor.call("start_profile")
-        prompts = self.prompts = self.stream.next_batch()
-        offloading, sleeping = offload_states(cfg), sleep_engines(cfg)
-
-        if offloading:
+        offloading = offload_states(cfg)
+        if offloading:  # states still on the device only at the first step (or after a resume); else a no-op
             with timer.phase("offload"):
-                metrics_offload = self._move_states("offload_states")
-        with timer.phase("generate"):
-            completions = self.generate(prompts)
-            if sleeping:
-                self._engines_call("sleep")
+                self._move_states("offload_states")
+        # generate and score (with dynamic filtering, as many rounds as the batch needs)
+        self.prompts, _, batch, metrics = self._make_rollout(timer)
+        reloaded = self._hand_device_to_trainer(timer)  # engines sleep, then training states come back
         if offloading:
-            with timer.phase("offload"):
-                self._move_states("reload_states")
-        batch = build_rollout_batch(
-            [prompts[i // cfg.rollout.n_samples_per_prompt].token_ids for i in range(len(completions))],
-            [c.token_ids for c in completions],
-            [c.logprobs for c in completions],
-            self.pad_id,
-        )
-        with timer.phase("reward"):
-            batch["scores"] = self.compute_rewards(prompts, completions, batch)
-        scores = batch["scores"]
-        metrics: dict[str, float] = {"reward/mean": scores.mean().item(), "reward/std": scores.std().item()}
-        if offloading:
-            metrics["offload/device_GB"] = metrics_offload / 1e9
-
-        if t.dynamic_filtering:
-            batch, kept = filter_groups(batch, cfg.rollout.n_samples_per_prompt)
-            metrics["rollout/groups_kept_frac"] = kept
-            if batch is not None and batch["sequences"].shape[0] < max(
-                n for g, n in self._group_sizes().items() if g != "engines"
-            ):
-                batch = None  # too few rows left to give every rank one
-            if batch is None:  # no group carries signal: no update, the engines keep the current weights
-                if sleeping:
-                    with timer.phase("weight_sync"):
-                        self._engines_call("wake")
-                self.step += 1
-                return self._finish_step(metrics, timer.end_step(), profiling)
+            metrics["offload/device_GB"] = reloaded / 1e9
 
         batch_ref = self._put(batch)
         B = batch["sequences"].shape[0]
@@ -519,10 +659,8 @@ class PPOTrainer:
                 metrics["kl"] = metrics["actor/kl_loss"]
 
         self.step += 1
-        with timer.phase("weight_sync"):
-            if sleeping:
-                self._engines_call("wake")
-            sync_stats = self.actor.call("sync_weights", self.step, what=f"weight sync to version {self.step}")
+        # states off, engine weights on, sync, KV cache on (colocated; otherwise the sync alone)
+        sync_stats = self._hand_device_to_engines(timer, self.step)
         self.weight_version = self.step
         metrics["weight_sync/GBps"] = float(sync_stats[0].get("GBps", 0.0)) if sync_stats else 0.0
         if metrics.get("kl") is not None:
@@ -547,6 +685,8 @@ class PPOTrainer:
                      ", ".join(paths))
         metrics["weight_version"] = self.weight_version
         metrics.update({f"time/{k}": v for k, v in times.items()})
+        # the share of the step spent pushing weights into the engines: the cost weight sync exists to keep small
+        metrics["perf/weight_sync_share"] = times.get("weight_sync", 0.0) / times["step"] if times.get("step") else 0.0
         self.on_step_end(self.step, metrics)
         self._log(metrics)
         if cfg.log.save_steps and self.step % cfg.log.save_steps == 0:
@@ -693,4 +833,5 @@ def train(cfg: Config, trainer_cls: type[PPOTrainer] = PPOTrainer, **kwargs) -> 
     return history
 
 
-__all__ = ["PPOTrainer", "build_rollout_batch", "filter_groups", "load_tokenizer", "train"]
+__all__ = ["PPOTrainer", "build_rollout_batch", "check_weight_versions", "filter_groups", "load_tokenizer",
+           "rollout_seed", "train"]

@@ -34,6 +34,11 @@ class WorkerSpec:
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
     lr: float = 1e-5
+    #: a transformers ``get_scheduler`` name (constant, linear, cosine), warmup in optimizer steps, and the
+    #: run's total optimizer steps (what linear / cosine decay over)
+    lr_scheduler: str = "constant"
+    lr_warmup_steps: int = 0
+    lr_total_steps: int = 0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     offload: bool = False
@@ -47,6 +52,47 @@ class WorkerSpec:
 def _rows(batch: dict[str, torch.Tensor], idx: list[int]) -> dict[str, torch.Tensor]:
     index = torch.as_tensor(idx, dtype=torch.long)
     return {k: v.index_select(0, index) for k, v in batch.items()}
+
+
+def lr_schedule(name: str, warmup_steps: int, total_steps: int):
+    """``optimizer -> LR scheduler`` for DeepSpeed (which builds it on the optimizer it wraps), from
+    transformers' ``get_scheduler``; the scheduler steps once per optimizer step. ``constant`` keeps the
+    rate after the warmup; ``linear`` / ``cosine`` decay it to 0 at ``total_steps``."""
+    from transformers import get_scheduler
+
+    schedule = "constant_with_warmup" if name == "constant" else name
+    return lambda optimizer: get_scheduler(
+        schedule, optimizer, num_warmup_steps=warmup_steps, num_training_steps=max(total_steps, 1)
+    )
+
+
+def allreduce_weighted_means(
+    sums: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], timeout_s: float, group=None
+) -> dict[str, float]:
+    """Means over every rank of the group: ``sum_r sums[k] / sum_r weights[k]`` for each metric ``k``.
+
+    sums, weights: the same keys on every rank, 0-d tensors on this rank's device (a per-token metric is
+    summed as ``mean x tokens`` with its tokens as the weight). One all-reduce for all metrics; it fails
+    after ``timeout_s`` instead of hanging. Without a process group (or a group of one) the local means.
+    """
+    import torch.distributed as dist
+
+    names = sorted(sums)
+    if not names:
+        return {}
+    device = sums[names[0]].device
+    packed = torch.stack([sums[k].float().to(device) for k in names] + [weights[k].float().to(device) for k in names])
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        work = dist.all_reduce(packed, group=group, async_op=True)
+        deadline = time.monotonic() + timeout_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"metric all-reduce did not finish within {timeout_s:.0f} s; a rank is stuck")
+            time.sleep(0.001)
+        work.wait()
+    values = packed.tolist()
+    n = len(names)
+    return {k: values[i] / values[n + i] if values[n + i] > 0 else 0.0 for i, k in enumerate(names)}
 
 
 class ModelWorker:
@@ -90,7 +136,10 @@ class ModelWorker:
         self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
         model = self._load_model()
         optimizer = self._make_optimizer(model) if self.spec.train else None
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
+        schedule = (lr_schedule(self.spec.lr_scheduler, self.spec.lr_warmup_steps, self.spec.lr_total_steps)
+                    if self.spec.train else None)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                               config=self.ds_config)
         if not self.spec.train:
             self.engine.eval()
         self.syncer = None
@@ -148,10 +197,12 @@ class ModelWorker:
         """Run this role's forward over the rows of ``plan`` (micro-batches of global row indices).
 
         Returns (row indices, result): log-probs [n, T] (actor, ref), values [n, T] (critic) or
-        scores [n] (reward), rows in the order of the flattened plan.
+        scores [n] (reward), rows in the order of the flattened plan. Runs in eval mode: scoring forwards
+        use no dropout, so old log-probs and values are the deterministic policy's (updates run in train mode).
         """
         from rlhf_sg.packing import critic_values, response_logprobs, reward_scores
 
+        self.engine.eval()
         width = batch["action_mask"].shape[1]
         outputs, order = [], []
         for micro in plan:
@@ -171,29 +222,41 @@ class ModelWorker:
     def _run_updates(self, batch, steps: list[dict[str, Any]], micro_loss, prefix: str) -> dict[str, float]:
         """The optimizer steps of one PPO phase. ``steps``: one entry per optimizer step, {"plan": this
         rank's micro-batches, "normalizer": the step's action tokens (or rows) across all ranks / world_size};
-        ``micro_loss(mb, normalizer) -> (loss, metrics)``. Metrics stay on the device until the end, so the
-        loop never waits on the device for logging."""
+        ``micro_loss(mb, normalizer) -> (loss, metrics)``, metrics being per-token means of the micro-batch.
+        Metrics are summed token-weighted on the device and reduced over the group's ranks once at the end
+        (every rank returns the same values); ``{prefix}/lr`` is the rate of the last optimizer step."""
         self.engine.train()
         sums: dict[str, torch.Tensor] = {}
-        count = 0
+        weights: dict[str, torch.Tensor] = {}
+        lr = 0.0
         for step in steps:
             micro_batches = step["plan"]
             for i, micro in enumerate(micro_batches):
                 self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-                loss, metrics = micro_loss(_rows(batch, micro), step["normalizer"])
+                mb = _rows(batch, micro)
+                loss, metrics = micro_loss(mb, step["normalizer"])
                 self.engine.backward(loss, scale_wrt_gas=False)
+                tokens = mb["action_mask"].sum()
                 for k, v in metrics.items():
-                    sums[k] = sums[k] + v.detach() if k in sums else v.detach()
-                count += 1
+                    w = tokens.to(v.device, torch.float32)
+                    sums[k] = sums[k] + v.detach() * w if k in sums else v.detach() * w
+                    weights[k] = weights[k] + w if k in weights else w
+            lr = float(self.engine.get_lr()[0])
             self.engine.step()
-        return {f"{prefix}/{k}": float(v) / max(count, 1) for k, v in sums.items()}
+        means = allreduce_weighted_means(sums, weights, self.spec.timeout_s)
+        return {**{f"{prefix}/{k}": v for k, v in means.items()}, f"{prefix}/lr": lr}
 
     def train_actor(self, batch, steps: list[dict[str, Any]], hp: dict[str, Any]) -> dict[str, float]:
         """PPO policy updates (see :meth:`_run_updates` for ``steps``)."""
-        from rlhf_sg.algorithms import approx_kl, masked_mean, policy_loss
+        from rlhf_sg.algorithms import ActorLossConfig, actor_loss, masked_mean
         from rlhf_sg.packing import response_logprobs
 
         width = batch["action_mask"].shape[1]
+        loss_cfg = ActorLossConfig(
+            clip_low=hp["clip_low"], clip_high=hp["clip_high"], dual_clip=hp["dual_clip"], tis_cap=hp["tis_cap"],
+            aggregation=hp["loss_aggregation"], kl_coef=hp["kl_coef"] if hp["kl_mode"] == "loss" else 0.0,
+            kl_estimator=hp["kl_estimator"], entropy_coef=hp["entropy_coef"],
+        )
 
         def micro_loss(mb, normalizer):
             mask = mb["action_mask"].bool()
@@ -203,28 +266,10 @@ class ModelWorker:
             # one update on fresh samples: the policy that sampled them is the one being trained, so its
             # log-probs are this forward's (the controller then skips the separate old-log-prob pass)
             old_logp = mb["old_logp"] if "old_logp" in mb else logp.detach()
-            loss, metrics = policy_loss(
-                logp,
-                old_logp,
-                mb["advantages"],
-                mask,
-                clip_low=hp["clip_low"],
-                clip_high=hp["clip_high"],
-                dual_clip=hp["dual_clip"],
-                rollout_logp=mb["rollout_logp"] if hp["tis_cap"] is not None else None,
-                tis_cap=hp["tis_cap"],
-                aggregation=hp["loss_aggregation"],
-                normalizer=normalizer,
+            loss, metrics = actor_loss(
+                logp, entropy, old_logp, mb["advantages"], mask, loss_cfg, normalizer,
+                rollout_logp=mb["rollout_logp"], ref_logp=mb.get("ref_logp"),
             )
-            # this micro-batch's share of the step, so extra per-token terms add up like the policy loss
-            share = (mask.sum() if hp["loss_aggregation"] == "token_mean" else mask.shape[0]) / normalizer
-            if hp["kl_mode"] == "loss" and hp["kl_coef"] > 0:
-                kl = masked_mean(approx_kl(logp, mb["ref_logp"], hp["kl_estimator"]), mask)
-                loss = loss + hp["kl_coef"] * kl * share
-                metrics["kl_loss"] = kl
-            if hp["entropy_coef"] > 0:
-                loss = loss - hp["entropy_coef"] * masked_mean(entropy, mask) * share
-            metrics["entropy"] = masked_mean(entropy.detach(), mask)
             if "old_logp" not in mb:
                 metrics["logp_gap_engine_vs_trainer"] = masked_mean((mb["rollout_logp"] - old_logp).abs(), mask)
             return loss, metrics
@@ -256,7 +301,7 @@ class ModelWorker:
 
     # ---- weight sync (actor) --------------------------------------------------------------------------
     def setup_weight_sync(self, engines: list, transport: str, bucket_bytes: int, timeout_s: float) -> None:
-        from rlhf_sg.weight_sync import WeightSyncer
+        from rlhf_sg.sync import WeightSyncer
 
         self.syncer = WeightSyncer(
             rank=self.rank,
@@ -274,14 +319,21 @@ class ModelWorker:
         return self.syncer.sync(self.engine, version)
 
     # ---- device memory while the engines generate (colocated layouts) ----------------------------------
-    def offload_states(self) -> int:
+    def offload_states(self, keep_params: bool = False) -> int:
         """Move this rank's ZeRO-3 training states (parameters, gradients, optimizer) to host memory so a
-        colocated engine can use the device; returns the device bytes freed. On CPU there is nothing to
-        move (every state already lives in host memory) and it returns 0."""
-        if self.spec.device != "cuda" or not self.spec.train or self._offloaded:
+        colocated engine can use the device; returns the device bytes freed. ``keep_params``: leave the
+        parameter shards (DeepSpeed's ``lp_params``, the smallest part) on the device for a weight sync to
+        gather; a later call without it moves them too. On CPU there is nothing to move (every state already
+        lives in host memory) and it returns 0."""
+        if self.spec.device != "cuda" or not self.spec.train:
             return 0
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+        keep = {OffloadStateTypeEnum.lp_params} if keep_params else set()
         before = torch.cuda.memory_allocated()
-        self.engine.offload_states(pin_memory=True, non_blocking=False)
+        # DeepSpeed skips the states already off the device
+        self.engine.offload_states(include=[s for s in OffloadStateTypeEnum if s not in keep], pin_memory=True,
+                                   non_blocking=False)
         torch.cuda.synchronize()
         self._offloaded = True
         return before - torch.cuda.memory_allocated()
@@ -308,6 +360,8 @@ class ModelWorker:
     # ---- checkpoints ----------------------------------------------------------------------------------
     def save_checkpoint(self, path: str, tag: str, client_state: dict[str, Any]) -> None:
         state = dict(client_state, torch_rng=torch.get_rng_state())
+        if torch.cuda.is_available():
+            state["cuda_rng"] = torch.cuda.get_rng_state_all()
         self.engine.save_checkpoint(path, tag=tag, client_state=state)
 
     def load_checkpoint(self, path: str, tag: str) -> dict[str, Any]:
@@ -316,6 +370,9 @@ class ModelWorker:
             raise FileNotFoundError(f"{self.spec.role} rank {self.rank}: no DeepSpeed checkpoint {tag!r} in {path}")
         if "torch_rng" in client_state:
             torch.set_rng_state(client_state.pop("torch_rng"))
+        cuda_rng = client_state.pop("cuda_rng", None)
+        if cuda_rng is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda_rng)
         return client_state
 
     def export_hf(self, path: str) -> str | None:

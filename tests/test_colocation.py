@@ -6,8 +6,10 @@ share of the same two bundles, and rank i of each group must sit on bundle i's n
 """
 
 import dataclasses
+import importlib.util
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,3 +252,337 @@ def test_one_update_without_the_old_logprob_pass_equals_the_update_with_it(tmp_p
     torch.testing.assert_close(fused["after"], separate["after"], rtol=0, atol=1e-6)
     assert "actor/logp_gap_engine_vs_trainer" in fused["metrics"]
     assert "actor/logp_gap_engine_vs_trainer" not in separate["metrics"]
+
+
+# ---- the colocated hand-off: who holds the device when -------------------------------------------------------
+# The trainer's real hand-off methods drive real engines (EngineActor around the real backend class) in this
+# process; only the Ray dispatch and the ZeRO-3 groups are replaced, by recorders that log each call (the groups'
+# weight sync reloads the engines from the checkpoint through the engines' own disk transport). SGLang and vLLM
+# run where their venvs are (SGLang's CPU mode keeps its own bookkeeping of released tags and refuses a resume of
+# a tag it did not release; on CPU it frees nothing).
+
+ENGINE_NAMES = [
+    "embedded",
+    pytest.param("sglang", marks=pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                                                   reason="sglang not installed (recipes/install/sglang_cpu.sh)")),
+    pytest.param("vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                                 reason="vllm not installed (recipes/install/vllm_cpu.sh)")),
+]
+
+
+class _RecordingBackend:
+    """The real backend, every call of the colocated hand-off logged as (who, call, argument) first."""
+
+    LOGGED = ("sleep", "wake", "update_weights_from_disk", "finish_weight_update", "generate")
+
+    def __init__(self, backend, who: str, log: list):
+        self._backend, self._who, self._log = backend, who, log
+
+    def __getattr__(self, name):
+        attr = getattr(self._backend, name)
+        if name not in self.LOGGED:
+            return attr
+
+        def logged(*args):
+            arg = args[0] if name in ("sleep", "wake", "finish_weight_update") else None
+            self._log.append((self._who, name, arg))
+            return attr(*args)
+
+        return logged
+
+
+class _RecordingGroup:
+    """A ZeRO-3 group at its Ray boundary: logs offload / reload / sync; the sync reloads every engine from
+    the checkpoint through the engines' own disk transport and closes it as the trainer's syncer does."""
+
+    def __init__(self, role: str, log: list, engines: list, model_path: str):
+        self.spec = type("Spec", (), {"role": role})()
+        self._log, self._engines, self._model_path = log, engines, model_path
+
+    def call(self, method, *args, what=None, **kwargs):
+        self._log.append((self.spec.role, method, kwargs.get("keep_params", False)))
+        if method == "sync_weights":
+            for engine in self._engines:
+                engine.update_weights_from_disk(self._model_path)
+                engine.finish_weight_update(args[0])
+            return [{"GBps": 0.0}]
+        return [0]
+
+
+def _engine_model(path: str) -> str:
+    """A tiny Llama every engine here runs: 2 attention heads of 32 (vLLM's CPU attention takes no smaller)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_sg.tiny import save_tiny_model, tiny_config
+
+    config = tiny_config("llama", "tiny")
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 2, 1, 32
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return save_tiny_model(path, model=model)
+
+
+def _in_process_trainer(engines: list, log: list, model_path: str):
+    from rlhf_sg.config import Config
+    from rlhf_sg.trainer import PPOTrainer
+
+    class InProcessTrainer(PPOTrainer):
+        def _engines_call(self, method, *args):  # the Ray dispatch, in order, in this process
+            return [getattr(e, method)(*args) for e in self.engines]
+
+    cfg = Config()
+    cfg.train.colocate_all = True  # engines sleep while training, states leave while generating
+    trainer = InProcessTrainer.__new__(InProcessTrainer)
+    trainer.cfg, trainer.engines = cfg, engines
+    trainer.actor = _RecordingGroup("actor", log, engines, model_path)
+    trainer.critic = _RecordingGroup("critic", log, engines, model_path)
+    return trainer
+
+
+@pytest.mark.parametrize("engine_name", ENGINE_NAMES)
+def test_colocated_hand_off_runs_in_the_staged_order_through_real_engines(tmp_path, engine_name):
+    """After generating, engines sleep before the training states come back; before the next generate, the
+    states leave (the actor keeping its parameter shards for the sync), engine weights wake, the sync runs,
+    the actor's shards leave, and only then the KV cache wakes: weights, KV cache and training states are never
+    on the device together, and every weight wake is followed by a sync before a generate."""
+    from backends.base import MEMORY_KV_CACHE, MEMORY_WEIGHTS, BackendConfig, SamplingParams
+    from rlhf_sg.engine_actor import EngineActor
+    from rlhf_sg.timing import StepTimer
+    from rlhf_sg.tiny import BOS_ID
+
+    path = _engine_model(str(tmp_path / "m"))
+    config = BackendConfig(model_path=path, max_model_len=128, num_threads=1)
+    log: list = []
+    engines = []
+    try:
+        for i in range(2 if engine_name == "embedded" else 1):
+            engine = EngineActor(engine_name, config, engine_index=i)
+            engine.backend = _RecordingBackend(engine.backend, f"engine{i}", log)
+            engines.append(engine)
+        trainer = _in_process_trainer(engines, log, path)
+        timer = StepTimer(sync=lambda: None)
+        timer.start_step()
+        params = SamplingParams(temperature=0.0, max_new_tokens=4)
+        before = [c.token_ids for c in engines[0].generate([[BOS_ID, 5, 6]], params)]
+
+        trainer._hand_device_to_trainer(timer)  # generation done
+        assert [e.backend.released_memory for e in engines] == [frozenset({MEMORY_WEIGHTS, MEMORY_KV_CACHE})] * len(
+            engines
+        )
+        log.append(("trainer", "train", None))
+        stats = trainer._hand_device_to_engines(timer, 1)
+        assert stats == [{"GBps": 0.0}]
+        after = engines[0].generate([[BOS_ID, 5, 6]], params)  # refused if any memory were still released
+        assert [c.token_ids for c in after] == before and after[0].weight_version == 1
+        assert {"offload", "weight_sync", "generate"} <= set(timer.end_step())
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+    each = lambda call, arg=None: [(f"engine{i}", call, arg) for i in range(len(engines))]  # noqa: E731
+    synced = [row for i in range(len(engines)) for row in (
+        (f"engine{i}", "update_weights_from_disk", None), (f"engine{i}", "finish_weight_update", 1))]
+    expected = [
+        ("engine0", "generate", None),
+        *each("sleep", None),  # engines off (everything) ...
+        ("actor", "reload_states", False), ("critic", "reload_states", False),  # ... before the states come back
+        ("trainer", "train", None),
+        ("actor", "offload_states", True), ("critic", "offload_states", False),  # states off, actor keeps params
+        *each("wake", (MEMORY_WEIGHTS,)),  # engine weights on, KV cache still off
+        ("actor", "sync_weights", False), *synced,  # the sync, right after the weights wake
+        ("actor", "offload_states", False),  # the actor's parameter shards off
+        *each("wake", (MEMORY_KV_CACHE,)),  # KV cache on, only after the sync
+        ("engine0", "generate", None),
+    ]
+    assert log == expected
+
+
+@pytest.mark.parametrize("engine_name", ENGINE_NAMES)
+def test_engines_refuse_generate_until_every_memory_tag_is_awake(tmp_path, engine_name):
+    """A staged wake: with only the weights back, generate is refused and names what is still released;
+    tags are checked by name; waking an awake tag does nothing."""
+    from backends import create_backend
+    from backends.base import MEMORY_KV_CACHE, MEMORY_WEIGHTS, BackendConfig, BackendError, SamplingParams
+    from rlhf_sg.tiny import BOS_ID
+
+    path = _engine_model(str(tmp_path / "m"))
+    backend = create_backend(engine_name, BackendConfig(model_path=path, max_model_len=128, num_threads=1))
+    params = SamplingParams(temperature=0.0, max_new_tokens=4)
+    try:
+        before = backend.generate([[BOS_ID, 5, 6]], params)[0].token_ids
+        with pytest.raises(BackendError, match="kv_cache"):
+            backend.sleep(("kv-cache",))
+        backend.sleep()
+        assert backend.released_memory == {MEMORY_WEIGHTS, MEMORY_KV_CACHE}
+        backend.wake((MEMORY_WEIGHTS,))
+        backend.wake((MEMORY_WEIGHTS,))  # already awake: nothing
+        assert backend.released_memory == {MEMORY_KV_CACHE}
+        with pytest.raises(BackendError, match="kv_cache"):
+            backend.generate([[BOS_ID, 5, 6]], params)
+        backend.update_weights_from_disk(path)  # weights awake: a sync is taken
+        backend.finish_weight_update(1)
+        backend.wake((MEMORY_KV_CACHE,))
+        assert backend.released_memory == frozenset()
+        out = backend.generate([[BOS_ID, 5, 6]], params)[0]
+        assert out.token_ids == before and out.weight_version == 1
+    finally:
+        backend.shutdown()
+
+
+# ---- the memory tags, held to the installed engines' source (read, not imported) ------------------------------
+
+
+def _module_file(dotted: str) -> Path | None:
+    top, _, rest = dotted.partition(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)), *rest.split(".")).with_suffix(".py")
+
+
+def _constants(path: Path) -> dict:
+    """Module-level ``NAME = literal`` / ``NAME = [other names]`` assignments of a source file."""
+    import ast
+
+    values: dict = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            if isinstance(target, ast.Name) and node.value is not None:
+                try:
+                    values[target.id] = ast.literal_eval(node.value)
+                except ValueError:
+                    if isinstance(node.value, (ast.List, ast.Tuple)):
+                        values[target.id] = [values.get(getattr(e, "id", None)) for e in node.value.elts]
+    return values
+
+
+def _method_params(path: Path, cls: str, method: str) -> list[str]:
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for fn in node.body:
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name == method:
+                    return [a.arg for a in fn.args.args + fn.args.kwonlyargs]
+    raise AssertionError(f"{cls}.{method} not found in {path}")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang not installed")
+def test_sglang_memory_tags_are_the_installed_sglangs():
+    """Our tags map onto SGLang's GPU_MEMORY_TYPE_* names, every one of SGLang's tags is covered (so a full
+    sleep releases all it knows), Engine's release/resume take ``tags``, SGLang releases only when idle (hence
+    the pause in ``sleep``) and fails on resuming a tag it did not release (hence our bookkeeping)."""
+    from backends.base import MEMORY_KV_CACHE, MEMORY_TAGS, MEMORY_WEIGHTS
+    from backends.sglang_backend import SGLANG_MEMORY_TAGS
+
+    consts = _constants(_module_file("sglang.srt.constants"))
+    assert SGLANG_MEMORY_TAGS[MEMORY_WEIGHTS] == (consts["GPU_MEMORY_TYPE_WEIGHTS"],)
+    assert consts["GPU_MEMORY_TYPE_KV_CACHE"] in SGLANG_MEMORY_TAGS[MEMORY_KV_CACHE]
+    assert set(SGLANG_MEMORY_TAGS) == set(MEMORY_TAGS)
+    ours = [t for tag in MEMORY_TAGS for t in SGLANG_MEMORY_TAGS[tag]]
+    assert sorted(ours) == sorted(consts["GPU_MEMORY_ALL_TYPES"])
+    engine = _module_file("sglang.srt.entrypoints.engine")
+    for method in ("release_memory_occupation", "resume_memory_occupation"):
+        assert _method_params(engine, "Engine", method) == ["self", "tags"]
+    updater = _module_file("sglang.srt.managers.scheduler_components.weight_updater").read_text()
+    assert "is_fully_idle(" in updater and "self.offload_tags.remove(tag)" in updater
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
+def test_vllm_memory_tags_are_the_installed_vllms():
+    """Our tags are vLLM's deferrable allocation tags, ``LLM.wake_up`` takes ``tags`` and ``LLM.sleep`` a level
+    (which releases weights and KV cache together, as VLLMBackend.sleep documents)."""
+    from backends.base import MEMORY_TAGS
+
+    assert tuple(_constants(_module_file("vllm.device_allocator.__init__"))["DEFERRABLE_TAGS"]) == MEMORY_TAGS
+    llm = _module_file("vllm.entrypoints.llm")
+    assert _method_params(llm, "LLM", "wake_up") == ["self", "tags"]
+    assert _method_params(llm, "LLM", "sleep")[:2] == ["self", "level"]
+
+
+# ---- the staged wake on a GPU -----------------------------------------------------------------------------------
+
+GPU_ENGINES = [
+    pytest.param("sglang", {"engine_kwargs": {"enable_memory_saver": True, "mem_fraction_static": 0.3}},
+                 marks=pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang not installed")),
+    pytest.param("vllm", {"gpu_memory_utilization": 0.3},
+                 marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine_name, extra", GPU_ENGINES)
+def test_staged_wake_on_cuda_brings_the_weights_back_without_the_kv_cache(tmp_path, engine_name, extra):
+    """On CUDA with the engine's memory release on (SGLang's memory saver, vLLM's sleep mode): after ``sleep()``,
+    ``wake(("weights",))`` takes back less device memory than the full wake after the sync, so the KV cache (the
+    engine's largest reservation) is not on the device while the sync runs; the engine then gives the greedy
+    tokens it gave before sleeping. This is what lowers the colocated peak; CPU engines free nothing."""
+    from backends import create_backend
+    from backends.base import MEMORY_KV_CACHE, MEMORY_WEIGHTS, BackendConfig, SamplingParams
+    from rlhf_sg.tiny import BOS_ID
+
+    def used() -> int:
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+
+    path = _engine_model(str(tmp_path / "m"))
+    backend = create_backend(engine_name, BackendConfig(model_path=path, dtype="bfloat16", max_model_len=128,
+                                                        device="cuda", extra=extra))
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    try:
+        before = backend.generate([[BOS_ID, 5, 6]], params)[0].token_ids
+        awake = used()
+        backend.sleep()
+        asleep = used()
+        backend.wake((MEMORY_WEIGHTS,))
+        weights_only = used()
+        backend.update_weights_from_disk(path)  # the sync that always follows a weight wake
+        backend.finish_weight_update(1)
+        backend.wake((MEMORY_KV_CACHE,))
+        full = used()
+        assert asleep < awake, "sleep freed no device memory (is the engine's memory release on?)"
+        assert weights_only < full, f"wake(weights) took {weights_only} bytes, the full wake {full}"
+        assert backend.generate([[BOS_ID, 5, 6]], params)[0].token_ids == before
+    finally:
+        backend.shutdown()
+
+
+def _staged_offload(model_path: str) -> dict:
+    """A trained ZeRO-3 actor rank on CUDA: offload all but the parameter shards, forward (the gather a sync
+    makes), offload the shards too, reload, forward."""
+    import torch.distributed as dist
+
+    worker, batch, plan = _actor_rank(model_path, "cuda")
+    try:
+        _, logp = worker.forward(batch, plan)
+        batch.update(old_logp=logp, advantages=torch.ones_like(logp), ref_logp=logp)
+        worker.train_actor(batch, _one_step(plan, batch), _HP)
+        _, before = worker.forward(batch, plan)
+        resident = torch.cuda.memory_allocated()
+        worker.offload_states(keep_params=True)
+        params_only = torch.cuda.memory_allocated()
+        _, during = worker.forward(batch, plan)
+        worker.offload_states()
+        nothing = torch.cuda.memory_allocated()
+        worker.reload_states()
+        _, after = worker.forward(batch, plan)
+        return {"resident": resident, "params_only": params_only, "nothing": nothing, "before": before,
+                "during": during, "after": after}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_offload_keeping_params_leaves_only_the_shards_a_sync_gathers(tmp_path):
+    """On CUDA, ``offload_states(keep_params=True)`` (the step before the engines' weights wake) frees the
+    gradients and optimizer states but keeps the ZeRO-3 parameter shards, so the sync's gather still works and
+    gives the trained weights; the later full offload frees the shards too; a reload restores the rank exactly."""
+    from rlhf_sg.tiny import save_tiny_model
+
+    path = save_tiny_model(str(tmp_path / "m"), arch="qwen2", size="tiny")
+    out = _in_fresh_process(_staged_offload, path)
+    assert out["nothing"] < out["params_only"] < out["resident"]
+    assert torch.equal(out["during"], out["before"]) and torch.equal(out["after"], out["before"])

@@ -203,21 +203,19 @@ def test_sleep_wake_then_generate_still_matches(engine, llama_dir):
 
 @needs_sglang
 @pytest.mark.slow
-def test_tensor_transport_takes_a_bucket_mapped_from_a_shared_memory_file(engine, llama_dir, tmp_path):
-    """The engine actor's CPU hand-off: the bucket arrives as a view of a file the trainer wrote."""
-    from rlhf_sg.weight_sync import plan_buckets
+def test_tensor_transport_takes_a_bucket_packed_in_this_process(engine, llama_dir):
+    """In-process use: a tensor handed to the backend is packed here (this process owns it) into one
+    payload per TP rank, which SGLang's scheduler process opens from shared memory."""
+    from backends.sglang_backend import SGLangBackend
+    from rlhf_sg.sync import plan_buckets
 
     new = dict(build_tiny_model("llama", "tiny", seed=4).named_parameters())
     (manifest,) = plan_buckets([(n, p.shape, p.dtype) for n, p in new.items()], 1 << 30)
-    path = f"/dev/shm/rlhf_sg_test_{os.getpid()}" if os.path.isdir("/dev/shm") else str(tmp_path / "bucket")
-    torch.cat([new[t.name].detach().reshape(-1) for t in manifest.tensors]).numpy().tofile(path)
-    try:
-        nbytes = manifest.numel * 4
-        mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        engine.update_weights_from_tensor(manifest, mapped.view(torch.float32))
-        engine.finish_weight_update(engine.weight_version + 1)
-    finally:
-        os.remove(path)
+    flat = torch.cat([new[t.name].detach().reshape(-1) for t in manifest.tensors])
+    with pytest.raises(BackendError, match=r"expected 1 payload\(s\)"):
+        engine.update_weights_from_tensor(manifest, SGLangBackend.pack_tensor_bucket(manifest, flat, 2))
+    engine.update_weights_from_tensor(manifest, flat)
+    engine.finish_weight_update(engine.weight_version + 1)
     assert torch.equal(
         engine.get_weights_by_name("model.layers.1.mlp.down_proj.weight"),
         new["model.layers.1.mlp.down_proj.weight"].detach(),
@@ -236,7 +234,7 @@ def _zero3_trainer_rank(rank: int, master_port: int, model_path: str, bucket_byt
         from backends.sglang_backend import open_weight_update_group
         from rlhf_sg.bench.weight_sync import Zero3SyncRank
         from rlhf_sg.distributed import create_group_store
-        from rlhf_sg.weight_sync import gather_bucket, named_weights, plan_buckets
+        from rlhf_sg.sync import gather_bucket, named_weights, plan_buckets
 
         trainer = Zero3SyncRank(rank, 2, master_port, model_path, timeout_s=TIMEOUT_S)
         trainer.perturb(seed=5)  # new weights, each rank changing its own shards as an optimizer step does
@@ -366,13 +364,13 @@ def server_url(tmp_path_factory):
 @pytest.mark.slow
 def test_http_mode_generates_and_takes_a_collective_update(server_url):
     from backends.sglang_backend import SGLangBackend, open_weight_update_group
-    from rlhf_sg.weight_sync import plan_buckets
+    from rlhf_sg.sync import plan_buckets
 
     url, model_path = server_url
     with pytest.raises(BackendError, match="tensor_parallel_size=2.*sum 1"):
         SGLangBackend(_config(model_path, tensor_parallel_size=2, extra={"server_urls": [url]}))
     backend_single = SGLangBackend(_config(model_path, extra={"server_urls": [url], "request_timeout_s": 120}))
-    assert backend_single.transports == frozenset({"collective", "disk"})
+    assert backend_single.transports == frozenset({"collective", "tensor", "disk"})
     try:
         reference = _hf(model_path)
         out = backend_single.generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_new_tokens=8))
@@ -414,6 +412,17 @@ def test_http_mode_generates_and_takes_a_collective_update(server_url):
         greedy = backend_single.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
         assert [c.token_ids for c in greedy] == [_hf_greedy(new, p, 8) for p in PROMPTS]
         assert all(c.weight_version == 1 for c in greedy)
+        # The tensor transport over HTTP: the same per-TP-rank payloads, base64 in the request, opened by
+        # the server's scheduler from this process's shared memory.
+        other = build_tiny_model("qwen2", "tiny", seed=10)
+        other_named = {n: p.detach().clone() for n, p in other.named_parameters()}
+        (whole,) = plan_buckets([(n, t.shape, t.dtype) for n, t in other_named.items()], 1 << 30)
+        backend_single.update_weights_from_tensor(
+            whole, torch.cat([other_named[t.name].reshape(-1) for t in whole.tensors])
+        )
+        backend_single.finish_weight_update(2)
+        greedy = backend_single.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
+        assert [c.token_ids for c in greedy] == [_hf_greedy(other, p, 8) for p in PROMPTS]
         backend_single.sleep()
         backend_single.wake()
         assert backend_single.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))[0].token_ids == (
