@@ -817,7 +817,9 @@ class SGLangBackend(RolloutBackend):
         self._driver.call("destroy_weights_update_group", group_name=name)
 
     @classmethod
-    def pack_tensor_bucket(cls, manifest: BucketManifest, flat: torch.Tensor, num_tp_ranks: int) -> list[bytes]:
+    def pack_tensor_bucket(
+        cls, manifest: BucketManifest, flat: torch.Tensor, num_tp_ranks: int, _children_only: bool = False
+    ) -> list[bytes]:
         """Sender side of the tensor transport: one ``flattened_bucket`` payload per TP rank.
 
         Runs in the process that owns ``flat`` (the trainer rank). Each payload is SGLang's own format
@@ -828,7 +830,8 @@ class SGLangBackend(RolloutBackend):
         (see :mod:`backends.shared_tensor`). The records are ``types.SimpleNamespace`` with the fields
         of SGLang's ``FlattenedTensorMetadata`` (its loader reads them by attribute; its unpickler
         admits the type), so the trainer never imports sglang. Each rank deserialises only its own
-        payload, so every payload is made here, by the owner of the memory.
+        payload, so every payload is made here, by the owner of the memory. ``_children_only``: the
+        engine runs in this process (see :func:`backends.shared_tensor.share`).
         """
         from types import SimpleNamespace
 
@@ -859,7 +862,7 @@ class SGLangBackend(RolloutBackend):
         if flat.is_cuda:
             torch.cuda.current_stream(flat.device).synchronize()
         payload = {"flattened_tensor": flat.view(torch.uint8), "metadata": metadata}
-        return [share(payload) for _ in range(num_tp_ranks)]
+        return [share(payload, children_only=_children_only) for _ in range(num_tp_ranks)]
 
     def update_weights_from_tensor(self, manifest: BucketManifest, flat: Any) -> None:
         """Load one bucket handed over in memory (colocated): the per-TP-rank payloads of
@@ -868,7 +871,10 @@ class SGLangBackend(RolloutBackend):
         self._check_usable("update_weights_from_tensor")
         ranks = self.config.tensor_parallel_size
         if isinstance(flat, torch.Tensor):
-            flat = self.pack_tensor_bucket(manifest, flat, ranks)
+            # This process owns the tensor; an in-process engine's schedulers are its own children.
+            flat = self.pack_tensor_bucket(
+                manifest, flat, ranks, _children_only=isinstance(self._driver, _EngineDriver)
+            )
         if (
             not isinstance(flat, (list, tuple))
             or len(flat) != ranks

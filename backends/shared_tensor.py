@@ -96,15 +96,21 @@ class _Pickler(ForkingPickler):
         self.dispatch_table = table
 
 
-def share(obj: Any) -> bytes:
+def share(obj: Any, children_only: bool = False) -> bytes:
     """The payload of ``obj`` (tensors, lists, dicts, ...), to be opened in another process.
 
     Call it in the process that owns the tensors' memory. CUDA tensors must be ready (their stream
     synchronised); CPU tensors not yet in shared memory are moved there (a copy: allocate with
     :func:`shared_cpu_buffer` to avoid it).
+
+    ``children_only=True``: the receivers are ``multiprocessing`` children of this process (an engine
+    hosted in this process, whose workers share its authkey), so CPU memory goes by descriptor, torch's
+    default. Sharing by name needs this process's ``torch_shm_manager``, a child process that an engine
+    host may kill (SGLang's ``Engine.shutdown`` kills every child of its host), after which no CPU tensor
+    of this process can be shared by name again.
     """
     buf = io.BytesIO()
-    with cpu_sharing():
+    with contextlib.nullcontext() if children_only else cpu_sharing():
         _Pickler(buf).dump(obj)
     return buf.getvalue()
 

@@ -174,3 +174,36 @@ def test_collective_sync_flushes_once(backend):
     backend.destroy_weight_update_group()
     assert not errors, errors
     assert counts == (1, 0)
+
+
+def test_in_process_tensor_update_does_not_need_the_shared_memory_manager(backend):
+    """An engine hosted in this process takes a plain tensor without torch's ``torch_shm_manager``.
+
+    SGLang's ``Engine.shutdown`` kills every child process of its host, and with them the shared-memory
+    manager that sharing CPU memory by name needs; torch cannot reconnect to a new one afterwards. So a
+    second in-process engine (or the same process after one engine's shutdown) could take no more
+    in-memory updates. The engine's own schedulers are this process's children and take the memory by
+    descriptor, as SGLang's own ``update_weights_from_tensor`` hands it over.
+    """
+    import psutil
+
+    from backends.shared_tensor import share
+
+    try:
+        share(torch.zeros(4))  # starts this process's manager, as an earlier by-name share would have
+    except RuntimeError as exc:  # an earlier engine's shutdown in this process killed it already
+        assert "Broken pipe" in str(exc), exc
+    else:
+        managers = [p for p in psutil.Process().children(recursive=True) if p.name() == "torch_shm_manager"]
+        assert managers, "no torch_shm_manager child: sharing by name did not start one"
+        for p in managers:  # what SGLang's Engine.shutdown does to every child of its host
+            p.kill()
+        psutil.wait_procs(managers, timeout=30)
+        with pytest.raises(RuntimeError, match="Broken pipe"):  # by name is now impossible in this process
+            share(torch.zeros(4))
+    (manifest, flat), *_ = _two_buckets(seed=7)
+    backend.update_weights_from_tensor(manifest, flat)
+    backend.finish_weight_update(backend.weight_version + 1)
+    name = manifest.tensors[0].name
+    want = dict(build_tiny_model("llama", "tiny", seed=7).named_parameters())[name].detach()
+    assert torch.equal(backend.get_weights_by_name(name), want)
