@@ -5,7 +5,6 @@ across them (STRICT_SPREAD): everything the run starts fits only if every group 
 share of the same two bundles, and rank i of each group must sit on bundle i's node.
 """
 
-import dataclasses
 import importlib.util
 import os
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from zero3_rank import HP, actor_rank, in_fresh_process, one_step
 
 from rlhf_sg.config import ConfigError, offload_states, sleep_engines, validate
 from rlhf_sg.trainer import filter_groups
@@ -140,45 +140,19 @@ def test_colocate_all_places_rank_i_of_every_group_on_bundle_i_and_trains(task, 
 
 # Each of these runs one real ZeRO-3 actor rank in a spawned process: DeepSpeed keeps process-wide group state.
 
-_HP = {"temperature": 1.0, "clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "tis_cap": None,
-       "loss_aggregation": "token_mean", "kl_mode": "reward", "kl_coef": 0.0, "kl_estimator": "k1", "entropy_coef": 0.0}
 
 
-def _in_fresh_process(fn, *args):
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply_async(fn, args).get(timeout=600)
 
 
-def _actor_rank(model_path: str, device: str):
-    """One ZeRO-3 actor rank (world size 1) of the model, and a 4-row rollout batch with its plan."""
-    os.environ["DS_ACCELERATOR"] = device
-    from rlhf_sg.distributed import free_port
-    from rlhf_sg.trainer import build_rollout_batch
-    from rlhf_sg.workers import ModelWorker, WorkerSpec
-
-    spec = WorkerSpec(role="actor", model_path=model_path, world_size=1, master_addr="127.0.0.1",
-                      master_port=free_port(), train=True, lr=1e-2, device=device, timeout_s=120)
-    worker = ModelWorker(dataclasses.asdict(spec), 0)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (5, 9, 3, 7)]
-    responses = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (6, 2, 8, 4)]
-    rollout = [torch.randn(len(r), generator=gen).tolist() for r in responses]
-    batch = build_rollout_batch(prompts, responses, rollout, pad_id=0)
-    batch["advantages"] = torch.randn(batch["rollout_logp"].shape, generator=gen) * batch["action_mask"]
-    return worker, batch, [[0, 1, 2, 3]]
 
 
-def _one_step(plan, batch) -> list[dict]:
-    return [{"plan": plan, "normalizer": float(batch["action_mask"].sum())}]
 
 
 def _offload_round_trip(model_path: str, device: str) -> dict:
     """Forward, offload, reload, forward; then a train step after another round trip, and a forward."""
     import torch.distributed as dist
 
-    worker, batch, plan = _actor_rank(model_path, device)
+    worker, batch, plan = actor_rank(model_path, device)
     try:
         _, before = worker.forward(batch, plan)
         freed = worker.offload_states()
@@ -187,7 +161,7 @@ def _offload_round_trip(model_path: str, device: str) -> dict:
         batch.update(old_logp=before, advantages=torch.ones_like(before), ref_logp=before)
         worker.offload_states()
         worker.reload_states()
-        worker.train_actor(batch, _one_step(plan, batch), _HP)
+        worker.train_actor(batch, one_step(plan, batch), HP)
         _, trained = worker.forward(batch, plan)
         return {"freed": freed, "taken": taken, "before": before, "after": after, "trained": trained}
     finally:
@@ -202,7 +176,7 @@ def test_offload_then_reload_leaves_the_worker_exact_and_trainable(tmp_path, dev
     from rlhf_sg.tiny import save_tiny_model
 
     path = save_tiny_model(str(tmp_path / "m"), arch="qwen2", size="tiny")
-    out = _in_fresh_process(_offload_round_trip, path, device)
+    out = in_fresh_process(_offload_round_trip, path, device)
     if device == "cuda":
         assert out["freed"] > 0 and out["taken"] > 0
     else:
@@ -231,12 +205,12 @@ def _one_update(model_path: str, with_old_logp: bool) -> dict:
     supplies them). Returns the log-probs after and the update's metrics."""
     import torch.distributed as dist
 
-    worker, batch, plan = _actor_rank(model_path, "cpu")
+    worker, batch, plan = actor_rank(model_path, "cpu")
     try:
         if with_old_logp:
             batch["old_logp"] = worker.forward(batch, plan)[1]
-        hp = dict(_HP, tis_cap=2.0, kl_mode="loss")
-        metrics = worker.train_actor(batch, _one_step(plan, batch), hp)
+        hp = dict(HP, tis_cap=2.0, kl_mode="loss")
+        metrics = worker.train_actor(batch, one_step(plan, batch), hp)
         return {"after": worker.forward(batch, plan)[1], "metrics": metrics}
     finally:
         dist.destroy_process_group()
@@ -247,8 +221,8 @@ def test_one_update_without_the_old_logprob_pass_equals_the_update_with_it(tmp_p
     from rlhf_sg.tiny import save_tiny_model
 
     path = save_tiny_model(str(tmp_path / "m"), arch="qwen2", size="tiny")
-    separate = _in_fresh_process(_one_update, path, True)
-    fused = _in_fresh_process(_one_update, path, False)
+    separate = in_fresh_process(_one_update, path, True)
+    fused = in_fresh_process(_one_update, path, False)
     torch.testing.assert_close(fused["after"], separate["after"], rtol=0, atol=1e-6)
     assert "actor/logp_gap_engine_vs_trainer" in fused["metrics"]
     assert "actor/logp_gap_engine_vs_trainer" not in separate["metrics"]
@@ -555,11 +529,11 @@ def _staged_offload(model_path: str) -> dict:
     makes), offload the shards too, reload, forward."""
     import torch.distributed as dist
 
-    worker, batch, plan = _actor_rank(model_path, "cuda")
+    worker, batch, plan = actor_rank(model_path, "cuda")
     try:
         _, logp = worker.forward(batch, plan)
         batch.update(old_logp=logp, advantages=torch.ones_like(logp), ref_logp=logp)
-        worker.train_actor(batch, _one_step(plan, batch), _HP)
+        worker.train_actor(batch, one_step(plan, batch), HP)
         _, before = worker.forward(batch, plan)
         resident = torch.cuda.memory_allocated()
         worker.offload_states(keep_params=True)
@@ -583,6 +557,6 @@ def test_offload_keeping_params_leaves_only_the_shards_a_sync_gathers(tmp_path):
     from rlhf_sg.tiny import save_tiny_model
 
     path = save_tiny_model(str(tmp_path / "m"), arch="qwen2", size="tiny")
-    out = _in_fresh_process(_staged_offload, path)
+    out = in_fresh_process(_staged_offload, path)
     assert out["nothing"] < out["params_only"] < out["resident"]
     assert torch.equal(out["during"], out["before"]) and torch.equal(out["after"], out["before"])

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from zero3_rank import HP, actor_rank, in_fresh_process, one_step
 
 from rlhf_sg.config import Config, validate
 from rlhf_sg.tiny import save_tiny_model
@@ -219,37 +220,12 @@ def test_trainer_reinforce_baseline_is_the_token_whitened_recipe(model_dir, tmp_
 
 # ---- worker-level: a real ZeRO-3 rank in a spawned process -------------------------------------------------------
 
-_HP = {"temperature": 1.0, "clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "tis_cap": None,
-       "loss_aggregation": "token_mean", "kl_mode": "reward", "kl_coef": 0.0, "kl_estimator": "k1", "entropy_coef": 0.0}
 
 
-def _in_fresh_process(fn, *args):
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply_async(fn, args).get(timeout=600)
 
 
-def _actor_rank(model_path: str, **spec_kwargs):
-    """One ZeRO-3 actor rank (world size 1) and a 4-row rollout batch with advantages, and its plan."""
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    from rlhf_sg.distributed import free_port
-    from rlhf_sg.workers import ModelWorker, WorkerSpec
-
-    spec = WorkerSpec(role="actor", model_path=model_path, world_size=1, master_addr="127.0.0.1",
-                      master_port=free_port(), train=True, lr=1e-2, timeout_s=120, **spec_kwargs)
-    worker = ModelWorker(dataclasses.asdict(spec), 0)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (5, 9, 3, 7)]
-    responses = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (6, 2, 8, 4)]
-    rollout = [torch.randn(len(r), generator=gen).tolist() for r in responses]
-    batch = build_rollout_batch(prompts, responses, rollout, pad_id=0)
-    batch["advantages"] = torch.randn(batch["rollout_logp"].shape, generator=gen) * batch["action_mask"]
-    return worker, batch, [[0, 1, 2, 3]]
 
 
-def _one_step(plan, batch) -> list[dict]:
-    return [{"plan": plan, "normalizer": float(batch["action_mask"].sum())}]
 
 
 def _scoring_after_an_update(model_path: str) -> dict:
@@ -257,9 +233,9 @@ def _scoring_after_an_update(model_path: str) -> dict:
 
     from rlhf_sg.packing import response_logprobs
 
-    worker, batch, plan = _actor_rank(model_path)
+    worker, batch, plan = actor_rank(model_path)
     try:
-        worker.train_actor(batch, _one_step(plan, batch), _HP)  # leaves the model as the update used it
+        worker.train_actor(batch, one_step(plan, batch), HP)  # leaves the model as the update used it
         first = worker.forward(batch, plan)[1]
         second = worker.forward(batch, plan)[1]
         width = batch["action_mask"].shape[1]
@@ -285,7 +261,7 @@ def test_scoring_forwards_run_without_dropout_after_an_update(tmp_path):
     model = build_tiny_model("qwen2", "tiny", seed=0)
     model.config.attention_dropout = 0.5
     path = save_tiny_model(str(tmp_path / "m"), model=model)
-    out = _in_fresh_process(_scoring_after_an_update, path)
+    out = in_fresh_process(_scoring_after_an_update, path)
     assert out["train_mode_differs"]  # the dropout is real
     assert torch.equal(out["first"], out["second"])
     torch.testing.assert_close(out["first"], out["eval"], rtol=0, atol=1e-6)
@@ -296,13 +272,13 @@ def _lr_run(model_path: str, ckpt: str, resume: bool) -> dict:
     second; or, with resume, the checkpoint loaded and the last two updates."""
     import torch.distributed as dist
 
-    worker, batch, plan = _actor_rank(model_path, lr_scheduler="linear", lr_warmup_steps=2, lr_total_steps=6)
+    worker, batch, plan = actor_rank(model_path, lr_scheduler="linear", lr_warmup_steps=2, lr_total_steps=6)
     try:
         lrs = []
         if resume:
             worker.load_checkpoint(ckpt, "step2")
         for update in range(2 if resume else 4):
-            lrs.append(worker.train_actor(batch, _one_step(plan, batch), _HP)["actor/lr"])
+            lrs.append(worker.train_actor(batch, one_step(plan, batch), HP)["actor/lr"])
             if not resume and update == 1:
                 worker.save_checkpoint(ckpt, "step2", {"step": 2})
         return {"lrs": lrs, "logp": worker.forward(batch, plan)[1]}
@@ -316,10 +292,10 @@ def test_lr_schedule_warms_up_decays_and_resumes_exactly(tmp_path):
 
     path = save(str(tmp_path / "m"), arch="qwen2", size="tiny")
     ckpt = str(tmp_path / "ckpt")
-    full = _in_fresh_process(_lr_run, path, ckpt, False)
+    full = in_fresh_process(_lr_run, path, ckpt, False)
     # transformers' linear schedule: k / warmup during the warmup, then (total - k) / (total - warmup)
     assert full["lrs"] == pytest.approx([0.0, 0.5e-2, 1e-2, 0.75e-2])
-    resumed = _in_fresh_process(_lr_run, path, ckpt, True)
+    resumed = in_fresh_process(_lr_run, path, ckpt, True)
     assert resumed["lrs"] == pytest.approx(full["lrs"][2:], abs=1e-12)
     torch.testing.assert_close(resumed["logp"], full["logp"], rtol=0, atol=1e-6)
 
@@ -347,7 +323,7 @@ def _cuda_rng_round_trip(model_path: str, ckpt: str) -> bool:
 def test_checkpoint_restores_the_cuda_rng(tmp_path):
     """On a GPU, a checkpoint keeps the CUDA generator: the draws after loading repeat those after saving."""
     path = save_tiny_model(str(tmp_path / "m"), arch="qwen2", size="tiny")
-    assert _in_fresh_process(_cuda_rng_round_trip, path, str(tmp_path / "ckpt"))
+    assert in_fresh_process(_cuda_rng_round_trip, path, str(tmp_path / "ckpt"))
 
 
 # ---- 8. metrics over ranks --------------------------------------------------------------------------------------
