@@ -191,12 +191,7 @@ class _PipeClient:
     def call(self, op: str, args: Any) -> Any:
         with self.lock:
             self.conn.send((op, args))
-            if not self.conn.poll(TIMEOUT_S):
-                raise TimeoutError(f"the engine did not answer {op!r} within {TIMEOUT_S} s")
-            status, reply = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"engine: {op} failed: {reply}")
-        return reply
+            return _reply(self, op)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.call("vllm", ("init_weight_transfer_engine", {"request": {"init_info": init_info}}))
@@ -367,12 +362,14 @@ def _vllm_nccl(named, manifests, client, device, opts):
     return engine.send_weights
 
 
-def _reply(client) -> Any:
+def _reply(client, op: str = "") -> Any:
+    """The engine process's answer to the last request on ``client``'s pipe, within ``TIMEOUT_S``."""
+    what = f" {op!r}" if op else ""
     if not client.conn.poll(TIMEOUT_S):
-        raise TimeoutError(f"the engine did not answer within {TIMEOUT_S} s")
+        raise TimeoutError(f"the engine did not answer{what} within {TIMEOUT_S} s")
     status, reply = client.conn.recv()
     if status != "ok":
-        raise RuntimeError(f"engine: {reply}")
+        raise RuntimeError(f"engine:{what} failed: {reply}")
     return reply
 
 
