@@ -111,21 +111,6 @@ def build_rollout_batch(
     return batch
 
 
-def filter_groups(batch: dict[str, torch.Tensor], n: int) -> tuple[dict[str, torch.Tensor] | None, float]:
-    """Drop the groups (``n`` consecutive rows, one prompt) whose scores are all equal: a group
-    estimator gives them zero advantage, so they cost training compute and teach nothing.
-
-    Returns (the batch of the kept rows, or None when no group is kept; the fraction of groups kept).
-    """
-    scores = batch["scores"].view(-1, n)
-    keep_groups = (scores.max(dim=1).values - scores.min(dim=1).values) > 0
-    kept = keep_groups.float().mean().item()
-    if not keep_groups.any():
-        return None, kept
-    rows = torch.repeat_interleave(keep_groups, n).nonzero().flatten()
-    return {k: v.index_select(0, rows) for k, v in batch.items()}, kept
-
-
 def has_signal(group_scores: torch.Tensor) -> bool:
     """Whether a group's scores ([n], one prompt's samples) differ: a group of equal scores gets zero
     advantage from every group estimator, so it costs training compute and teaches nothing."""
@@ -833,5 +818,5 @@ def train(cfg: Config, trainer_cls: type[PPOTrainer] = PPOTrainer, **kwargs) -> 
     return history
 
 
-__all__ = ["PPOTrainer", "build_rollout_batch", "check_weight_versions", "filter_groups", "load_tokenizer",
+__all__ = ["PPOTrainer", "build_rollout_batch", "check_weight_versions", "load_tokenizer",
            "rollout_seed", "train"]

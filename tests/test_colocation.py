@@ -15,7 +15,7 @@ import torch
 from zero3_rank import HP, actor_rank, in_fresh_process, one_step
 
 from rlhf_sg.config import ConfigError, offload_states, sleep_engines, validate
-from rlhf_sg.trainer import filter_groups
+from rlhf_sg.trainer import has_signal, select_groups
 
 RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
 sys.path.insert(0, RECIPES)
@@ -74,16 +74,15 @@ def test_colocate_all_turns_on_sleep_and_offload_unless_the_user_said_otherwise(
     assert not sleep_engines(cfg) and not offload_states(cfg)
 
 
-def test_filter_groups_keeps_groups_with_signal_and_every_tensor_in_step():
+def test_groups_with_signal_are_kept_and_groups_of_equal_scores_dropped():
     n = 4
-    scores = torch.tensor([1.0, 1, 1, 1, 0, 1, 0, 0, 0.5, 0.5, 0.5, 0.5, 0, 0, 0, 0.2])
-    batch = {"scores": scores, "sequences": torch.arange(16).unsqueeze(1).repeat(1, 3)}
-    kept, frac = filter_groups(batch, n)
-    assert frac == 0.5
-    assert kept["scores"].tolist() == [0, 1, 0, 0, 0, 0, 0, pytest.approx(0.2)]
-    assert kept["sequences"][:, 0].tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
-    none, frac = filter_groups({"scores": torch.ones(8), "sequences": torch.zeros(8, 2)}, n)
-    assert none is None and frac == 0.0
+    scores = torch.tensor([1.0, 1, 1, 1, 0, 1, 0, 0, 0.5, 0.5, 0.5, 0.5, 0, 0, 0, 0.2]).view(-1, n)
+    signal = [has_signal(group) for group in scores]
+    assert signal == [False, True, False, True]
+    chosen, filler = select_groups(signal, 2)
+    assert (chosen, filler) == ([1, 3], 0)
+    assert torch.cat([scores[g] for g in chosen]).tolist() == [0, 1, 0, 0, 0, 0, 0, pytest.approx(0.2)]
+    assert not any(has_signal(group) for group in torch.ones(8).view(-1, n))
 
 
 # ---- placement and a run (real Ray, DeepSpeed ZeRO-3) --------------------------------------------------------
