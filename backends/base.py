@@ -49,7 +49,8 @@ so weights, KV cache and training states are never on the device together.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -60,6 +61,7 @@ __all__ = [
     "MEMORY_TAGS",
     "MEMORY_WEIGHTS",
     "check_generate_args",
+    "wait_work",
     "memory_tags",
     "BackendConfig",
     "BackendError",
@@ -207,6 +209,25 @@ def check_generate_args(
                 f"that is {len(prompt) + params.max_new_tokens} > the engine's context of {context_len}{note}; "
                 "shorten the prompt or lower max_new_tokens"
             )
+
+
+def wait_work(work: Any, timeout_s: float, poll: Callable[[], None] | None = None, what: str = "a collective") -> None:
+    """Wait for a collective's ``work`` to complete, at most ``timeout_s``, without a timed ``wait``.
+
+    Polls ``work.is_completed()`` (calling ``poll`` in between, e.g. to raise an engine's failure at
+    once), then calls ``work.wait()`` without a timeout, on completed work only, which raises the
+    collective's own error if it failed. Raises :class:`TimeoutError` after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    pause = 5e-5
+    while not work.is_completed():
+        if poll is not None:
+            poll()
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} did not complete within timeout_s={timeout_s}")
+        time.sleep(pause)
+        pause = min(2 * pause, 2e-3)  # short transfers are seen at once, long ones cost little CPU
+    work.wait()
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ import datetime
 import glob
 import os
 import random
-import time
 from collections.abc import Iterable
 
 import torch
@@ -46,6 +45,7 @@ from backends.base import (
     WeightGroupSpec,
     check_generate_args,
     memory_tags,
+    wait_work,
 )
 
 __all__ = ["EmbeddedBackend", "open_weight_update_group", "sample_next_tokens"]
@@ -423,14 +423,7 @@ class EmbeddedBackend(RolloutBackend):
         opts.timeout = datetime.timedelta(seconds=spec.timeout_s)
         try:
             # Poll, then wait() without a timeout: on NCCL a wait whose timeout expires aborts the communicator.
-            work = self._group.broadcast([flat], opts)
-            deadline, pause = time.monotonic() + spec.timeout_s, 5e-5
-            while not work.is_completed():
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"no bucket within timeout_s={spec.timeout_s}")
-                time.sleep(pause)
-                pause = min(2 * pause, 2e-3)
-            work.wait()
+            wait_work(self._group.broadcast([flat], opts), spec.timeout_s, what="the bucket")
         except Exception as exc:
             raise BackendError(
                 f"receiving a bucket of {len(manifest.tensors)} tensors ({flat.numel() * flat.element_size()} "

@@ -102,8 +102,8 @@ def test_nccl_bucket_slower_than_any_short_poll_keeps_the_communicator(ray_local
 
     import torch.distributed as dist
 
+    from backends.base import wait_work
     from rlhf_sg.distributed import create_group_store, side_broadcast
-    from rlhf_sg.sync.transports import wait_work
 
     store = create_group_store("127.0.0.1", 60.0)
     groups = {}

@@ -42,13 +42,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from backends.base import BucketManifest, RolloutBackend, WeightGroupSpec
+from backends.base import BucketManifest, RolloutBackend, WeightGroupSpec, wait_work
 from rlhf_sg.distributed import create_group_store, side_broadcast
 from rlhf_sg.engine_actor import EngineCallError, get_engine_result, wait_engine_calls
 
-__all__ = ["BroadcastTransport", "DiskTransport", "HandOffTransport", "Transport", "backend_class", "wait_work"]
+__all__ = ["BroadcastTransport", "DiskTransport", "HandOffTransport", "Transport", "backend_class"]
 
-_FIRST_POLL_S, _MAX_POLL_S = 5e-5, 2e-3
 
 
 def backend_class(info: dict[str, Any]) -> type[RolloutBackend]:
@@ -56,25 +55,6 @@ def backend_class(info: dict[str, Any]) -> type[RolloutBackend]:
     from backends.registry import get_backend_class
 
     return get_backend_class(info.get("backend_class") or info["backend"])
-
-
-def wait_work(work: Any, timeout_s: float, poll: Callable[[], None] | None = None, what: str = "a collective") -> None:
-    """Wait for a collective's ``work`` to complete, at most ``timeout_s``, without a timed ``wait``.
-
-    Polls ``work.is_completed()`` (calling ``poll`` in between, e.g. to raise an engine's failure at
-    once), then calls ``work.wait()`` without a timeout, on completed work only, which raises the
-    collective's own error if it failed. Raises :class:`TimeoutError` after ``timeout_s``.
-    """
-    deadline = time.monotonic() + timeout_s
-    pause = _FIRST_POLL_S
-    while not work.is_completed():
-        if poll is not None:
-            poll()
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"{what} did not complete within timeout_s={timeout_s}")
-        time.sleep(pause)
-        pause = min(2 * pause, _MAX_POLL_S)  # short transfers are seen at once, long ones cost little CPU
-    work.wait()
 
 
 @dataclasses.dataclass
