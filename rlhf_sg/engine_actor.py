@@ -121,9 +121,7 @@ class EngineActor:
         """name -> (shape, safetensors dtype) of every tensor in the engine's checkpoint (headers only)."""
         if self._reference is None:
             import glob
-            import json
             import os
-            import struct
 
             path = self.backend.config.model_path
             if not os.path.isdir(path):  # a model-hub id: the copy the engine loaded, from the local cache
@@ -140,14 +138,14 @@ class EngineActor:
                     "*.safetensors files nor a model-hub id cached on this machine (start the engines from a "
                     "saved model directory)"
                 )
+            from safetensors import safe_open
+
             reference = {}
             for file in files:
-                with open(file, "rb") as f:
-                    (size,) = struct.unpack("<Q", f.read(8))
-                    header = json.loads(f.read(size))
-                for name, entry in header.items():
-                    if name != "__metadata__":
-                        reference[name] = (tuple(int(s) for s in entry["shape"]), entry["dtype"])
+                with safe_open(file, framework="pt") as f:  # reads the header only
+                    for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                        piece = f.get_slice(name)
+                        reference[name] = (tuple(int(s) for s in piece.get_shape()), piece.get_dtype())
             self._reference = reference
         return self._reference
 
