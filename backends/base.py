@@ -258,6 +258,12 @@ class BackendConfig:
     device: str = "cpu"  # "cpu" | "cuda"
     tensor_parallel_size: int = 1
     num_threads: int | None = None  # CPU threads for this engine process; None = leave as is
+    #: share of each device the engine takes for weights and KV cache (SGLang's mem_fraction_static, vLLM's
+    #: gpu_memory_utilization); None: the backend's default. Engine-specific keywords in ``extra`` win.
+    memory_fraction: float | None = None
+    #: the trainer puts the engine to sleep while it trains (colocated layouts): start it so that
+    #: :meth:`RolloutBackend.sleep` frees device memory (SGLang's memory saver; vLLM's sleep mode)
+    sleeps_while_training: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -133,7 +133,8 @@ def vllm_engine_kwargs(config: BackendConfig) -> dict[str, Any]:
         "seed": config.seed,
         "tensor_parallel_size": tp,
         "distributed_executor_backend": extra.get("distributed_executor_backend", "uni" if tp == 1 else "mp"),
-        "gpu_memory_utilization": float(extra.get("gpu_memory_utilization", 0.1 if on_cpu else 0.85)),
+        "gpu_memory_utilization": float(extra.get("gpu_memory_utilization", config.memory_fraction
+                                                  or (0.1 if on_cpu else 0.85))),
         "enforce_eager": bool(extra.get("enforce_eager", on_cpu)),
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": _EXTENSION,

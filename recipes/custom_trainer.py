@@ -1,16 +1,15 @@
-"""Extending the trainer by subclassing: a custom advantage estimator, a custom reward, and hooks.
+"""Extending the trainer: a custom advantage estimator, a custom reward, and hooks.
 
-``MedianBaselineTrainer`` changes three things of :class:`rlhf_sg.trainer.PPOTrainer`:
+* ``median_baseline``, an advantage estimator registered by name: each sample's score minus the
+  median score of its prompt's group (a baseline that one lucky or broken sample cannot drag), spread
+  over the response tokens. ``inputs.token_rewards`` adds the run's KL penalty (in ``kl_mode reward``),
+  so the estimator never handles the KL itself; ``--algo median_baseline`` selects it like a built-in;
+* ``MedianBaselineTrainer`` subclasses :class:`rlhf_sg.trainer.PPOTrainer`:
+  ``compute_rewards`` is the task's rule reward minus a small penalty per token beyond the answer;
+  ``on_experience`` counts the groups where at least one sample was right, ``on_step_end`` logs that
+  fraction as ``custom/solved_groups`` (it lands in metrics.jsonl and TensorBoard).
 
-* ``compute_advantages``: each sample's score minus the median score of its prompt's group (a
-  baseline that one lucky or broken sample cannot drag), spread over the response tokens; the KL
-  penalty and the rest of the PPO step are the library's own;
-* ``compute_rewards``: the task's rule reward minus a small penalty per token beyond the answer;
-* hooks: ``on_experience`` counts the groups where at least one sample was right, ``on_step_end``
-  logs that fraction as ``custom/solved_groups`` (it lands in metrics.jsonl and TensorBoard).
-
-Run it on the quickstart's task (critic-free, so ``--algo`` names a group estimator; the override
-replaces its advantages):
+Run it on the quickstart's task:
 
     python recipes/custom_trainer.py [--steps 20] [--out runs/custom_trainer]
 """
@@ -28,7 +27,17 @@ import arith_task  # noqa: E402
 import torch  # noqa: E402
 
 from rlhf_sg import algorithms as algo  # noqa: E402
+from rlhf_sg.advantages import register_advantage_estimator  # noqa: E402
 from rlhf_sg.trainer import PPOTrainer, train  # noqa: E402
+
+
+@register_advantage_estimator("median_baseline", needs_groups=True)
+def median_baseline(inputs):
+    """Score minus the group's median, as the reward of each response's last token (plus the KL penalty on
+    every token), summed to the end of the response: (advantages [B, T], no critic returns)."""
+    scores = inputs.scores.view(-1, inputs.group_size)
+    baselined = (scores - scores.median(dim=1, keepdim=True).values).reshape(-1)
+    return algo.discounted_returns(inputs.token_rewards(baselined), inputs.action_mask, 1.0), None
 
 
 class MedianBaselineTrainer(PPOTrainer):
@@ -36,25 +45,14 @@ class MedianBaselineTrainer(PPOTrainer):
     length_penalty = 0.02
     _solved = float("nan")  # set by on_experience; a step that trains on nothing logs NaN
 
-    def compute_rewards(self, prompts, completions, batch):
-        scores = super().compute_rewards(prompts, completions, batch)
+    def compute_rewards(self, prompts, completions, experience):
+        scores = super().compute_rewards(prompts, completions, experience)
         extra = torch.tensor([max(0, len(c.token_ids) - 2) for c in completions], dtype=torch.float32)
         return scores - self.length_penalty * extra
 
-    def compute_advantages(self, batch):
+    def on_experience(self, experience):
         n = self.cfg.rollout.n_samples_per_prompt
-        scores = batch["scores"].view(-1, n)
-        seq_adv = (scores - scores.median(dim=1, keepdim=True).values).reshape(-1)
-        mask = batch["action_mask"]
-        kl = batch.get("kl")
-        kl_coef = self.kl_ctl.value if kl is not None and self.cfg.train.kl_mode == "reward" else 0.0
-        rewards = algo.shape_rewards(seq_adv, kl if kl is not None else torch.zeros_like(mask, dtype=torch.float32),
-                                     mask, kl_coef)
-        batch["advantages"] = algo.discounted_returns(rewards, mask, 1.0)
-
-    def on_experience(self, batch):
-        n = self.cfg.rollout.n_samples_per_prompt
-        right = batch["scores"].view(-1, n) > 0.5  # the rule gives 1 for a right answer (minus the penalty)
+        right = experience.scores.view(-1, n) > 0.5  # the rule gives 1 for a right answer (minus the penalty)
         self._solved = right.any(dim=1).float().mean().item()
 
     def on_step_end(self, step, metrics):
@@ -71,7 +69,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     policy, prompts = prepare(args.out, args.warm_start_steps)
-    cfg = make_config(policy, prompts, os.path.join(args.out, "run"), args.steps, "dr_grpo", "hf")
+    cfg = make_config(policy, prompts, os.path.join(args.out, "run"), args.steps, "median_baseline", "hf")
     history = train(cfg, trainer_cls=MedianBaselineTrainer, reward_fn=arith_task.addition_reward)
     for h in history:
         solved = h["custom/solved_groups"]

@@ -1,40 +1,7 @@
 #!/usr/bin/env bash
-# GRPO across several GPU nodes with vLLM engines, on a Ray cluster.
-#
-# Start Ray first, on the head node `ray start --head --port 6379` and on every other node
-# `ray start --address HEAD_IP:6379`; then run this script on the head node. Ray places the ZeRO-3
-# actor ranks and the vLLM engines across the nodes; weights move by NCCL broadcast of flat buckets
-# (the "collective" transport), every trainer rank sending to its share of the engines, so no single
-# rank's link carries every engine's copy.
-#
-# Usage: REWARD=my_task:score MODEL=/shared/hf_model PROMPT_DATA=/shared/prompts.jsonl bash recipes/gpu_grpo_vllm_multinode.sh [more flags]
-# MODEL and PROMPT_DATA must be readable at the same path on every node (a shared filesystem).
-# Needs: `pip install -e ".[vllm]"` on every node. Extra arguments go to `rlhf-sg train-ppo`.
+# GRPO, layout recipes/gpu/grpo_multinode.yaml (read it for the GPUs, transport and sizes), vllm engines.
+# Usage: REWARD=my_task:score MODEL=/path/to/hf_model PROMPT_DATA=prompts.jsonl bash recipes/gpu_grpo_vllm_multinode.sh [more flags]
+# The twin script for the other engine differs only in the backend name.
 set -euo pipefail
-
-MODEL="${MODEL:?set MODEL to a Hugging Face model directory readable on every node}"
-REWARD="${REWARD:?set REWARD to the reward function, module:function (see rlhf_sg/rewards.py)}"
-PROMPT_DATA="${PROMPT_DATA:?set PROMPT_DATA to a prompt file readable on every node}"
-export RAY_ADDRESS="${RAY_ADDRESS:-auto}"   # join the running Ray cluster instead of starting one
-
-args=(
-    --backend vllm                          # rollout engine: vLLM
-    --model "$MODEL"                        # policy to train; every engine starts from it
-    --prompt-data "$PROMPT_DATA"            # training prompts
-    --algo grpo                             # group-relative advantages, no critic
-    --reward.function "$REWARD"             # scores each completion (rule-based, module:function)
-    --model.dtype bfloat16                  # trainer and engine weights in bf16
-    --train.device cuda                     # ZeRO-3 ranks on GPUs (NCCL across nodes)
-    --train.actor_num_ranks 16              # ZeRO-3 actor ranks: two 8-GPU nodes' worth
-    --rollout.num_engines 8                 # vLLM engines, spread over the remaining nodes
-    --rollout.tensor_parallel_size 2        # GPUs per engine (kept inside one node by vLLM's executor)
-    --rollout.weight_transport collective   # NCCL broadcast of flat buckets on side groups
-    --rollout.bucket_bytes 1073741824       # 1 GiB buckets: fewer, larger inter-node broadcasts
-    --rollout.n_samples_per_prompt 8        # GRPO group size
-    --rollout.prompts_per_step 256          # prompts per step
-    --rollout.max_new_tokens 2048           # response budget
-    --rollout.max_model_len 8192            # engine context
-    --rollout.engine_kwargs '{"gpu_memory_utilization": 0.9}'  # engines own their GPUs
-    --output-dir /shared/runs/grpo_vllm     # on the shared filesystem, so every node can write checkpoints
-)
-exec rlhf-sg train-ppo "${args[@]}" "$@"
+export RAY_ADDRESS="${RAY_ADDRESS:-auto}"   # join the running Ray cluster
+exec bash "$(dirname "$0")/gpu/run.sh" grpo_multinode vllm "$@"

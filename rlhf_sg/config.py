@@ -15,7 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_sg.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS
+from rlhf_sg.advantages import advantage_estimator, advantage_estimators
+from rlhf_sg.algorithms import KL_KINDS
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 
@@ -56,7 +57,10 @@ class RolloutConfig:
     #: weight transport into the engines: "collective" | "tensor" | "disk"
     weight_transport: str = "collective"
     bucket_bytes: int = 512 * 2**20
-    #: engine-specific keywords passed verbatim to the backend (YAML mapping)
+    #: share of each engine device for weights and KV cache (SGLang's mem_fraction_static, vLLM's
+    #: gpu_memory_utilization; on CPU, vLLM's share of host memory); None: the engine's default
+    memory_fraction: float | None = None
+    #: engine-specific keywords passed verbatim to the backend (YAML mapping); they win over the above
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     #: CPU threads per engine process (None: on CPU, the machine's cores shared among the engines, since
     #: the step's phases take turns and nothing else computes while the engines generate; on GPU, 1)
@@ -160,6 +164,12 @@ class RewardConfig:
     #: module:function taking (prompts, completions, labels) -> list of floats
     function: str | None = None
     url: str | None = None
+    #: name of the environment variable holding the remote scorer's bearer token (the token itself never
+    #: goes in a flag or YAML file: those reach shell history and <output_dir>/config.json)
+    token_env: str | None = None
+    #: PEM file of the CA that signed the remote scorer's certificate (https; a private CA). Certificates
+    #: are always checked
+    ca_file: str | None = None
     num_ranks: int = 1
 
 
@@ -338,9 +348,10 @@ def validate(cfg: Config) -> Config:
     _need(m.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {m.dtype!r}")
     _need(m.attn_implementation in ("sdpa", "eager", "flash_attention_2"),
           f"--model.attn_implementation must be sdpa, eager or flash_attention_2, got {m.attn_implementation!r}")
-    _need(t.advantage_estimator in ADVANTAGE_ESTIMATORS,
-          f"--train.advantage_estimator {t.advantage_estimator!r} unknown; choose one of {list(ADVANTAGE_ESTIMATORS)}")
-    if t.advantage_estimator not in ("gae", "reinforce"):
+    _need(t.advantage_estimator in advantage_estimators(),
+          f"--train.advantage_estimator {t.advantage_estimator!r} unknown; choose one of {advantage_estimators()} "
+          "(or register your own with rlhf_sg.advantages.register_advantage_estimator)")
+    if advantage_estimator(t.advantage_estimator).needs_groups:
         _need(r.n_samples_per_prompt >= 2,
               f"--train.advantage_estimator {t.advantage_estimator} compares samples of the same prompt: set "
               f"--rollout.n_samples_per_prompt >= 2 (got {r.n_samples_per_prompt})")
@@ -355,6 +366,8 @@ def validate(cfg: Config) -> Config:
     _need(t.lr_scheduler in LR_SCHEDULERS,
           f"--train.lr_scheduler must be one of {list(LR_SCHEDULERS)}, got {t.lr_scheduler!r}")
     _need(0 <= t.lr_warmup_ratio < 1, f"--train.lr_warmup_ratio must be in [0, 1), got {t.lr_warmup_ratio}")
+    _need(r.memory_fraction is None or 0 < r.memory_fraction <= 1,
+          f"--rollout.memory_fraction must be in (0, 1] (a share of each engine device), got {r.memory_fraction}")
     _need(t.kl_estimator in KL_KINDS, f"--train.kl_estimator must be one of {list(KL_KINDS)}, got {t.kl_estimator!r}")
     _need(t.kl_mode in ("reward", "loss"), f"--train.kl_mode must be 'reward' or 'loss', got {t.kl_mode!r}")
     _need(t.kl_coef >= 0, f"--train.kl_coef must be >= 0, got {t.kl_coef}")
@@ -409,6 +422,19 @@ def validate(cfg: Config) -> Config:
     if rw.kind == "remote":
         _need(bool(rw.url) and rw.url.startswith(("http://", "https://")),
               f"--reward.url must be an http(s) URL with --reward.kind remote, got {rw.url!r}")
+        if rw.token_env is not None:
+            _need(rw.token_env.isascii() and rw.token_env.isidentifier(),
+                  "--reward.token_env takes the NAME of an environment variable that holds the token (letters, "
+                  "digits, underscores), not the token itself")
+            _need(bool(os.environ.get(rw.token_env, "").strip()),
+                  f"--reward.token_env: environment variable {rw.token_env} is not set (or empty); "
+                  f"export {rw.token_env}=<token> before starting the run")
+        if rw.ca_file is not None:
+            _need(rw.url.startswith("https://"), f"--reward.ca_file needs an https --reward.url, got {rw.url!r}")
+            _need(os.path.isfile(rw.ca_file), f"--reward.ca_file: {rw.ca_file!r} is not a file (a PEM certificate)")
+    else:
+        _need(rw.token_env is None and rw.ca_file is None,
+              "--reward.token_env / --reward.ca_file apply to --reward.kind remote only")
     _need(cfg.log.save_steps >= 0, f"--log.save_steps must be >= 0, got {cfg.log.save_steps}")
     if t.recompute_old_logp is False:
         _need(t.ppo_epochs == 1 and t.num_minibatches == 1 and not (t.kl_coef > 0 and t.kl_mode == "reward"),
@@ -421,7 +447,7 @@ def validate(cfg: Config) -> Config:
 
 def _validate_colocation(cfg: Config) -> None:
     r, t, rw = cfg.rollout, cfg.train, cfg.reward
-    uses_critic, uses_ref, uses_rm = t.advantage_estimator == "gae", t.kl_coef > 0, rw.kind == "model"
+    uses_critic, uses_ref, uses_rm = uses_critic_model(cfg), t.kl_coef > 0, rw.kind == "model"
     if t.colocate_actor_ref:
         _need(uses_ref, "--train.colocate_actor_ref: there is no reference model to colocate (--train.kl_coef is 0)")
         _need(t.ref_num_ranks == t.actor_num_ranks,
@@ -429,7 +455,7 @@ def _validate_colocation(cfg: Config) -> None:
               f"to --train.actor_num_ranks ({t.actor_num_ranks}), got {t.ref_num_ranks}")
     if t.colocate_critic_reward:
         _need(uses_critic and uses_rm,
-              "--train.colocate_critic_reward needs both a critic (--train.advantage_estimator gae) and a reward "
+              "--train.colocate_critic_reward needs both a critic (an estimator such as gae) and a reward "
               f"model (--reward.kind model); got {t.advantage_estimator!r} and {rw.kind!r}")
         _need(rw.num_ranks == t.critic_num_ranks,
               f"--train.colocate_critic_reward puts reward rank i on critic rank i's device: set --reward.num_ranks "
@@ -452,6 +478,11 @@ def _validate_colocation(cfg: Config) -> None:
               "sense with --rollout.sleep_engines_while_training false and no colocate_all")
 
 
+def uses_critic_model(cfg: Config) -> bool:
+    """Whether the run trains a critic: its advantage estimator reads values (``gae``)."""
+    return advantage_estimator(cfg.train.advantage_estimator).needs_critic
+
+
 def sleep_engines(cfg: Config) -> bool:
     """Whether engines release their memory while the trainer trains (the setting, or colocate_all)."""
     s = cfg.rollout.sleep_engines_while_training
@@ -469,7 +500,7 @@ def optimizer_steps(cfg: Config, role: str) -> int:
     ppo_epochs x num_minibatches per training step; the actor sits out the critic's warmup steps."""
     t = cfg.train
     steps = t.max_steps
-    if role == "actor" and t.advantage_estimator == "gae":
+    if role == "actor" and uses_critic_model(cfg):
         steps = max(0, steps - t.critic_warmup_steps)
     return steps * t.ppo_epochs * t.num_minibatches
 

@@ -55,6 +55,20 @@ def _read_rows(path: str) -> tuple[list[Any], str]:
     raise DataError(f"{path}: unknown format; use .jsonl, .parquet or a datasets directory")
 
 
+def load_tokenizer(path: str):
+    """The model's tokenizer. A plain ``tokenizer.json`` saved as PreTrainedTokenizerFast is loaded as
+    such: AutoTokenizer would attach the architecture's own pre-tokenizer to it (and a character-level
+    tokenizer would silently lose its spaces)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(cfg_path):
+        with open(cfg_path) as f:
+            if json.load(f).get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+                return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
 def load_prompts(
     path: str,
     tokenizer,

@@ -31,8 +31,7 @@ an additive float mask in the model's dtype (a bool mask would be ADDED to the s
 
 The functions the trainer calls, all taking the padded layout and answering in it:
 :func:`response_logprobs` (log-probs and entropy of response tokens, fp32, chunked over the vocabulary),
-:func:`critic_values`, :func:`reward_scores`; and for the training loop :func:`token_budget_microbatches`
-and :func:`microbatch_loss_scale`.
+:func:`critic_values`, :func:`reward_scores`; and for the training loop :func:`token_budget_microbatches`.
 """
 
 from __future__ import annotations
@@ -672,31 +671,3 @@ def _least_loaded_bins(
         heapq.heappush(heap, (load + lengths[i], k))
     return bins
 
-
-def microbatch_loss_scale(
-    total_action_tokens: int, dp_size: int, gradient_accumulation_steps: int = 1
-) -> float:
-    """Factor for one micro-batch's token-SUM loss so the optimizer step sees ONE token-mean.
-
-    With ``loss_mb = (sum of per-token losses in micro-batch mb) * scale`` handed to backward, where
-    ``scale = dp_size * gradient_accumulation_steps / total_action_tokens``:
-
-    - ``total_action_tokens``: action tokens of the whole optimizer step, summed over ALL ranks and all
-      their micro-batches;
-    - ``gradient_accumulation_steps``: the divisor the engine applies in backward, i.e. DeepSpeed's
-      ``engine.gradient_accumulation_steps()`` with ``engine.backward(loss)`` (``scale_wrt_gas=True``),
-      or 1 with ``engine.backward(loss, scale_wrt_gas=False)``;
-    - data parallelism averages gradients over ``dp_size`` ranks.
-
-    The step's gradient is then ``(1/dp) * sum_ranks sum_mb (1/gas) * grad(sum_mb * dp * gas / N)
-    = grad(sum over all action tokens / N)``: the token-mean over the step, whatever the split into
-    ranks and micro-batches.
-    """
-    if total_action_tokens < 1:
-        raise ValueError(f"total_action_tokens must be >= 1, got {total_action_tokens}")
-    if dp_size < 1 or gradient_accumulation_steps < 1:
-        raise ValueError(
-            f"dp_size ({dp_size}) and gradient_accumulation_steps ({gradient_accumulation_steps}) must be "
-            ">= 1"
-        )
-    return dp_size * gradient_accumulation_steps / total_action_tokens

@@ -13,6 +13,8 @@ import string
 
 import torch
 
+from rlhf_sg.data import load_tokenizer  # noqa: F401  (the loader for the models saved here)
+
 #: parameter-count presets (vocab is the character set below, ~100 tokens)
 SIZES = {
     # name: (hidden, layers, heads, kv_heads, intermediate)
@@ -47,13 +49,6 @@ def build_tokenizer():
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
     )
-
-
-def load_tokenizer(path: str):
-    """Load a tokenizer saved by :func:`save_tiny_model` (or any tokenizer.json) without swaps."""
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(path)
 
 
 def tiny_config(arch: str = "qwen2", size: str = "tiny", vocab_size: int | None = None, max_len: int = 2048):

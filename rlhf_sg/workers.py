@@ -5,9 +5,9 @@ together: under ZeRO-3 every forward gathers parameters collectively, so every r
 same number of forwards. The controller guarantees it by giving each rank a plan with the same
 number of token-budget micro-batches (:func:`rlhf_sg.packing.token_budget_microbatches`).
 
-Batches travel as one dict of padded CPU tensors through Ray's object store (shared memory on a
-node); each rank takes the rows of its plan, packs them (no compute on padding) and returns its
-results by global row index.
+Batches travel as one :class:`rlhf_sg.experience.Experience` of padded CPU tensors through Ray's
+object store (shared memory on a node); each rank takes the rows of its plan, moves them to its
+device, packs them (no compute on padding) and returns its results by global row index.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-ROLES = ("actor", "critic", "ref", "reward")
+from rlhf_sg.experience import ActorUpdate, CriticUpdate, Experience, OptimizerStep
 
 
 @dataclass
@@ -47,11 +47,6 @@ class WorkerSpec:
     threads: int = 1
     device: str = "cpu"
     timeout_s: float = 900.0
-
-
-def _rows(batch: dict[str, torch.Tensor], idx: list[int]) -> dict[str, torch.Tensor]:
-    index = torch.as_tensor(idx, dtype=torch.long)
-    return {k: v.index_select(0, index) for k, v in batch.items()}
 
 
 def lr_schedule(name: str, warmup_steps: int, total_steps: int):
@@ -95,6 +90,40 @@ def allreduce_weighted_means(
     return {k: values[i] / values[n + i] if values[n + i] > 0 else 0.0 for i, k in enumerate(names)}
 
 
+def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate,
+                          normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's actor loss (:func:`rlhf_sg.algorithms.actor_loss`) and its per-token metrics.
+
+    model: the policy (a DeepSpeed engine or a causal LM), in train mode; mb: the micro-batch on the model's
+    device, with advantages (and old_logp unless ``update.old_logp_from_update``)."""
+    from rlhf_sg.algorithms import actor_loss, masked_mean
+    from rlhf_sg.packing import response_logprobs
+
+    logp, entropy = response_logprobs(model, mb.sequences, mb.attention_mask, mb.response_width,
+                                      update.temperature, with_entropy=True)
+    # a single update on fresh samples: the policy that sampled is the one being trained, so the old
+    # log-probs are this forward's own
+    old_logp = logp.detach() if update.old_logp_from_update else mb.old_logp
+    loss, metrics = actor_loss(logp, entropy, old_logp, mb.advantages, mb.action_mask, update.loss, normalizer,
+                               rollout_logp=mb.rollout_logp, ref_logp=mb.ref_logp)
+    if update.old_logp_from_update:
+        metrics["logp_gap_engine_vs_trainer"] = masked_mean((mb.rollout_logp - old_logp).abs(), mb.action_mask)
+    return loss, metrics
+
+
+def critic_microbatch_loss(model, mb: Experience, update: CriticUpdate,
+                           normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's value loss (:func:`rlhf_sg.algorithms.value_loss`, token mean) and its metrics."""
+    from rlhf_sg.algorithms import value_loss
+    from rlhf_sg.packing import critic_values
+
+    values = critic_values(model, mb.sequences, mb.attention_mask, mb.response_width)
+    loss, metrics = value_loss(values, mb.values, mb.returns, mb.action_mask, clip=update.value_clip,
+                               aggregation="token_mean", normalizer=normalizer)
+    metrics["loss"] = loss.detach() * normalizer / mb.action_mask.sum()
+    return loss, metrics
+
+
 class ModelWorker:
     """One ZeRO-3 rank. Created through :class:`ModelGroup`; every public method is a Ray call."""
 
@@ -125,6 +154,9 @@ class ModelWorker:
         )
         if self.spec.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        #: where this rank's micro-batches go for the updates
+        cuda = self.spec.device == "cuda"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.ds_config = zero3_config(
             dtype=self.spec.dtype,
             offload=self.spec.offload,
@@ -193,7 +225,7 @@ class ModelWorker:
 
     # ---- forwards ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, batch: dict[str, torch.Tensor], plan: list[list[int]], temperature: float = 1.0):
+    def forward(self, experience: Experience, plan: list[list[int]], temperature: float = 1.0):
         """Run this role's forward over the rows of ``plan`` (micro-batches of global row indices).
 
         Returns (row indices, result): log-probs [n, T] (actor, ref), values [n, T] (critic) or
@@ -203,101 +235,63 @@ class ModelWorker:
         from rlhf_sg.packing import critic_values, response_logprobs, reward_scores
 
         self.engine.eval()
-        width = batch["action_mask"].shape[1]
+        width = experience.response_width
         outputs, order = [], []
         for micro in plan:
-            mb = _rows(batch, micro)
+            mb = experience.rows(micro)
             if self.spec.role in ("actor", "ref"):
-                out = response_logprobs(self.module, mb["sequences"], mb["attention_mask"], width, temperature)
+                out = response_logprobs(self.module, mb.sequences, mb.attention_mask, width, temperature)
             elif self.spec.role == "critic":
-                out = critic_values(self.module, mb["sequences"], mb["attention_mask"], width)
+                out = critic_values(self.module, mb.sequences, mb.attention_mask, width)
             else:
-                out = reward_scores(self.module, mb["sequences"], mb["attention_mask"])
+                out = reward_scores(self.module, mb.sequences, mb.attention_mask)
             outputs.append(out.float().cpu())
             order.extend(micro)
         result = torch.cat(outputs) if outputs else torch.empty(0)
         return order, result
 
     # ---- training -----------------------------------------------------------------------------------
-    def _run_updates(self, batch, steps: list[dict[str, Any]], micro_loss, prefix: str) -> dict[str, float]:
-        """The optimizer steps of one PPO phase. ``steps``: one entry per optimizer step, {"plan": this
-        rank's micro-batches, "normalizer": the step's action tokens (or rows) across all ranks / world_size};
-        ``micro_loss(mb, normalizer) -> (loss, metrics)``, metrics being per-token means of the micro-batch.
-        Metrics are summed token-weighted on the device and reduced over the group's ranks once at the end
-        (every rank returns the same values); ``{prefix}/lr`` is the rate of the last optimizer step."""
+    def _run_updates(self, experience: Experience, steps: list[OptimizerStep], micro_loss,
+                     prefix: str) -> dict[str, float]:
+        """The optimizer steps of one PPO phase: ``micro_loss(micro-batch on this rank's device, normalizer)
+        -> (loss, metrics)``, metrics being per-token means of the micro-batch. Metrics are summed
+        token-weighted on the device and reduced over the group's ranks once at the end (every rank returns
+        the same values); ``{prefix}/lr`` is the rate of the last optimizer step."""
         self.engine.train()
+        device = self.device
         sums: dict[str, torch.Tensor] = {}
         weights: dict[str, torch.Tensor] = {}
         lr = 0.0
         for step in steps:
-            micro_batches = step["plan"]
-            for i, micro in enumerate(micro_batches):
-                self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-                mb = _rows(batch, micro)
-                loss, metrics = micro_loss(mb, step["normalizer"])
+            for i, micro in enumerate(step.plan):
+                self.engine.set_gradient_accumulation_boundary(i == len(step.plan) - 1)
+                mb = experience.rows(micro).to(device)
+                loss, metrics = micro_loss(mb, step.normalizer)
                 self.engine.backward(loss, scale_wrt_gas=False)
-                tokens = mb["action_mask"].sum()
+                tokens = mb.action_mask.sum().float()
                 for k, v in metrics.items():
-                    w = tokens.to(v.device, torch.float32)
-                    sums[k] = sums[k] + v.detach() * w if k in sums else v.detach() * w
-                    weights[k] = weights[k] + w if k in weights else w
+                    sums[k] = sums[k] + v.detach() * tokens if k in sums else v.detach() * tokens
+                    weights[k] = weights[k] + tokens if k in weights else tokens
             lr = float(self.engine.get_lr()[0])
             self.engine.step()
         means = allreduce_weighted_means(sums, weights, self.spec.timeout_s)
         return {**{f"{prefix}/{k}": v for k, v in means.items()}, f"{prefix}/lr": lr}
 
-    def train_actor(self, batch, steps: list[dict[str, Any]], hp: dict[str, Any]) -> dict[str, float]:
-        """PPO policy updates (see :meth:`_run_updates` for ``steps``)."""
-        from rlhf_sg.algorithms import ActorLossConfig, actor_loss, masked_mean
-        from rlhf_sg.packing import response_logprobs
+    def train_actor(self, experience: Experience, steps: list[OptimizerStep], update: ActorUpdate) -> dict[str, float]:
+        """PPO policy updates over ``steps`` (this rank's part of each optimizer step)."""
+        if not update.old_logp_from_update:
+            experience.require("old_logp", why="the actor's update compares against the old log-probs; compute "
+                                               "them with a scoring forward (or set old_logp_from_update)")
+        experience.require("advantages", why="compute the advantages before the actor's update")
+        return self._run_updates(experience, steps,
+                                 lambda mb, norm: actor_microbatch_loss(self.engine, mb, update, norm), "actor")
 
-        width = batch["action_mask"].shape[1]
-        loss_cfg = ActorLossConfig(
-            clip_low=hp["clip_low"], clip_high=hp["clip_high"], dual_clip=hp["dual_clip"], tis_cap=hp["tis_cap"],
-            aggregation=hp["loss_aggregation"], kl_coef=hp["kl_coef"] if hp["kl_mode"] == "loss" else 0.0,
-            kl_estimator=hp["kl_estimator"], entropy_coef=hp["entropy_coef"],
-        )
-
-        def micro_loss(mb, normalizer):
-            mask = mb["action_mask"].bool()
-            logp, entropy = response_logprobs(
-                self.engine, mb["sequences"], mb["attention_mask"], width, hp["temperature"], with_entropy=True
-            )
-            # one update on fresh samples: the policy that sampled them is the one being trained, so its
-            # log-probs are this forward's (the controller then skips the separate old-log-prob pass)
-            old_logp = mb["old_logp"] if "old_logp" in mb else logp.detach()
-            loss, metrics = actor_loss(
-                logp, entropy, old_logp, mb["advantages"], mask, loss_cfg, normalizer,
-                rollout_logp=mb["rollout_logp"], ref_logp=mb.get("ref_logp"),
-            )
-            if "old_logp" not in mb:
-                metrics["logp_gap_engine_vs_trainer"] = masked_mean((mb["rollout_logp"] - old_logp).abs(), mask)
-            return loss, metrics
-
-        return self._run_updates(batch, steps, micro_loss, "actor")
-
-    def train_critic(self, batch, steps: list[dict[str, Any]], hp: dict[str, Any]) -> dict[str, float]:
-        """Value updates (see :meth:`_run_updates` for ``steps``)."""
-        from rlhf_sg.algorithms import value_loss
-        from rlhf_sg.packing import critic_values
-
-        width = batch["action_mask"].shape[1]
-
-        def micro_loss(mb, normalizer):
-            values = critic_values(self.engine, mb["sequences"], mb["attention_mask"], width)
-            loss, metrics = value_loss(
-                values,
-                mb["values"],
-                mb["returns"],
-                mb["action_mask"].bool(),
-                clip=hp["value_clip"],
-                aggregation="token_mean",
-                normalizer=normalizer,
-            )
-            metrics["loss"] = loss.detach() * normalizer / mb["action_mask"].sum()
-            return loss, metrics
-
-        return self._run_updates(batch, steps, micro_loss, "critic")
+    def train_critic(self, experience: Experience, steps: list[OptimizerStep],
+                     update: CriticUpdate) -> dict[str, float]:
+        """Value updates over ``steps`` (this rank's part of each optimizer step)."""
+        experience.require("values", "returns", why="the critic's update needs its old values and the returns")
+        return self._run_updates(experience, steps,
+                                 lambda mb, norm: critic_microbatch_loss(self.engine, mb, update, norm), "critic")
 
     # ---- weight sync (actor) --------------------------------------------------------------------------
     def setup_weight_sync(self, engines: list, transport: str, bucket_bytes: int, timeout_s: float) -> None:
@@ -501,7 +495,6 @@ class ModelGroup:
     def _get(self, refs, what: str):
         import ray
 
-        t0 = time.monotonic()
         try:
             return ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError as e:
@@ -509,8 +502,6 @@ class ModelGroup:
                 f"{self.spec.role} group ({self.spec.world_size} ranks): {what} did not finish within "
                 f"{self.timeout_s:.0f} s (--train.timeout_s); a rank is stuck or the cluster lacks resources"
             ) from e
-        finally:
-            self.last_wait_s = time.monotonic() - t0
 
     def call(self, method: str, *args, what: str | None = None, per_rank: list[tuple] | None = None, **kwargs):
         """Call ``method`` on every rank (the same args, or ``per_rank[i]`` for rank i) and wait."""

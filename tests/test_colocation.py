@@ -5,6 +5,7 @@ across them (STRICT_SPREAD): everything the run starts fits only if every group 
 share of the same two bundles, and rank i of each group must sit on bundle i's node.
 """
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from zero3_rank import HP, actor_rank, in_fresh_process, one_step
+from zero3_rank import PLAIN_UPDATE, actor_rank, in_fresh_process, one_step
 
 from rlhf_sg.config import ConfigError, offload_states, sleep_engines, validate
 from rlhf_sg.trainer import has_signal, select_groups
@@ -104,12 +105,13 @@ def test_colocate_all_places_rank_i_of_every_group_on_bundle_i_and_trains(task, 
                        train__dynamic_filtering=True, train__critic_warmup_steps=0, rollout__prompts_per_step=4,
                        train__gradient_checkpointing=True)
             trainer = PPOTrainer(validate(cfg), reward_fn=arith_task.addition_reward)
-            assert trainer.colocation() == [["actor", "ref", "critic", "engines"]]
+            assert trainer.layout.colocation() == [["actor", "ref", "critic", "engines"]]
             trainer.setup()
+            cluster = trainer.cluster
             where = {role: group.call("resources") for role, group in
-                     (("actor", trainer.actor), ("ref", trainer.ref), ("critic", trainer.critic))}
+                     (("actor", cluster.actor), ("ref", cluster.ref), ("critic", cluster.critic))}
             where["engines"] = ray.get([e.resources.remote() for e in trainer.engines], timeout=120)
-            shared_pg = trainer._shared[0].pg.id.hex()
+            shared_pg = cluster._shared[0].pg.id.hex()
             for role, ranks in where.items():
                 assert [r["placement_group_id"] for r in ranks] == [shared_pg] * 2, role
                 assert [r["resources"].get("CPU") for r in ranks] == [0.25, 0.25], role  # four tenants a bundle
@@ -140,13 +142,6 @@ def test_colocate_all_places_rank_i_of_every_group_on_bundle_i_and_trains(task, 
 # Each of these runs one real ZeRO-3 actor rank in a spawned process: DeepSpeed keeps process-wide group state.
 
 
-
-
-
-
-
-
-
 def _offload_round_trip(model_path: str, device: str) -> dict:
     """Forward, offload, reload, forward; then a train step after another round trip, and a forward."""
     import torch.distributed as dist
@@ -157,10 +152,10 @@ def _offload_round_trip(model_path: str, device: str) -> dict:
         freed = worker.offload_states()
         taken = worker.reload_states()
         _, after = worker.forward(batch, plan)
-        batch.update(old_logp=before, advantages=torch.ones_like(before), ref_logp=before)
+        batch.old_logp, batch.advantages, batch.ref_logp = before, torch.ones_like(before), before
         worker.offload_states()
         worker.reload_states()
-        worker.train_actor(batch, one_step(plan, batch), HP)
+        worker.train_actor(batch, one_step(plan, batch), PLAIN_UPDATE)
         _, trained = worker.forward(batch, plan)
         return {"freed": freed, "taken": taken, "before": before, "after": after, "trained": trained}
     finally:
@@ -207,9 +202,10 @@ def _one_update(model_path: str, with_old_logp: bool) -> dict:
     worker, batch, plan = actor_rank(model_path, "cpu")
     try:
         if with_old_logp:
-            batch["old_logp"] = worker.forward(batch, plan)[1]
-        hp = dict(HP, tis_cap=2.0, kl_mode="loss")
-        metrics = worker.train_actor(batch, one_step(plan, batch), hp)
+            batch.old_logp = worker.forward(batch, plan)[1]
+        update = dataclasses.replace(PLAIN_UPDATE, loss=dataclasses.replace(PLAIN_UPDATE.loss, tis_cap=2.0),
+                                     old_logp_from_update=not with_old_logp)
+        metrics = worker.train_actor(batch, one_step(plan, batch), update)
         return {"after": worker.forward(batch, plan)[1], "metrics": metrics}
     finally:
         dist.destroy_process_group()
@@ -296,21 +292,21 @@ def _engine_model(path: str) -> str:
     return save_tiny_model(path, model=model)
 
 
-def _in_process_trainer(engines: list, log: list, model_path: str):
+def _in_process_cluster(engines: list, log: list, model_path: str):
     from rlhf_sg.config import Config
-    from rlhf_sg.trainer import PPOTrainer
+    from rlhf_sg.trainer.cluster import Cluster
 
-    class InProcessTrainer(PPOTrainer):
-        def _engines_call(self, method, *args):  # the Ray dispatch, in order, in this process
+    class InProcessCluster(Cluster):
+        def engines_call(self, method, *args):  # the Ray dispatch, in order, in this process
             return [getattr(e, method)(*args) for e in self.engines]
 
     cfg = Config()
     cfg.train.colocate_all = True  # engines sleep while training, states leave while generating
-    trainer = InProcessTrainer.__new__(InProcessTrainer)
-    trainer.cfg, trainer.engines = cfg, engines
-    trainer.actor = _RecordingGroup("actor", log, engines, model_path)
-    trainer.critic = _RecordingGroup("critic", log, engines, model_path)
-    return trainer
+    cluster = InProcessCluster(cfg)
+    cluster.engines = engines
+    cluster.actor = _RecordingGroup("actor", log, engines, model_path)
+    cluster.critic = _RecordingGroup("critic", log, engines, model_path)
+    return cluster
 
 
 @pytest.mark.parametrize("engine_name", ENGINE_NAMES)
@@ -333,18 +329,18 @@ def test_colocated_hand_off_runs_in_the_staged_order_through_real_engines(tmp_pa
             engine = EngineActor(engine_name, config, engine_index=i)
             engine.backend = _RecordingBackend(engine.backend, f"engine{i}", log)
             engines.append(engine)
-        trainer = _in_process_trainer(engines, log, path)
+        cluster = _in_process_cluster(engines, log, path)
         timer = StepTimer(sync=lambda: None)
         timer.start_step()
         params = SamplingParams(temperature=0.0, max_new_tokens=4)
         before = [c.token_ids for c in engines[0].generate([[BOS_ID, 5, 6]], params)]
 
-        trainer._hand_device_to_trainer(timer)  # generation done
+        cluster.hand_device_to_trainer(timer)  # generation done
         assert [e.backend.released_memory for e in engines] == [frozenset({MEMORY_WEIGHTS, MEMORY_KV_CACHE})] * len(
             engines
         )
         log.append(("trainer", "train", None))
-        stats = trainer._hand_device_to_engines(timer, 1)
+        stats = cluster.hand_device_to_engines(timer, 1)
         assert stats == [{"GBps": 0.0}]
         after = engines[0].generate([[BOS_ID, 5, 6]], params)  # refused if any memory were still released
         assert [c.token_ids for c in after] == before and after[0].weight_version == 1
@@ -531,8 +527,8 @@ def _staged_offload(model_path: str) -> dict:
     worker, batch, plan = actor_rank(model_path, "cuda")
     try:
         _, logp = worker.forward(batch, plan)
-        batch.update(old_logp=logp, advantages=torch.ones_like(logp), ref_logp=logp)
-        worker.train_actor(batch, one_step(plan, batch), HP)
+        batch.old_logp, batch.advantages, batch.ref_logp = logp, torch.ones_like(logp), logp
+        worker.train_actor(batch, one_step(plan, batch), PLAIN_UPDATE)
         _, before = worker.forward(batch, plan)
         resident = torch.cuda.memory_allocated()
         worker.offload_states(keep_params=True)

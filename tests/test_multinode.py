@@ -35,7 +35,7 @@ def test_step_across_two_nodes(tmp_path):
             cfg.log.progress_bar = cfg.log.tensorboard = cfg.log.export_hf = False
             trainer = PPOTrainer(cfg, reward_fn=arith_task.addition_reward)
             trainer.setup()
-            actor_nodes = trainer.actor.call("node_id")
+            actor_nodes = trainer.cluster.actor.call("node_id")
             assert len(set(actor_nodes)) == 2, actor_nodes
             engine_nodes = ray.get([e.describe.remote() for e in trainer.engines], timeout=120)
             assert {e["engine_index"] for e in engine_nodes} == {0, 1}

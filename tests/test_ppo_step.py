@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from zero3_rank import HP, actor_rank, in_fresh_process, one_step
+from zero3_rank import FRESH_UPDATE, actor_rank, in_fresh_process, one_step
 
 from rlhf_sg.config import Config, validate
 from rlhf_sg.tiny import save_tiny_model
@@ -88,18 +88,20 @@ def engines(model_dir):
         ray.shutdown()
 
 
-def _trainer(cfg, engines):
-    """A trainer wired to running engines and its prompt stream, without starting model groups."""
-    from rlhf_sg.data import PromptStream, load_prompts
-    from rlhf_sg.trainer import load_tokenizer
+def _rollout(cfg, engines):
+    """The trainer's rollout room wired to running engines, its prompt stream and the test reward."""
+    from rlhf_sg.data import PromptStream, load_prompts, load_tokenizer
+    from rlhf_sg.trainer.rollout import RolloutMaker
 
-    trainer = PPOTrainer(cfg, reward_fn=position_reward)
-    trainer.engines = engines
-    trainer.tokenizer = load_tokenizer(cfg.model.pretrain)
-    trainer.eos_id = trainer.pad_id = trainer.tokenizer.eos_token_id
-    prompts, _ = load_prompts(cfg.data.prompt_data, trainer.tokenizer, max_prompt_len=cfg.data.max_prompt_len)
-    trainer.stream = PromptStream(prompts, cfg.rollout.prompts_per_step, cfg.train.seed, shuffle=False)
-    return trainer
+    tokenizer = load_tokenizer(cfg.model.pretrain)
+    prompts, _ = load_prompts(cfg.data.prompt_data, tokenizer, max_prompt_len=cfg.data.max_prompt_len)
+    stream = PromptStream(prompts, cfg.rollout.prompts_per_step, cfg.train.seed, shuffle=False)
+
+    def score(prompts, completions, experience):
+        n = cfg.rollout.n_samples_per_prompt
+        return torch.tensor(position_reward([prompts[i // n].text for i in range(len(completions))], None, None))
+
+    return RolloutMaker(cfg, engines, stream, tokenizer.eos_token_id, tokenizer.eos_token_id, score)
 
 
 @pytest.mark.slow
@@ -111,13 +113,12 @@ def test_engines_sample_the_same_prompt_differently_and_a_rerun_repeats(model_di
     cfg = make_cfg(model_dir, tmp_path)
     cfg.rollout.n_samples_per_prompt = 4
     cfg.rollout.temperature = 1.5
-    trainer = _trainer(cfg, engines)
-    trainer.step = 3
-    prompt = trainer.stream.prompts[0]
+    rollout = _rollout(cfg, engines)
+    prompt = rollout.stream.prompts[0]
     same = [prompt, Prompt(token_ids=list(prompt.token_ids), text=prompt.text)]  # prompt 0 of engine 0 and 1
 
     def sample(draw=0):
-        completions = trainer.generate(same, draw=draw)
+        completions = rollout.generate(same, step=3, draw=draw)
         return [c.token_ids for c in completions[:4]], [c.token_ids for c in completions[4:]]
 
     on_engine0, on_engine1 = sample()
@@ -145,18 +146,16 @@ def test_dynamic_sampling_draws_prompts_until_the_batch_is_full(model_dir, tmp_p
     from rlhf_sg.timing import StepTimer
 
     cfg = make_cfg(model_dir, tmp_path, dynamic_filtering=True, dynamic_filtering_max_draws=max_draws)
-    trainer = _trainer(cfg, engines)
     timer = StepTimer(sync=lambda: None)
     timer.start_step()
-    prompts, completions, batch, metrics = trainer._make_rollout(timer)
+    prompts, batch, metrics = _rollout(cfg, engines).make(timer, step=0, weight_version=0)
     expected = ["1+1=", "7+2="] if not filler else ["1+1=", "3+3="]
     assert [p.text for p in prompts] == expected
-    assert batch["sequences"].shape[0] == len(completions) == 2 * N
-    assert batch["scores"].tolist() == [float(i % N) if expected[i // N] in SIGNAL else 0.0 for i in range(2 * N)]
+    assert batch.batch_size == 2 * N
+    assert batch.scores.tolist() == [float(i % N) if expected[i // N] in SIGNAL else 0.0 for i in range(2 * N)]
     assert metrics["rollout/sample_draws"] == draws
     assert metrics["rollout/unfiltered_groups"] == filler
     assert metrics["rollout/groups_kept_frac"] == pytest.approx((2 if draws == 3 else 1) / (2 * draws))
-    assert trainer.step == 0  # generating more is part of the step, not a step
     assert timer.end_step()["generate"] > 0
 
 
@@ -165,7 +164,7 @@ def test_dynamic_sampling_draws_prompts_until_the_batch_is_full(model_dir, tmp_p
 
 def test_rollout_batch_carries_each_samples_weight_version_and_a_mismatch_is_refused():
     batch = build_rollout_batch([[5, 6], [7]], [[8], [9, 10]], [[-1.0], [-1.0, -2.0]], 0, weight_versions=[3, 3])
-    assert batch["weight_version"].tolist() == [3, 3]
+    assert batch.weight_version.tolist() == [3, 3]
     check_weight_versions([3, 3], 3)
     with pytest.raises(RuntimeError, match=r"sampled with weight version\(s\) \[2\], but the trainer's policy is "
                                            r"version 3"):
@@ -176,15 +175,24 @@ def test_rollout_batch_carries_each_samples_weight_version_and_a_mismatch_is_ref
 def test_completions_from_other_weights_are_refused_on_policy(model_dir, tmp_path, engines):
     from rlhf_sg.timing import StepTimer
 
-    trainer = _trainer(make_cfg(model_dir, tmp_path), engines)
-    trainer.weight_version = 1  # the engines still hold version 0: they missed a sync
+    rollout = _rollout(make_cfg(model_dir, tmp_path), engines)
     timer = StepTimer(sync=lambda: None)
     timer.start_step()
     with pytest.raises(RuntimeError, match="on-policy step"):
-        trainer._make_rollout(timer)
+        rollout.make(timer, step=1, weight_version=1)  # the engines still hold version 0: they missed a sync
 
 
 # ---- 2, 7. advantages from the trainer's scores -----------------------------------------------------------------
+
+
+def _experience(scores, mask, kl=None, values=None):
+    """An experience holding only what the advantage path reads (the sequences are placeholders)."""
+    from rlhf_sg.experience import Experience
+
+    B, T = mask.shape
+    return Experience(sequences=torch.zeros(B, T + 1, dtype=torch.long), attention_mask=torch.ones(B, T + 1),
+                      action_mask=mask, rollout_logp=torch.zeros(B, T), scores=torch.tensor(scores), kl=kl,
+                      values=values)
 
 
 @pytest.mark.parametrize("algo", ["grpo", "dr_grpo", "rloo", "reinforce_baseline", "reinforce"])
@@ -194,9 +202,9 @@ def test_score_clip_applies_to_every_estimator(model_dir, tmp_path, algo):
     def advantages(scores, score_clip):
         trainer = PPOTrainer(make_cfg(model_dir, tmp_path, advantage_estimator=algo, score_clip=score_clip,
                                       kl_coef=0.0))
-        batch = {"scores": torch.tensor(scores), "action_mask": mask, "rollout_logp": torch.zeros(4, 3)}
-        trainer.compute_advantages(batch)
-        return batch["advantages"]
+        experience = _experience(scores, mask)
+        trainer.compute_advantages(experience)
+        return experience.advantages
 
     # clipped to 1, the first group is constant: no advantage
     clipped = advantages([5.0, 1.2, -4.0, 0.0], 1.0)
@@ -210,12 +218,94 @@ def test_trainer_reinforce_baseline_is_the_token_whitened_recipe(model_dir, tmp_
     trainer = PPOTrainer(make_cfg(model_dir, tmp_path, advantage_estimator="reinforce_baseline", kl_coef=0.1))
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
     kl = torch.tensor([[0.2, -0.1, 0.4], [0.3, 0.1, 0.0], [0.5, 0.0, 0.0], [-0.2, 0.0, 0.1]])
-    scores = torch.tensor([1.0, 0.0, 2.0, -1.0])
-    batch = {"scores": scores, "action_mask": mask, "rollout_logp": torch.zeros(4, 3), "kl": kl}
-    trainer.compute_advantages(batch)
-    torch.testing.assert_close(batch["advantages"], reinforce_baseline_advantages(scores, kl, mask, N, 0.1))
-    tokens = batch["advantages"][mask]
+    scores = [1.0, 0.0, 2.0, -1.0]
+    experience = _experience(scores, mask, kl=kl)
+    trainer.compute_advantages(experience)
+    torch.testing.assert_close(experience.advantages,
+                               reinforce_baseline_advantages(torch.tensor(scores), kl, mask, N, 0.1))
+    tokens = experience.advantages[mask]
     assert abs(tokens.mean().item()) < 1e-6 and tokens.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
+
+
+def _reward_to_go(x: torch.Tensor) -> torch.Tensor:
+    """sum_{t' >= t} x[:, t'] (gamma = 1), by reversed cumulative sum."""
+    return x.flip(1).cumsum(1).flip(1)
+
+
+def _whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    tokens = x[mask]
+    return torch.where(mask, (x - tokens.mean()) / (tokens.var(unbiased=False).sqrt() + 1e-8), 0.0)
+
+
+@pytest.mark.parametrize("kl_mode", ["reward", "loss"])
+@pytest.mark.parametrize("algo", ["gae", "reinforce", "grpo", "dr_grpo", "rloo", "reinforce_baseline"])
+def test_trainer_advantages_carry_the_kl_penalty_only_in_reward_mode(model_dir, tmp_path, algo, kl_mode):
+    """Each estimator's advantages from the trainer, against the recipe written out with gamma = lam = 1: the
+    per-token KL penalty -coef * kl is summed to the end of the response (reward to go) on top of the
+    baselined score, then whitened over the batch's tokens where the estimator whitens (gae, reinforce,
+    reinforce_baseline); in loss mode the same KL reaches no advantage."""
+    coef = 0.3
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    kl = torch.tensor([[0.2, -0.1, 0.4], [0.3, 0.1, 0.0], [0.5, 0.0, 0.0], [-0.2, 0.6, 0.1]])
+    values = torch.tensor([[0.1, 0.2, 0.3], [0.0, -0.4, 0.0], [0.5, 0.0, 0.0], [0.2, 0.2, -0.1]]) * mask
+    scores = torch.tensor([1.0, 0.0, 2.0, -1.0])
+    trainer = PPOTrainer(make_cfg(model_dir, tmp_path, advantage_estimator=algo, kl_coef=coef, kl_mode=kl_mode,
+                                  gamma=1.0, lam=1.0))
+    experience = _experience(scores.tolist(), mask, kl=kl, values=values if algo == "gae" else None)
+    trainer.compute_advantages(experience)
+
+    penalty = -coef * kl * mask if kl_mode == "reward" else torch.zeros_like(kl)
+    groups = scores.view(-1, N)
+    baselined = {
+        "gae": scores, "reinforce": scores,
+        "grpo": ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)).reshape(-1),
+        "dr_grpo": (groups - groups.mean(1, keepdim=True)).reshape(-1),
+        "rloo": (groups - groups.flip(1)).reshape(-1),  # two samples: the other one is the baseline
+        "reinforce_baseline": (groups - groups.mean(1, keepdim=True)).reshape(-1),
+    }[algo]
+    last = torch.tensor([2, 1, 0, 2])
+    rewards = penalty.clone()
+    rewards[torch.arange(4), last] += baselined
+    to_go = _reward_to_go(rewards) * mask
+    expected = {"gae": _whiten(to_go - values, mask), "reinforce": _whiten(to_go, mask),
+                "reinforce_baseline": _whiten(to_go, mask)}.get(algo, to_go)
+    torch.testing.assert_close(experience.advantages, expected, rtol=0, atol=1e-5)
+    if algo == "gae":
+        torch.testing.assert_close(experience.returns, to_go, rtol=0, atol=1e-6)  # the critic's targets
+
+
+def test_a_registered_estimator_is_selectable_and_gets_the_kl_shaped_rewards(model_dir, tmp_path, request):
+    """A user's estimator, registered by name, is accepted by the config, run by the trainer, and shapes its
+    sequence scores with the run's KL penalty through ``token_rewards``."""
+    from rlhf_sg import advantages
+    from rlhf_sg.advantages import advantage_estimators, register_advantage_estimator
+    from rlhf_sg.config import ConfigError
+
+    seen = {}
+    request.addfinalizer(lambda: advantages._REGISTRY.pop("test_doubled", None))
+
+    @register_advantage_estimator("test_doubled", needs_groups=True)
+    def doubled(inputs):
+        seen["kl_coef"] = inputs.kl_coef
+        return inputs.token_rewards(2 * inputs.scores), None
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_advantage_estimator("test_doubled")(doubled)
+    assert "test_doubled" in advantage_estimators()
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
+    kl = torch.tensor([[0.5, 1.0], [2.0, 0.0]])
+    trainer = PPOTrainer(make_cfg(model_dir, tmp_path, advantage_estimator="test_doubled", kl_coef=0.1))
+    experience = _experience([1.0, 3.0], mask, kl=kl)
+    trainer.compute_advantages(experience)
+    assert seen["kl_coef"] == pytest.approx(0.1)
+    torch.testing.assert_close(experience.advantages, torch.tensor([[-0.05, 2.0 - 0.1], [6.0 - 0.2, 0.0]]))
+    with pytest.raises(ConfigError, match="'test_doubled' compares samples of the same prompt|n_samples_per_prompt"):
+        cfg = make_cfg(model_dir, tmp_path)
+        cfg.train.advantage_estimator = "test_doubled"
+        cfg.rollout.n_samples_per_prompt = 1
+        validate(cfg)
+    with pytest.raises(ConfigError, match="unknown; choose one of .*register your own"):
+        make_cfg(model_dir, tmp_path, advantage_estimator="test_not_registered")
 
 
 # ---- worker-level: a real ZeRO-3 rank in a spawned process -------------------------------------------------------
@@ -235,17 +325,17 @@ def _scoring_after_an_update(model_path: str) -> dict:
 
     worker, batch, plan = actor_rank(model_path)
     try:
-        worker.train_actor(batch, one_step(plan, batch), HP)  # leaves the model as the update used it
+        worker.train_actor(batch, one_step(plan, batch), FRESH_UPDATE)  # leaves the model as the update used it
         first = worker.forward(batch, plan)[1]
         second = worker.forward(batch, plan)[1]
-        width = batch["action_mask"].shape[1]
+        width = batch.response_width
         with torch.no_grad():
             worker.module.eval()
-            evaluated = response_logprobs(worker.engine, batch["sequences"], batch["attention_mask"], width)
+            evaluated = response_logprobs(worker.engine, batch.sequences, batch.attention_mask, width)
             worker.module.train()
-            dropped = [response_logprobs(worker.engine, batch["sequences"], batch["attention_mask"], width)
+            dropped = [response_logprobs(worker.engine, batch.sequences, batch.attention_mask, width)
                        for _ in range(2)]
-        return {"first": first, "second": second, "eval": evaluated * batch["action_mask"],
+        return {"first": first, "second": second, "eval": evaluated * batch.action_mask,
                 "train_mode_differs": not torch.equal(dropped[0], dropped[1])}
     finally:
         dist.destroy_process_group()
@@ -278,7 +368,7 @@ def _lr_run(model_path: str, ckpt: str, resume: bool) -> dict:
         if resume:
             worker.load_checkpoint(ckpt, "step2")
         for update in range(2 if resume else 4):
-            lrs.append(worker.train_actor(batch, one_step(plan, batch), HP)["actor/lr"])
+            lrs.append(worker.train_actor(batch, one_step(plan, batch), FRESH_UPDATE)["actor/lr"])
             if not resume and update == 1:
                 worker.save_checkpoint(ckpt, "step2", {"step": 2})
         return {"lrs": lrs, "logp": worker.forward(batch, plan)[1]}

@@ -60,3 +60,26 @@ def test_recipe_flags_parse_and_validate(recipe_env, recipe):
     assert cfg.model.pretrain == env["MODEL"]
     if "colocated" in recipe:
         assert cfg.train.colocate_all
+
+
+def _recorded(recipe_env, recipe: str) -> list[str]:
+    root, env = recipe_env
+    record = root / (os.path.basename(recipe) + ".json")
+    subprocess.run(["bash", recipe], env=dict(env, RECORD_ARGS=str(record)), check=True, timeout=60)
+    return json.loads(record.read_text())
+
+
+@pytest.mark.parametrize("layout", ["", "_colocated", "_multinode"])
+def test_engine_twins_run_one_layout_config_and_differ_only_in_the_backend(recipe_env, layout):
+    """The SGLang and vLLM recipes of a layout read the same config file; their command lines differ in the
+    backend name (and the output directory named after it) and nowhere else."""
+    sglang, vllm = (_recorded(recipe_env, os.path.join(RECIPES, f"gpu_grpo_{e}{layout}.sh"))
+                    for e in ("sglang", "vllm"))
+
+    def without_engine(argv):
+        return [a.replace("sglang", "ENGINE").replace("vllm", "ENGINE") for a in argv]
+
+    assert sglang != vllm and without_engine(sglang) == without_engine(vllm)
+    config = sglang[sglang.index("--config") + 1]
+    assert os.path.dirname(config) == os.path.join(RECIPES, "gpu")
+    assert parse_args(sglang[1:]).rollout.backend == "sglang" and parse_args(vllm[1:]).rollout.backend == "vllm"

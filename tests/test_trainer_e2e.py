@@ -124,21 +124,21 @@ def test_custom_trainer_recipe_replaces_estimator_reward_and_logs_from_hooks(ray
     seen = []
 
     class Checked(MedianBaselineTrainer):
-        def on_experience(self, batch):
-            super().on_experience(batch)
-            seen.append({k: batch[k].clone() for k in ("scores", "advantages", "action_mask")})
+        def on_experience(self, experience):
+            super().on_experience(experience)
+            seen.append(experience)
 
-    cfg = make_cfg(task, str(tmp_path / "custom"), steps=2, algo="dr_grpo", train__kl_coef=0.0)
+    cfg = make_cfg(task, str(tmp_path / "custom"), steps=2, algo="median_baseline", train__kl_coef=0.0)
     history = train(cfg, trainer_cls=Checked, reward_fn=arith_task.addition_reward)
     n = cfg.rollout.n_samples_per_prompt
-    for batch in seen:
-        scores = batch["scores"].view(-1, n)
+    for experience in seen:
+        scores = experience.scores.view(-1, n)
         median = scores.median(dim=1, keepdim=True).values
-        # the override's advantage: score minus the group median, on every response token
-        expected = (scores - median).reshape(-1, 1) * batch["action_mask"]
-        torch.testing.assert_close(batch["advantages"], expected)
+        # the registered estimator's advantage: score minus the group median, on every response token
+        expected = (scores - median).reshape(-1, 1) * experience.action_mask
+        torch.testing.assert_close(experience.advantages, expected)
         # the override's reward: the rule's 1 / 0.1 / 0 minus the length penalty
-        assert not set(batch["scores"].tolist()) <= {0.0, 0.1, 1.0}
+        assert not set(experience.scores.tolist()) <= {0.0, 0.1, 1.0}
     logged = [json.loads(line) for line in open(tmp_path / "custom" / "metrics.jsonl")]
     assert [r["custom/solved_groups"] for r in logged] == [h["custom/solved_groups"] for h in history]
     assert all(0.0 <= r["custom/solved_groups"] <= 1.0 for r in logged)

@@ -116,8 +116,8 @@ def test_ppo_with_reward_model_chat_template_and_critic_from_it(ray_cluster, tas
     seen = {}
 
     class Recording(PPOTrainer):
-        def on_experience(self, batch):
-            seen.setdefault("scores", []).append(batch["scores"].clone())
+        def on_experience(self, experience):
+            seen.setdefault("scores", []).append(experience.scores.clone())
             seen.setdefault("prompts", []).append([p.text for p in self.prompts])
 
     trainer = Recording(cfg)

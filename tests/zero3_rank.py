@@ -10,9 +10,13 @@ import os
 
 import torch
 
-# The actor's loss settings for a plain PPO update (no KL, no entropy, symmetric clip).
-HP = {"temperature": 1.0, "clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "tis_cap": None,
-      "loss_aggregation": "token_mean", "kl_mode": "reward", "kl_coef": 0.0, "kl_estimator": "k1", "entropy_coef": 0.0}
+from rlhf_sg.algorithms import ActorLossConfig
+from rlhf_sg.experience import ActorUpdate, OptimizerStep
+
+#: the actor's update settings for a plain PPO update (no KL, no entropy, symmetric clip; old log-probs given)
+PLAIN_UPDATE = ActorUpdate(loss=ActorLossConfig(clip_low=0.2, clip_high=0.2), temperature=1.0)
+#: the same for one update on fresh samples: the update's own forward gives the old log-probs
+FRESH_UPDATE = ActorUpdate(loss=PLAIN_UPDATE.loss, temperature=1.0, old_logp_from_update=True)
 
 
 def in_fresh_process(fn, *args):
@@ -24,7 +28,7 @@ def in_fresh_process(fn, *args):
 
 
 def actor_rank(model_path: str, device: str = "cpu", **spec_kwargs):
-    """One ZeRO-3 actor rank (world size 1) of the model, a 4-row rollout batch with advantages, and its plan.
+    """One ZeRO-3 actor rank (world size 1) of the model, a 4-row experience with advantages, and its plan.
 
     ``spec_kwargs`` go to :class:`rlhf_sg.workers.WorkerSpec` (e.g. an LR schedule).
     """
@@ -41,10 +45,10 @@ def actor_rank(model_path: str, device: str = "cpu", **spec_kwargs):
     responses = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (6, 2, 8, 4)]
     rollout = [torch.randn(len(r), generator=gen).tolist() for r in responses]
     batch = build_rollout_batch(prompts, responses, rollout, pad_id=0)
-    batch["advantages"] = torch.randn(batch["rollout_logp"].shape, generator=gen) * batch["action_mask"]
+    batch.advantages = torch.randn(batch.rollout_logp.shape, generator=gen) * batch.action_mask
     return worker, batch, [[0, 1, 2, 3]]
 
 
-def one_step(plan, batch) -> list[dict]:
-    """The optimizer-step list ``train_actor`` takes: one step over ``plan``, normalised by the batch's tokens."""
-    return [{"plan": plan, "normalizer": float(batch["action_mask"].sum())}]
+def one_step(plan, batch) -> list[OptimizerStep]:
+    """The optimizer steps ``train_actor`` takes: one step over ``plan``, normalised by the batch's tokens."""
+    return [OptimizerStep(plan=plan, normalizer=float(batch.action_mask.sum()))]

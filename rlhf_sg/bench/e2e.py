@@ -248,7 +248,8 @@ def _describe_ours_threads(trainer) -> str:
     parts = []
     engines = ray.get([e.__ray_call__.remote(_torch_threads) for e in trainer.engines])
     parts.append(f"{len(engines)} engine x {engines[0]} thread(s)")
-    for role, group in (("actor", trainer.actor), ("critic", trainer.critic), ("ref", trainer.ref)):
+    cluster = trainer.cluster
+    for role, group in (("actor", cluster.actor), ("critic", cluster.critic), ("ref", cluster.ref)):
         if group is not None:
             threads = ray.get([w.__ray_call__.remote(_torch_threads) for w in group.workers])
             parts.append(f"{role} {len(threads)} rank(s) x {max(threads)} thread(s)")

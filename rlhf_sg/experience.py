@@ -1,0 +1,140 @@
+"""What the trainer and the model workers pass each other: the step's experience and its update plan.
+
+An :class:`Experience` is one step's rollout batch, filled in as the step goes: the engines' samples
+(:func:`build_rollout_batch`), then the reward's ``scores``, the scoring forwards (``ref_logp``,
+``values``, ``old_logp``, ``kl``) and the ``advantages`` / ``returns``. It travels to the workers
+once per phase through Ray's object store; each rank takes the rows of its micro-batches with
+:meth:`Experience.rows` and moves them to its device.
+
+An :class:`OptimizerStep` is one rank's share of one optimizer step: its micro-batches (global row
+indices) and the step's loss normaliser, the same on every rank. :class:`ActorUpdate` and
+:class:`CriticUpdate` are the frozen settings of one step's updates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_sg.algorithms import ActorLossConfig
+
+__all__ = ["ActorUpdate", "CriticUpdate", "Experience", "OptimizerStep", "build_rollout_batch"]
+
+
+@dataclass
+class Experience:
+    """One step's samples. ``B`` samples; ``P + T`` columns: left-padded prompts, right-padded responses.
+
+    Per-token fields are ``[B, T]`` over the response block (column ``j``: the ``j``-th generated token),
+    0 where ``action_mask`` is False; a field is ``None`` until the phase that makes it has run.
+    """
+
+    sequences: torch.Tensor  #: [B, P + T] int64, prompt and response token ids
+    attention_mask: torch.Tensor  #: [B, P + T] int64, 1 on real tokens
+    action_mask: torch.Tensor  #: [B, T] bool, the tokens the policy chose
+    rollout_logp: torch.Tensor  #: [B, T] float32, the engine's log-probs of them
+    weight_version: torch.Tensor | None = None  #: [B] int64, the engine weights that sampled each completion
+    scores: torch.Tensor | None = None  #: [B] float32, the reward of each completion
+    ref_logp: torch.Tensor | None = None  #: [B, T] reference model log-probs
+    values: torch.Tensor | None = None  #: [B, T] critic values before the update
+    old_logp: torch.Tensor | None = None  #: [B, T] the actor's log-probs before the update (its own forward)
+    kl: torch.Tensor | None = None  #: [B, T] KL(sampling policy || reference) estimate per token
+    advantages: torch.Tensor | None = None  #: [B, T]
+    returns: torch.Tensor | None = None  #: [B, T] value targets (with a critic)
+
+    @property
+    def batch_size(self) -> int:
+        return self.sequences.shape[0]
+
+    @property
+    def response_width(self) -> int:
+        return self.action_mask.shape[1]
+
+    def rows(self, index: list[int]) -> Experience:
+        """The samples at ``index`` (global row indices, in that order), every field that is set."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        return dataclasses.replace(self, **{
+            f.name: value.index_select(0, idx.to(value.device))
+            for f in dataclasses.fields(self) if (value := getattr(self, f.name)) is not None
+        })
+
+    def to(self, device: torch.device | str) -> Experience:
+        """Every set field on ``device`` (a no-op for fields already there)."""
+        return dataclasses.replace(self, **{
+            f.name: value.to(device) for f in dataclasses.fields(self) if (value := getattr(self, f.name)) is not None
+        })
+
+    def require(self, *names: str, why: str) -> None:
+        """Raise naming the missing fields when any of ``names`` is not set yet."""
+        missing = [n for n in names if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"experience: {', '.join(missing)} not set; {why}")
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """One rank's part of one optimizer step.
+
+    plan: this rank's micro-batches, each a list of global row indices (every rank gets the same number,
+    as ZeRO-3's forwards are collective); normalizer: the step's action tokens (or rows, for a
+    ``seq_mean`` loss) over all ranks divided by the world size, so micro-batch losses add up to the
+    step's mean whatever the split."""
+
+    plan: list[list[int]]
+    normalizer: float
+
+
+@dataclass(frozen=True)
+class ActorUpdate:
+    """The settings of one step's policy updates.
+
+    loss: the surrogate's clip, TIS, aggregation, and the KL / entropy terms in the loss; temperature: the
+    sampling temperature, which the log-probs are computed at; old_logp_from_update: the batch gets a single
+    update on fresh samples, so the policy that sampled is the one being trained and the old log-probs are the
+    update's own forward (detached) instead of :attr:`Experience.old_logp` (which is then not computed)."""
+
+    loss: ActorLossConfig
+    temperature: float = 1.0
+    old_logp_from_update: bool = False
+
+
+@dataclass(frozen=True)
+class CriticUpdate:
+    """The settings of one step's value updates: ``value_clip`` (None: no clipping)."""
+
+    value_clip: float | None = None
+
+
+def build_rollout_batch(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    rollout_logps: list[list[float]],
+    pad_id: int,
+    weight_versions: list[int] | None = None,
+) -> Experience:
+    """The engines' samples as an :class:`Experience`: left-padded prompts and right-padded responses.
+
+    prompts[i], responses[i], rollout_logps[i]: sample i's prompt ids, completion ids and the engine's
+    log-prob of each completion token; weight_versions[i]: the engine weights that sampled it.
+    """
+    B = len(prompts)
+    P = max(len(p) for p in prompts)
+    T = max(len(r) for r in responses)
+    sequences = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, P + T), dtype=torch.long)
+    action_mask = torch.zeros((B, T), dtype=torch.bool)
+    rollout_logp = torch.zeros((B, T), dtype=torch.float32)
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, rollout_logps)):
+        if not r:
+            raise ValueError(f"rollout sample {i}: the engine returned an empty completion")
+        sequences[i, P - len(p) : P] = torch.as_tensor(p)
+        sequences[i, P : P + len(r)] = torch.as_tensor(r)
+        attention_mask[i, P - len(p) : P + len(r)] = 1
+        action_mask[i, : len(r)] = True
+        rollout_logp[i, : len(r)] = torch.as_tensor(lp, dtype=torch.float32)
+    return Experience(
+        sequences=sequences, attention_mask=attention_mask, action_mask=action_mask, rollout_logp=rollout_logp,
+        weight_version=None if weight_versions is None else torch.as_tensor(weight_versions, dtype=torch.long),
+    )

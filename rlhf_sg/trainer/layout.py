@@ -1,0 +1,101 @@
+"""Where every rank and engine goes: the groups a run starts, which of them share devices, and the
+threads and Ray resources each gets. Pure arithmetic on the config; nothing here starts a process."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from rlhf_sg.config import Config, lr_warmup_steps, optimizer_steps, sleep_engines, uses_critic_model
+
+
+@dataclass(frozen=True)
+class Layout:
+    cfg: Config
+
+    @property
+    def uses_critic(self) -> bool:
+        return uses_critic_model(self.cfg)
+
+    @property
+    def uses_ref(self) -> bool:
+        return self.cfg.train.kl_coef > 0
+
+    @property
+    def uses_reward_model(self) -> bool:
+        return self.cfg.reward.kind == "model"
+
+    def group_sizes(self) -> dict[str, int]:
+        """Ranks of every group this run starts (engines included)."""
+        t = self.cfg.train
+        sizes = {"actor": t.actor_num_ranks, "engines": self.cfg.rollout.num_engines}
+        if self.uses_critic:
+            sizes["critic"] = t.critic_num_ranks
+        if self.uses_ref:
+            sizes["ref"] = t.ref_num_ranks
+        if self.uses_reward_model:
+            sizes["reward"] = self.cfg.reward.num_ranks
+        return sizes
+
+    def colocation(self) -> list[list[str]]:
+        """The sets of groups that share devices: rank i of each group in a set on bundle i."""
+        t, sizes = self.cfg.train, self.group_sizes()
+        if t.colocate_all:
+            return [[g for g in ("actor", "ref", "critic", "reward", "engines") if g in sizes]]
+        sets = []
+        if t.colocate_actor_ref:
+            sets.append(["actor", "ref"])
+        if t.colocate_critic_reward:
+            sets.append(["critic", "reward"])
+        return sets
+
+    def cpus_needed(self) -> int:
+        """One Ray CPU per bundle: a rank or engine of its own, or a bundle a colocated set shares."""
+        sizes, shared = self.group_sizes(), self.colocation()
+        alone = sum(n for g, n in sizes.items() if not any(g in s for s in shared))
+        return alone + sum(max(sizes[g] for g in s) for s in shared)
+
+    def engine_threads(self) -> int:
+        """Torch threads per engine. The step is synchronous: while the engines generate, every model rank
+        waits, so on CPU the engines may share all the cores (one thread each left them idle: measured with
+        ``python -m rlhf_sg.bench e2e``, generation took 1.3x longer than with the cores shared)."""
+        r = self.cfg.rollout
+        if r.engine_threads is not None:
+            return r.engine_threads
+        if self.cfg.train.device != "cpu":
+            return 1
+        return max(1, (os.cpu_count() or 1) // r.num_engines)
+
+    def worker_spec(self, role: str):
+        """The :class:`rlhf_sg.workers.WorkerSpec` of ``role``'s group (a fresh rendezvous port each call)."""
+        from rlhf_sg.distributed import free_port
+        from rlhf_sg.workers import WorkerSpec
+
+        cfg, t, m = self.cfg, self.cfg.train, self.cfg.model
+        path, world, train, lr = {
+            "actor": (m.pretrain, t.actor_num_ranks, True, t.actor_lr),
+            "critic": (m.critic_pretrain or m.reward_pretrain or m.pretrain, t.critic_num_ranks, True, t.critic_lr),
+            "ref": (m.pretrain, t.ref_num_ranks, False, 0.0),
+            "reward": (m.reward_pretrain, cfg.reward.num_ranks, False, 0.0),
+        }[role]
+        return WorkerSpec(
+            role=role, model_path=path, world_size=world, master_addr="127.0.0.1", master_port=free_port(),
+            train=train, dtype=m.dtype, attn_implementation=m.attn_implementation, lr=lr,
+            lr_scheduler=t.lr_scheduler, lr_warmup_steps=lr_warmup_steps(cfg, role),
+            lr_total_steps=optimizer_steps(cfg, role),
+            weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, offload=(role == "ref" and t.ref_offload),
+            gradient_checkpointing=train and t.gradient_checkpointing,
+            seed=t.seed, threads=t.worker_threads, device=t.device, timeout_s=t.timeout_s,
+        )
+
+    def engine_config(self):
+        """The :class:`backends.base.BackendConfig` every engine starts with."""
+        from backends.base import BackendConfig
+
+        cfg, r, t = self.cfg, self.cfg.rollout, self.cfg.train
+        return BackendConfig(
+            model_path=cfg.model.pretrain, dtype=cfg.model.dtype, max_model_len=r.max_model_len, seed=t.seed,
+            device=t.device, tensor_parallel_size=r.tensor_parallel_size, extra=dict(r.engine_kwargs),
+            num_threads=self.engine_threads(), memory_fraction=r.memory_fraction,
+            sleeps_while_training=sleep_engines(cfg),
+        )

@@ -1,0 +1,392 @@
+"""The PPO step, top to bottom, and the loop around it.
+
+One step::
+
+    prompts -> engines.generate (n samples each) -> reward -> [reference log-probs, critic values,
+    actor log-probs] on packed rows -> advantages -> PPO epochs (actor, critic) -> weight sync
+
+Each arrow is a phase of :class:`rlhf_sg.timing.StepTimer`; a phase ends only when every remote
+call it launched has returned, and workers synchronise their device before returning, so no
+phase is charged another's time.
+
+Extend by subclassing :class:`PPOTrainer`: override :meth:`compute_rewards`, :meth:`compute_advantages`,
+or the hooks :meth:`on_step_start`, :meth:`on_experience`, :meth:`on_step_end`; or register an advantage
+estimator by name (:func:`rlhf_sg.advantages.register_advantage_estimator`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+
+import torch
+
+from rlhf_sg import algorithms as algo
+from rlhf_sg.advantages import AdvantageInputs, advantage_estimator
+from rlhf_sg.config import Config, TrainConfig, offload_states, validate
+from rlhf_sg.data import Prompt, PromptStream, load_prompts, load_tokenizer
+from rlhf_sg.experience import ActorUpdate, CriticUpdate, Experience, OptimizerStep
+from rlhf_sg.timing import StepTimer
+from rlhf_sg.trainer import checkpoint
+from rlhf_sg.trainer.cluster import Cluster
+from rlhf_sg.trainer.layout import Layout
+from rlhf_sg.trainer.rollout import RolloutMaker
+from rlhf_sg.trainer.run_log import RunLog
+
+log = logging.getLogger("rlhf_sg")
+
+
+def microbatch_plans(experience: Experience, world: int, max_tokens: int,
+                     rows: list[int] | None = None) -> list[list[list[int]]]:
+    """``rows`` (default: all) split over ``world`` ranks into token-budget micro-batches of global row indices,
+    the same number on every rank (:func:`rlhf_sg.packing.token_budget_microbatches`)."""
+    from rlhf_sg.packing import token_budget_microbatches
+
+    rows = list(range(experience.batch_size)) if rows is None else rows
+    lengths = experience.attention_mask[rows].sum(dim=1).tolist()
+    local = token_budget_microbatches(lengths, max_tokens, world)
+    return [[[rows[i] for i in micro] for micro in rank] for rank in local]
+
+
+def update_plans(experience: Experience, world: int, t: TrainConfig, rng: random.Random,
+                 normalize_rows: bool = False) -> list[list[OptimizerStep]]:
+    """Per rank, its part of every optimizer step of the ``ppo_epochs`` epochs: each epoch shuffles the rows
+    (with ``rng``) into ``num_minibatches`` minibatches, one optimizer step each. The normaliser is the
+    minibatch's action tokens (rows with ``normalize_rows``) over ``world``."""
+    B = experience.batch_size
+    per_rank: list[list[OptimizerStep]] = [[] for _ in range(world)]
+    # a filtered batch (dynamic sampling) may hold fewer rows than num_minibatches x ranks: then fewer,
+    # larger optimizer steps; the split is as even as it can be and drops no row
+    num_mb = max(1, min(t.num_minibatches, B // world))
+    for _ in range(t.ppo_epochs):
+        order = list(range(B))
+        rng.shuffle(order)
+        for k in range(num_mb):
+            rows = sorted(order[k * B // num_mb : (k + 1) * B // num_mb])
+            tokens = len(rows) if normalize_rows else float(experience.action_mask[rows].sum())
+            for rank, plan in enumerate(microbatch_plans(experience, world, t.max_tokens_per_microbatch, rows)):
+                per_rank[rank].append(OptimizerStep(plan=plan, normalizer=tokens / world))
+    return per_rank
+
+
+class PPOTrainer:
+    """PPO / GRPO / Dr.GRPO / RLOO / REINFORCE++ (and registered estimators) over Ray actor groups and
+    rollout engines."""
+
+    def __init__(self, cfg: Config, reward_fn=None):
+        self.cfg = validate(cfg)
+        self.reward_fn = reward_fn
+        self.layout = Layout(cfg)
+        self.estimator = advantage_estimator(cfg.train.advantage_estimator)
+        self.cluster = Cluster(cfg)
+        self.run_log = RunLog(cfg)
+        self.step = 0
+        self.weight_version = 0  # the version the engines hold (the step of the last sync)
+        self.kl_ctl = (
+            algo.AdaptiveKLController(cfg.train.kl_coef, cfg.train.kl_target, cfg.train.kl_horizon)
+            if cfg.train.kl_target
+            else algo.FixedKLController(cfg.train.kl_coef)
+        )
+        self.rng = random.Random(cfg.train.seed)
+        self.prompts: list[Prompt] = []  # the prompts of the step in progress (for hooks)
+
+    # ---- what the run does ---------------------------------------------------------------------------
+    @property
+    def uses_critic(self) -> bool:
+        return self.layout.uses_critic
+
+    @property
+    def uses_ref(self) -> bool:
+        return self.layout.uses_ref
+
+    @property
+    def engines(self) -> list:
+        return self.cluster.engines
+
+    @property
+    def recomputes_old_logp(self) -> bool:
+        """Whether a step runs the actor's separate old-log-prob forward. It is needed when the batch gets
+        more than one update (later updates must compare against the sampling policy) and when the KL
+        penalty goes into the rewards (it is needed before the advantages); otherwise the single update's
+        own forward gives them, as the policy being trained is the one that sampled."""
+        t = self.cfg.train
+        if t.recompute_old_logp is not None:
+            return t.recompute_old_logp
+        return t.ppo_epochs > 1 or t.num_minibatches > 1 or (self.uses_ref and t.kl_mode == "reward")
+
+    def setup(self) -> None:
+        """Load data (errors surface here, before any process starts), then start Ray and every group."""
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.model.pretrain)
+        if self.reward_fn is None and cfg.reward.kind == "function":
+            from rlhf_sg.rewards import load_reward_function
+
+            self.reward_fn = load_reward_function(cfg.reward.function)
+        prompts, skipped = load_prompts(
+            cfg.data.prompt_data, self.tokenizer, input_key=cfg.data.input_key, label_key=cfg.data.label_key,
+            apply_chat_template=cfg.data.apply_chat_template, max_prompt_len=cfg.data.max_prompt_len,
+            skip_bad_rows=cfg.data.skip_bad_rows,
+        )
+        if skipped:
+            log.warning("%s: skipped %d malformed rows (--data.skip_bad_rows)", cfg.data.prompt_data, skipped)
+        self.skipped_rows = skipped
+        self.stream = PromptStream(prompts, cfg.rollout.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
+        eos_id = self.tokenizer.eos_token_id
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_id
+        os.makedirs(cfg.log.output_dir, exist_ok=True)
+        with open(os.path.join(cfg.log.output_dir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+        self.cluster.start()
+        self.rollout = RolloutMaker(cfg, self.cluster.engines, self.stream, eos_id, pad_id, self.compute_rewards)
+        if cfg.log.resume:
+            self._resume()
+
+    # ---- one step ------------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        timer = StepTimer(sync=lambda: None)  # every phase below waits on its remote calls itself
+        timer.start_step()
+        self.on_step_start(self.step)
+        profiling = self.cfg.log.profile_step == self.step
+        if profiling:
+            self.cluster.actor.call("start_profile")
+        self.cluster.offload_training_states(timer)  # with offloading: only the first step has any on the device
+        # generate and score (with dynamic sampling, as many rounds as the batch needs)
+        self.prompts, experience, metrics = self.rollout.make(timer, self.step, self.weight_version)
+        reloaded = self.cluster.hand_device_to_trainer(timer)  # engines sleep, then training states come back
+        if offload_states(self.cfg):
+            metrics["offload/device_GB"] = reloaded / 1e9
+
+        metrics.update(self.score(experience, timer))  # reference log-probs, values, old log-probs, KL
+        self.compute_advantages(experience)
+        self.on_experience(experience)
+        with timer.phase("train"):
+            # a KL the scoring forwards measured (the sampling policy's) stands over the one the update's loss saw
+            metrics = {**self.update(experience), **metrics}
+
+        self.step += 1
+        # states off, engine weights on, sync, KV cache on (colocated; otherwise the sync alone)
+        sync_stats = self.cluster.hand_device_to_engines(timer, self.step)
+        self.weight_version = self.step
+        if metrics.get("kl") is not None:
+            self.kl_ctl.update(metrics["kl"], experience.batch_size)
+        times = timer.end_step()
+        metrics.update({
+            "weight_sync/GBps": float(sync_stats[0].get("GBps", 0.0)) if sync_stats else 0.0,
+            "rollout/response_len": experience.action_mask.sum(dim=1).float().mean().item(),
+            "rollout/samples": experience.batch_size,
+            "kl_coef": self.kl_ctl.value,
+            "throughput/tokens_per_s": float(experience.attention_mask.sum()) / times["step"],
+            "throughput/samples_per_s": experience.batch_size / times["step"],
+        })
+        return self._finish_step(metrics, times, profiling)
+
+    def score(self, experience: Experience, timer: StepTimer) -> dict[str, float]:
+        """The scoring forwards, in eval mode: reference log-probs, critic values and (when the step needs them,
+        :attr:`recomputes_old_logp`) the actor's old log-probs and the KL of the sampling policy from the
+        reference. Fills ``experience``; returns metrics."""
+        t, B = self.cfg.train, experience.batch_size
+        temperature = self.cfg.rollout.temperature or 1.0
+        ref = _put(experience)
+        if self.uses_ref:
+            with timer.phase("reference"):
+                plans = microbatch_plans(experience, t.ref_num_ranks, t.max_tokens_per_microbatch)
+                experience.ref_logp = self.cluster.ref.forward(ref, plans, B, temperature)
+        if self.uses_critic:
+            with timer.phase("critic"):
+                plans = microbatch_plans(experience, t.critic_num_ranks, t.max_tokens_per_microbatch)
+                experience.values = self.cluster.critic.forward(ref, plans, B)
+        if not self.recomputes_old_logp:
+            return {}  # the actor's update measures the log-prob gap (and the KL in the loss) itself
+        with timer.phase("actor_logprob"):
+            plans = microbatch_plans(experience, t.actor_num_ranks, t.max_tokens_per_microbatch)
+            experience.old_logp = self.cluster.actor.forward(ref, plans, B, temperature)
+        mask = experience.action_mask
+        metrics = {"rollout/logp_gap_engine_vs_trainer":
+                   algo.masked_mean((experience.rollout_logp - experience.old_logp).abs(), mask).item()}
+        if self.uses_ref:
+            kl = algo.approx_kl(experience.old_logp, experience.ref_logp, t.kl_estimator)
+            experience.kl = torch.where(mask, kl, 0.0)
+            metrics["kl"] = algo.masked_mean(experience.kl, mask).item()
+        return metrics
+
+    def compute_advantages(self, experience: Experience) -> None:
+        """Fill ``experience.advantages`` (and ``.returns`` with a critic) with the run's advantage estimator.
+
+        Scores are clipped to ``--train.score_clip``; with ``--train.kl_mode reward`` the estimator's token
+        rewards carry the KL penalty at the current coefficient. Override to change the whole computation;
+        to add an estimator, register it (:mod:`rlhf_sg.advantages`)."""
+        t = self.cfg.train
+        kl_in_reward = experience.kl is not None and t.kl_mode == "reward"
+        scores = experience.scores if t.score_clip is None else experience.scores.clamp(-t.score_clip, t.score_clip)
+        inputs = AdvantageInputs(
+            scores=scores.float(), action_mask=experience.action_mask,
+            kl=experience.kl if kl_in_reward else torch.zeros_like(experience.rollout_logp),
+            kl_coef=self.kl_ctl.value if kl_in_reward else 0.0, group_size=self.cfg.rollout.n_samples_per_prompt,
+            gamma=t.gamma, lam=t.lam, values=experience.values,
+        )
+        experience.advantages, experience.returns = self.estimator(inputs)
+
+    def actor_update(self) -> ActorUpdate:
+        """This step's policy-update settings (the KL coefficient is the controller's current value)."""
+        t = self.cfg.train
+        kl_in_loss = self.uses_ref and t.kl_mode == "loss"
+        return ActorUpdate(
+            loss=algo.ActorLossConfig(
+                clip_low=t.clip_low, clip_high=t.clip_high, dual_clip=t.dual_clip, tis_cap=t.tis_cap,
+                aggregation=t.loss_aggregation, kl_coef=self.kl_ctl.value if kl_in_loss else 0.0,
+                kl_estimator=t.kl_estimator, entropy_coef=t.entropy_coef,
+            ),
+            temperature=self.cfg.rollout.temperature or 1.0,
+            old_logp_from_update=not self.recomputes_old_logp,
+        )
+
+    def update(self, experience: Experience) -> dict[str, float]:
+        """The PPO epochs: the critic's and the actor's updates, run at the same time (they share nothing).
+        The actor sits out the critic's warmup steps. Returns their metrics."""
+        import ray
+
+        t, cluster = self.cfg.train, self.cluster
+        ref, calls = _put(experience), []
+        if self.uses_critic:
+            steps = update_plans(experience, t.critic_num_ranks, t, self.rng)
+            update = CriticUpdate(value_clip=t.value_clip)
+            calls += [w.train_critic.remote(ref, steps[i], update) for i, w in enumerate(cluster.critic.workers)]
+        if not (self.uses_critic and self.step < t.critic_warmup_steps):
+            steps = update_plans(experience, t.actor_num_ranks, t, self.rng,
+                                 normalize_rows=t.loss_aggregation == "seq_mean")
+            update = self.actor_update()
+            calls += [w.train_actor.remote(ref, steps[i], update) for i, w in enumerate(cluster.actor.workers)]
+        try:
+            results = ray.get(calls, timeout=t.timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise TimeoutError(f"train: actor/critic updates did not finish within {t.timeout_s:.0f} s") from e
+        metrics: dict[str, float] = {}
+        for r in results:  # every rank returns the group's all-reduced metrics: take the first
+            for k, v in r.items():
+                metrics.setdefault(k, v)
+        # without the separate old-log-prob pass the actor's update measured these
+        if "actor/logp_gap_engine_vs_trainer" in metrics:
+            metrics["rollout/logp_gap_engine_vs_trainer"] = metrics.pop("actor/logp_gap_engine_vs_trainer")
+        if "actor/kl_loss" in metrics:
+            metrics["kl"] = metrics["actor/kl_loss"]
+        return metrics
+
+    def compute_rewards(self, prompts: list[Prompt], completions: list, experience: Experience) -> torch.Tensor:
+        """Scores [B], one per completion. Override for custom scoring."""
+        from rlhf_sg.rewards import check_scores, remote_reward
+
+        cfg, t = self.cfg, self.cfg.train
+        n = cfg.rollout.n_samples_per_prompt
+        if cfg.reward.kind == "model":
+            plans = microbatch_plans(experience, cfg.reward.num_ranks, t.max_tokens_per_microbatch)
+            return self.cluster.reward_model.forward(_put(experience), plans, len(completions))
+        texts_p = [prompts[i // n].text for i in range(len(completions))]
+        texts_c = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        labels = [prompts[i // n].label for i in range(len(completions))]
+        if cfg.reward.kind == "remote":
+            scores = remote_reward(cfg.reward.url, texts_p, texts_c, labels, t.timeout_s)
+        else:
+            scores = check_scores(self.reward_fn(texts_p, texts_c, labels), len(completions), "reward function")
+        return torch.tensor(scores, dtype=torch.float32)
+
+    def _finish_step(self, metrics: dict[str, float], times: dict[str, float], profiling: bool) -> dict[str, float]:
+        """Metrics, hooks, logs and the checkpoint of a finished step (``self.step`` already advanced)."""
+        cfg = self.cfg
+        if profiling:
+            paths = self.cluster.actor.call("stop_profile", os.path.join(cfg.log.output_dir, "profile"),
+                                            f"step{self.step}")
+            log.info("torch profiler traces of step %d (open in Perfetto or chrome://tracing): %s", self.step,
+                     ", ".join(paths))
+        metrics["weight_version"] = self.weight_version
+        metrics.update({f"time/{k}": v for k, v in times.items()})
+        # the share of the step spent pushing weights into the engines: the cost weight sync exists to keep small
+        metrics["perf/weight_sync_share"] = times.get("weight_sync", 0.0) / times["step"] if times.get("step") else 0.0
+        self.on_step_end(self.step, metrics)
+        self.run_log.write(self.step, metrics)
+        if cfg.log.save_steps and self.step % cfg.log.save_steps == 0:
+            self.save_checkpoint()
+        return metrics
+
+    # ---- hooks -------------------------------------------------------------------------------------
+    def on_step_start(self, step: int) -> None:
+        """Called before a step generates."""
+
+    def on_experience(self, experience: Experience) -> None:
+        """Called with the finished experience (advantages filled) before training."""
+
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
+        """Called after a step with its metrics (add keys to log them)."""
+
+    # ---- loop and checkpoints --------------------------------------------------------------------------
+    def fit(self) -> list[dict[str, float]]:
+        from tqdm import tqdm
+
+        history = []
+        bar = tqdm(total=self.cfg.train.max_steps, initial=self.step, disable=not self.cfg.log.progress_bar,
+                   desc="ppo", dynamic_ncols=True)
+        while self.step < self.cfg.train.max_steps:
+            metrics = self.train_step()
+            history.append(metrics)
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl', 0.0):.4f}",
+                            tok_s=f"{metrics.get('throughput/tokens_per_s', 0.0):.0f}")
+        bar.close()
+        if not self.cfg.log.save_steps or self.step % self.cfg.log.save_steps:
+            self.save_checkpoint()
+        if self.cfg.log.export_hf:
+            self.export_hf(os.path.join(self.cfg.log.output_dir, "final_hf"))
+        return history
+
+    def _checkpointed_groups(self) -> dict:
+        return {"actor": self.cluster.actor, "critic": self.cluster.critic}
+
+    def save_checkpoint(self) -> str:
+        state = {"data": self.stream.state(), "rng": self.rng.getstate(), "kl_coef": self.kl_ctl.value}
+        return checkpoint.save_checkpoint(checkpoint.checkpoint_root(self.cfg.log.output_dir), self.step,
+                                          self._checkpointed_groups(), state)
+
+    def _resume(self) -> None:
+        root = checkpoint.checkpoint_root(self.cfg.log.output_dir)
+        state = checkpoint.load_checkpoint(root, self._checkpointed_groups())
+        if state is None:
+            return
+        self.step = int(state["step"])
+        self.stream.load_state(state["data"])
+        self.rng.setstate(checkpoint.rng_state_from_json(state["rng"]))
+        self.kl_ctl.value = float(state["kl_coef"])
+        # engines started from the initial weights: give them the checkpoint's
+        self.cluster.actor.call("sync_weights", self.step, what=f"weight sync after resume (version {self.step})")
+        self.weight_version = self.step
+        log.info("resumed from %s at step %d", state["tag"], self.step)
+
+    def export_hf(self, path: str) -> str:
+        self.cluster.actor.call("export_hf", path, what="HF export")
+        self.tokenizer.save_pretrained(path)
+        return path
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+        self.run_log.close()
+
+
+def _put(experience: Experience):
+    """The experience in Ray's object store, once for every rank of a phase."""
+    import ray
+
+    return ray.put(experience)
+
+
+def train(cfg: Config, trainer_cls: type[PPOTrainer] = PPOTrainer, **kwargs) -> list[dict[str, float]]:
+    """Validate, start, train, shut down. Returns the per-step metrics."""
+    trainer = trainer_cls(cfg, **kwargs)
+    t0 = time.time()
+    try:
+        trainer.setup()
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    log.info("training finished in %.0f s; logs and checkpoints in %s", time.time() - t0, cfg.log.output_dir)
+    return history

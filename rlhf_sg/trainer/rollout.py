@@ -1,0 +1,152 @@
+"""Experience making, first half: prompts -> engines -> completions -> rewards, as one :class:`Experience`.
+
+With dynamic sampling (``--train.dynamic_filtering``, as DAPO does it) groups whose samples all score
+the same are dropped and more prompts are drawn and generated until the batch is full; the extra
+rounds belong to the same step."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Callable
+
+import torch
+
+from rlhf_sg.config import Config
+from rlhf_sg.data import Prompt, PromptStream
+from rlhf_sg.experience import Experience, build_rollout_batch
+from rlhf_sg.timing import StepTimer
+
+log = logging.getLogger("rlhf_sg")
+
+#: ``(prompts, completions, experience) -> scores [B]``: the trainer's reward hook
+ScoreFn = Callable[[list[Prompt], list, Experience], torch.Tensor]
+
+
+def rollout_seed(run_seed: int, step: int, draw: int, engine_index: int) -> int:
+    """The sampling seed of one generate call: a 63-bit hash of (run seed, step, draw within the step,
+    engine). Engines, steps and draws get unrelated random streams (the k-th prompt of two engines does not
+    draw the same numbers), and a repeated run gets the same ones."""
+    key = f"{run_seed}/{step}/{draw}/{engine_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def check_weight_versions(versions: list[int], expected: int) -> None:
+    """On-policy (synchronous) training: every completion must come from the weights the trainer holds.
+    Raises RuntimeError naming the completions and versions otherwise."""
+    stale = [i for i, v in enumerate(versions) if v != expected]
+    if stale:
+        found = sorted({versions[i] for i in stale})
+        raise RuntimeError(
+            f"on-policy step: {len(stale)} completion(s) (e.g. {stale[:4]}) were sampled with weight version(s) "
+            f"{found}, but the trainer's policy is version {expected}; an engine missed a weight sync (check the "
+            "engine logs, and that every wake after a sleep is followed by a sync)"
+        )
+
+
+def has_signal(group_scores: torch.Tensor) -> bool:
+    """Whether a group's scores ([n], one prompt's samples) differ: a group of equal scores gets zero
+    advantage from every group estimator, so it costs training compute and teaches nothing."""
+    return bool((group_scores.max() - group_scores.min()) > 0)
+
+
+def select_groups(signal: list[bool], want: int) -> tuple[list[int], int]:
+    """Dynamic sampling's choice of the step's groups from all drawn so far (in draw order).
+
+    signal[g]: whether group g has signal. Returns (the indices of the ``want`` groups to train on: the
+    first groups with signal, then, when there are too few, the first groups without; the number of
+    groups without signal among them).
+    """
+    kept = [g for g, s in enumerate(signal) if s][:want]
+    filler = [g for g, s in enumerate(signal) if not s][: want - len(kept)]
+    return kept + filler, len(filler)
+
+
+def reward_metrics(scores: torch.Tensor) -> dict[str, float]:
+    """Reward statistics over every sample generated in the step (filtered ones included)."""
+    return {"reward/mean": scores.mean().item(), "reward/std": scores.std().item()}
+
+
+class RolloutMaker:
+    """Draws the step's prompts, spreads them over the engines and scores the completions."""
+
+    def __init__(self, cfg: Config, engines: list, stream: PromptStream, eos_id: int, pad_id: int, score: ScoreFn):
+        self.cfg, self.engines, self.stream, self.score = cfg, engines, stream, score
+        self.eos_id, self.pad_id = eos_id, pad_id
+
+    def generate(self, prompts: list[Prompt], step: int, draw: int = 0) -> list:
+        """Completions for every prompt, n each, prompt-major; prompts are spread over the engines, each
+        call seeded by :func:`rollout_seed` (``draw``: the generation round within the step)."""
+        from backends.base import SamplingParams
+        from rlhf_sg.engine_actor import wait_engine_calls
+
+        r = self.cfg.rollout
+        params = SamplingParams(
+            n=r.n_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(r.stop_token_ids) + (self.eos_id,),
+        )
+        shards = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
+        calls = [
+            (i, "generate", engine.generate.remote(
+                [prompts[j].token_ids for j in shard],
+                dataclasses.replace(params, seed=rollout_seed(self.cfg.train.seed, step, draw, i)),
+            ))
+            for i, (engine, shard) in enumerate(zip(self.engines, shards))
+            if shard
+        ]
+        results = wait_engine_calls(calls, self.cfg.train.timeout_s)
+        by_prompt: dict[int, list] = {}
+        for shard, completions in zip([s for s in shards if s], results):
+            for c in completions:
+                by_prompt.setdefault(shard[c.prompt_index], []).append(c)
+        return [c for j in range(len(prompts)) for c in by_prompt[j]]
+
+    def make(self, timer: StepTimer, step: int, weight_version: int) -> tuple[list[Prompt], Experience, dict]:
+        """Generate and score the step's samples: (prompts, experience with scores, metrics).
+
+        With ``dynamic_filtering``, groups whose scores are all equal are dropped and more prompts are drawn
+        and generated until ``prompts_per_step`` groups have signal, at most ``dynamic_filtering_max_draws``
+        rounds; a batch still short is filled up with dropped groups. Every completion must come from
+        ``weight_version``, the weights the trainer holds (:func:`check_weight_versions`)."""
+        t, n, want = self.cfg.train, self.cfg.rollout.n_samples_per_prompt, self.cfg.rollout.prompts_per_step
+        groups: list[tuple[Prompt, list, torch.Tensor]] = []
+        draws = 0
+        while True:
+            prompts = self.stream.next_batch()
+            with timer.phase("generate"):
+                completions = self.generate(prompts, step, draw=draws)
+            draws += 1
+            check_weight_versions([c.weight_version for c in completions], weight_version)
+            experience = self._experience(prompts, completions)
+            with timer.phase("reward"):
+                scores = self.score(prompts, completions, experience)
+            if not t.dynamic_filtering:
+                experience.scores = scores
+                return prompts, experience, reward_metrics(scores)
+            groups += [(p, completions[g * n : (g + 1) * n], scores[g * n : (g + 1) * n])
+                       for g, p in enumerate(prompts)]
+            signal = [has_signal(sc) for _, _, sc in groups]
+            if sum(signal) >= want or draws >= t.dynamic_filtering_max_draws:
+                break
+        chosen, filler = select_groups(signal, want)
+        if filler:
+            log.warning("step %d: %d of %d groups have signal after %d draws (--train.dynamic_filtering_max_draws);"
+                        " %d groups without signal fill the batch", step, want - filler, want, draws, filler)
+        prompts = [groups[g][0] for g in chosen]
+        experience = self._experience(prompts, [c for g in chosen for c in groups[g][1]])
+        experience.scores = torch.cat([groups[g][2] for g in chosen])
+        metrics = reward_metrics(torch.cat([sc for _, _, sc in groups]))
+        metrics.update({"rollout/sample_draws": draws, "rollout/groups_kept_frac": sum(signal) / len(signal),
+                        "rollout/unfiltered_groups": filler})
+        return prompts, experience, metrics
+
+    def _experience(self, prompts: list[Prompt], completions: list) -> Experience:
+        n = self.cfg.rollout.n_samples_per_prompt
+        return build_rollout_batch(
+            [prompts[i // n].token_ids for i in range(len(completions))],
+            [c.token_ids for c in completions],
+            [c.logprobs for c in completions],
+            self.pad_id,
+            weight_versions=[c.weight_version for c in completions],
+        )
