@@ -88,6 +88,10 @@ class TrainConfig:
     recompute_old_logp: bool | None = None
     #: recompute activations in the backward of actor and critic (less memory, ~30% more compute)
     gradient_checkpointing: bool = False
+    #: zero every dropout of the actor, critic, reference and reward models (the config's *dropout / *pdrop
+    #: rates and nn.Dropout modules): scoring and update forwards then see the same function, so the PPO ratio
+    #: of a fresh batch is exactly 1 (TRL does the same by default); false keeps the model's dropout in updates
+    disable_dropout: bool = True
     actor_lr: float = 1e-5
     critic_lr: float = 1e-5
     #: learning-rate schedule of actor and critic over the run's optimizer steps: constant, linear or cosine

@@ -43,6 +43,7 @@ class WorkerSpec:
     max_grad_norm: float = 1.0
     offload: bool = False
     gradient_checkpointing: bool = False
+    disable_dropout: bool = True
     seed: int = 42
     threads: int = 1
     device: str = "cpu"
@@ -88,6 +89,20 @@ def allreduce_weighted_means(
     values = packed.tolist()
     n = len(names)
     return {k: values[i] / values[n + i] if values[n + i] > 0 else 0.0 for i, k in enumerate(names)}
+
+
+def without_dropout(config) -> list[str]:
+    """Set every dropout rate of a transformers config to 0 (attributes named ``*dropout`` or ``*pdrop`` holding a
+    number, nested configs included): models read them when they build their layers, and some (attention
+    dropout) apply them functionally, out of reach of ``nn.Dropout``. Returns the names it zeroed."""
+    zeroed = []
+    for name, value in list(vars(config).items()):
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a nested (text / vision) config
+            zeroed += [f"{name}.{n}" for n in without_dropout(value)]
+        elif (name.endswith("dropout") or name.endswith("pdrop")) and isinstance(value, float) and value:
+            setattr(config, name, 0.0)
+            zeroed.append(name)
+    return zeroed
 
 
 def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate,
@@ -191,20 +206,26 @@ class ModelWorker:
         return torch.optim.AdamW(params, **kwargs)
 
     def _load_model(self):
+        from transformers import AutoConfig
+
         dtype = torch.bfloat16 if self.spec.dtype == "bfloat16" else torch.float32
+        config = AutoConfig.from_pretrained(self.spec.model_path)
+        if self.spec.disable_dropout:
+            without_dropout(config)
+        kwargs = dict(config=config, dtype=dtype, attn_implementation=self.spec.attn_implementation)
         if self.spec.role in ("actor", "ref"):
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(
-                self.spec.model_path, dtype=dtype, attn_implementation=self.spec.attn_implementation
-            )
+            model = AutoModelForCausalLM.from_pretrained(self.spec.model_path, **kwargs)
             model.config.use_cache = False
         else:
             from rlhf_sg.models import ValueHeadModel
 
-            model = ValueHeadModel.from_pretrained(
-                self.spec.model_path, dtype=dtype, attn_implementation=self.spec.attn_implementation
-            )
+            model = ValueHeadModel.from_pretrained(self.spec.model_path, **kwargs)
+        if self.spec.disable_dropout:
+            for module in model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
         if not self.spec.train:
             model.requires_grad_(False)
         elif self.spec.gradient_checkpointing:

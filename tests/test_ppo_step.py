@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from zero3_rank import FRESH_UPDATE, actor_rank, in_fresh_process, one_step
+from zero3_rank import FRESH_UPDATE, PLAIN_UPDATE, actor_rank, in_fresh_process, one_step
 
 from rlhf_sg.config import Config, validate
 from rlhf_sg.tiny import save_tiny_model
@@ -323,7 +323,7 @@ def _scoring_after_an_update(model_path: str) -> dict:
 
     from rlhf_sg.packing import response_logprobs
 
-    worker, batch, plan = actor_rank(model_path)
+    worker, batch, plan = actor_rank(model_path, disable_dropout=False)
     try:
         worker.train_actor(batch, one_step(plan, batch), FRESH_UPDATE)  # leaves the model as the update used it
         first = worker.forward(batch, plan)[1]
@@ -355,6 +355,50 @@ def test_scoring_forwards_run_without_dropout_after_an_update(tmp_path):
     assert out["train_mode_differs"]  # the dropout is real
     assert torch.equal(out["first"], out["second"])
     torch.testing.assert_close(out["first"], out["eval"], rtol=0, atol=1e-6)
+
+
+def _first_update_ratio(model_path: str, disable_dropout: bool) -> dict:
+    """The first update of a step: old log-probs from the scoring forward (eval mode), then the update (train
+    mode); its PPO ratio metrics."""
+    import torch.distributed as dist
+
+    worker, batch, plan = actor_rank(model_path, disable_dropout=disable_dropout)
+    try:
+        batch.old_logp = worker.forward(batch, plan)[1]
+        return worker.train_actor(batch, one_step(plan, batch), PLAIN_UPDATE)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_first_update_ratio_is_one_on_a_model_with_dropout(tmp_path):
+    """On a model with attention and hidden dropout, the trainer's ranks run without dropout (as TRL's
+    ``disable_dropout``): the update's train-mode forward equals the eval-mode scoring forward, so the ratio of
+    the first minibatch is exactly 1. With the model's dropout kept, it is not."""
+    from rlhf_sg.tiny import build_tiny_model
+
+    model = build_tiny_model("qwen2", "tiny", seed=0)
+    model.config.attention_dropout = 0.3
+    path = save_tiny_model(str(tmp_path / "m"), model=model)
+    without = in_fresh_process(_first_update_ratio, path, True)
+    assert without["actor/ratio_mean"] == 1.0 and without["actor/ppo_kl"] == 0.0
+    assert without["actor/clip_frac"] == 0.0
+    kept = in_fresh_process(_first_update_ratio, path, False)
+    assert kept["actor/ratio_mean"] != 1.0 and kept["actor/ppo_kl"] != 0.0
+
+
+def test_without_dropout_zeroes_every_rate_of_a_config_nested_ones_included():
+    from transformers import Qwen2Config
+
+    from rlhf_sg.workers import without_dropout
+
+    config = Qwen2Config(attention_dropout=0.2)
+    config.resid_pdrop, config.hidden_dropout, config.layer_norm_eps = 0.1, 0.05, 1e-6
+    config.text_config = Qwen2Config(attention_dropout=0.4)
+    assert sorted(without_dropout(config)) == ["attention_dropout", "hidden_dropout", "resid_pdrop",
+                                               "text_config.attention_dropout"]
+    assert config.attention_dropout == config.resid_pdrop == config.hidden_dropout == 0.0
+    assert config.text_config.attention_dropout == 0.0 and config.layer_norm_eps == 1e-6
 
 
 def _lr_run(model_path: str, ckpt: str, resume: bool) -> dict:

@@ -84,7 +84,7 @@ class Layout:
             lr_scheduler=t.lr_scheduler, lr_warmup_steps=lr_warmup_steps(cfg, role),
             lr_total_steps=optimizer_steps(cfg, role),
             weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, offload=(role == "ref" and t.ref_offload),
-            gradient_checkpointing=train and t.gradient_checkpointing,
+            gradient_checkpointing=train and t.gradient_checkpointing, disable_dropout=t.disable_dropout,
             seed=t.seed, threads=t.worker_threads, device=t.device, timeout_s=t.timeout_s,
         )
 
