@@ -188,6 +188,8 @@ class PPOTrainer:
         :attr:`recomputes_old_logp`) the actor's old log-probs and the KL of the sampling policy from the
         reference. Fills ``experience``; returns metrics."""
         t, B = self.cfg.train, experience.batch_size
+        if not (self.uses_ref or self.uses_critic or self.recomputes_old_logp):
+            return {}  # nothing to score: the actor's update measures the log-prob gap itself
         temperature = self.cfg.rollout.temperature or 1.0
         ref = _put(experience)
         if self.uses_ref:
