@@ -65,6 +65,8 @@ class RolloutConfig:
     #: CPU threads per engine process (None: on CPU, the machine's cores shared among the engines, since
     #: the step's phases take turns and nothing else computes while the engines generate; on GPU, 1)
     engine_threads: int | None = None
+    #: restarts of one engine in a row (it died each time before finishing its prompts) before the run stops
+    max_engine_restarts: int = 3
     #: free engine memory while training (None: on with --train.colocate_all, else off)
     sleep_engines_while_training: bool | None = None
 
@@ -92,6 +94,9 @@ class TrainConfig:
     #: rates and nn.Dropout modules): scoring and update forwards then see the same function, so the PPO ratio
     #: of a fresh batch is exactly 1 (TRL does the same by default); false keeps the model's dropout in updates
     disable_dropout: bool = True
+    #: stop the run after this many steps in a row whose optimizer updates were all skipped for a NaN / Inf
+    #: loss or gradient (a skipped update leaves the weights as they were)
+    max_nonfinite_steps: int = 3
     actor_lr: float = 1e-5
     critic_lr: float = 1e-5
     #: learning-rate schedule of actor and critic over the run's optimizer steps: constant, linear or cosine
@@ -369,6 +374,8 @@ def validate(cfg: Config) -> Config:
     _need(t.score_clip is None or t.score_clip > 0, f"--train.score_clip must be > 0 (got {t.score_clip})")
     _need(t.lr_scheduler in LR_SCHEDULERS,
           f"--train.lr_scheduler must be one of {list(LR_SCHEDULERS)}, got {t.lr_scheduler!r}")
+    _need(r.max_engine_restarts >= 0, f"--rollout.max_engine_restarts must be >= 0, got {r.max_engine_restarts}")
+    _need(t.max_nonfinite_steps >= 1, f"--train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}")
     _need(0 <= t.lr_warmup_ratio < 1, f"--train.lr_warmup_ratio must be in [0, 1), got {t.lr_warmup_ratio}")
     _need(r.memory_fraction is None or 0 < r.memory_fraction <= 1,
           f"--rollout.memory_fraction must be in (0, 1] (a share of each engine device), got {r.memory_fraction}")

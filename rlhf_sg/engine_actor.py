@@ -37,6 +37,14 @@ class EngineCallError(RuntimeError):
     """A call to a rollout engine failed or did not answer in time; the message names engine and call."""
 
 
+class EngineDied(EngineCallError):
+    """The engine's actor or process is gone (killed, crashed, out of memory); the message says which and how."""
+
+    def __init__(self, engine_index: int, message: str):
+        super().__init__(message)
+        self.engine_index = engine_index
+
+
 class EngineActor:
     """One rollout backend behind a Ray actor; every public method is one remote call."""
 
@@ -249,6 +257,20 @@ def wait_engine_calls(calls: list[tuple[int, str, Any]], timeout_s: float) -> li
     return results
 
 
+def wait_engine_calls_or_died(calls: list[tuple[int, str, Any]], timeout_s: float) -> list[Any]:
+    """:func:`wait_engine_calls`, except that a call whose engine died gives its :class:`EngineDied` in the
+    results instead of raising (the caller restarts that engine); other failures and timeouts still raise."""
+    results = []
+    deadline = time.monotonic() + timeout_s
+    for engine_index, call_name, ref in calls:
+        try:
+            remaining = max(0.0, deadline - time.monotonic())
+            results.append(wait_engine_calls([(engine_index, call_name, ref)], remaining)[0])
+        except EngineDied as died:
+            results.append(died)
+    return results
+
+
 def get_engine_result(engine_index: int, call_name: str, ref: Any) -> Any:
     """``ray.get`` of one finished engine call, its failure re-raised naming engine and call."""
     import ray
@@ -259,7 +281,7 @@ def get_engine_result(engine_index: int, call_name: str, ref: Any) -> Any:
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
         raise EngineCallError(f"engine {engine_index}: {call_name} failed: {type(cause).__name__}: {cause}") from exc
     except ray.exceptions.RayActorError as exc:
-        raise EngineCallError(f"engine {engine_index}: {call_name}: the engine actor died: {exc}") from exc
+        raise EngineDied(engine_index, f"engine {engine_index}: {call_name}: the engine actor died: {exc}") from exc
 
 
 def start_engine_actors(
@@ -270,8 +292,10 @@ def start_engine_actors(
     num_gpus: float = 0.0,
     start_timeout_s: float = 600.0,
     shared: Any = None,
+    only: list[int] | None = None,
 ) -> list[Any]:
-    """Start ``num_engines`` :class:`EngineActor` s and wait until each has built its backend.
+    """Start ``num_engines`` :class:`EngineActor` s (or, with ``only``, those engine indices of them: a restart)
+    and wait until each has built its backend.
 
     Engine ``i`` gets ``config`` with ``seed = config.seed + i`` (independent sampling streams) and,
     when ``config.num_threads`` is None, ``max(1, int(num_cpus))`` torch threads. With ``shared`` (a
@@ -291,14 +315,15 @@ def start_engine_actors(
     # The thread count must be in the environment before torch starts its OpenMP pool.
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     remote_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env})(EngineActor)
+    indices = list(range(num_engines)) if only is None else list(only)
     actors = [
         remote_cls.options(**({"scheduling_strategy": shared.strategy(i)} if shared is not None else {})).remote(
             backend_name, dataclasses.replace(config, seed=config.seed + i, num_threads=threads), engine_index=i
         )
-        for i in range(num_engines)
+        for i in indices
     ]
     try:
-        wait_engine_calls([(i, "start", a.describe.remote()) for i, a in enumerate(actors)], start_timeout_s)
+        wait_engine_calls([(i, "start", a.describe.remote()) for i, a in zip(indices, actors)], start_timeout_s)
     except EngineCallError:
         for a in actors:
             ray.kill(a)

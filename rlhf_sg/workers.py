@@ -277,9 +277,13 @@ class ModelWorker:
         """The optimizer steps of one PPO phase: ``micro_loss(micro-batch on this rank's device, normalizer)
         -> (loss, metrics)``, metrics being per-token means of the micro-batch. Metrics are summed
         token-weighted on the device and reduced over the group's ranks once at the end (every rank returns
-        the same values); ``{prefix}/lr`` is the rate of the last optimizer step."""
+        the same values); ``{prefix}/lr`` is the rate of the last optimizer step. An optimizer step whose gradient
+        norm is not finite (a NaN or Inf in the loss or gradients on any rank) is skipped by DeepSpeed's ZeRO-3
+        optimizer on every rank, its gradients dropped and the LR schedule not advanced; ``{prefix}/skipped_updates``
+        counts them, of ``{prefix}/updates``."""
         self.engine.train()
         device = self.device
+        skipped_before = self.engine.skipped_steps
         sums: dict[str, torch.Tensor] = {}
         weights: dict[str, torch.Tensor] = {}
         lr = 0.0
@@ -296,7 +300,9 @@ class ModelWorker:
             lr = float(self.engine.get_lr()[0])
             self.engine.step()
         means = allreduce_weighted_means(sums, weights, self.spec.timeout_s)
-        return {**{f"{prefix}/{k}": v for k, v in means.items()}, f"{prefix}/lr": lr}
+        return {**{f"{prefix}/{k}": v for k, v in means.items()}, f"{prefix}/lr": lr,
+                f"{prefix}/updates": float(len(steps)),
+                f"{prefix}/skipped_updates": float(self.engine.skipped_steps - skipped_before)}
 
     def train_actor(self, experience: Experience, steps: list[OptimizerStep], update: ActorUpdate) -> dict[str, float]:
         """PPO policy updates over ``steps`` (this rank's part of each optimizer step)."""
@@ -316,8 +322,16 @@ class ModelWorker:
 
     # ---- weight sync (actor) --------------------------------------------------------------------------
     def setup_weight_sync(self, engines: list, transport: str, bucket_bytes: int, timeout_s: float) -> None:
+        """Set up the weight sync into ``engines``; called again after an engine restart, it first leaves the old
+        side groups (an engine that died cannot answer: its part is skipped)."""
+        from rlhf_sg.engine_actor import EngineCallError
         from rlhf_sg.sync import WeightSyncer
 
+        if self.syncer is not None:
+            try:
+                self.syncer.close()
+            except EngineCallError as e:
+                warnings.warn(f"actor rank {self.rank}: leaving the old weight-sync groups: {e}", stacklevel=1)
         self.syncer = WeightSyncer(
             rank=self.rank,
             world_size=self.spec.world_size,
@@ -475,6 +489,30 @@ class SharedBundles:
         remove_placement_group(self.pg)
 
 
+def wait_ranks(calls: list[tuple[str, int, Any]], phase: str, timeout_s: float) -> list[Any]:
+    """Results of remote rank calls ``(group role, rank, object ref)``, in order. Raises TimeoutError naming the
+    phase and every rank that had not answered within ``timeout_s`` (--train.timeout_s), and re-raises a
+    failed call naming its group and rank."""
+    import ray
+
+    refs = [ref for _, _, ref in calls]
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        late = {ref for ref in pending}
+        stuck = ", ".join(f"{role} rank {rank}" for role, rank, ref in calls if ref in late)
+        raise TimeoutError(
+            f"{phase}: no answer within {timeout_s:.0f} s (--train.timeout_s) from {stuck}; that rank is stuck (a "
+            "collective waiting for a rank that died, a hung reward or engine) or the cluster lacks the resources"
+        )
+    results = []
+    for role, rank, ref in calls:
+        try:
+            results.append(ray.get(ref, timeout=0))
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"{phase}: {role} rank {rank} died: {e}") from e
+    return results
+
+
 class ModelGroup:
     """``world_size`` :class:`ModelWorker` ranks of one role, placed by a Ray placement group: its own
     (one bundle per rank), or ``shared`` bundles it holds a share of (colocation; not removed here)."""
@@ -514,15 +552,7 @@ class ModelGroup:
         self._get([w.ping.remote() for w in self.workers], "start-up")
 
     def _get(self, refs, what: str):
-        import ray
-
-        try:
-            return ray.get(refs, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(
-                f"{self.spec.role} group ({self.spec.world_size} ranks): {what} did not finish within "
-                f"{self.timeout_s:.0f} s (--train.timeout_s); a rank is stuck or the cluster lacks resources"
-            ) from e
+        return wait_ranks([(self.spec.role, i, ref) for i, ref in enumerate(refs)], what, self.timeout_s)
 
     def call(self, method: str, *args, what: str | None = None, per_rank: list[tuple] | None = None, **kwargs):
         """Call ``method`` on every rank (the same args, or ``per_rank[i]`` for rank i) and wait."""

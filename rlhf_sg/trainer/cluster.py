@@ -14,6 +14,59 @@ from rlhf_sg.trainer.layout import Layout
 log = logging.getLogger("rlhf_sg")
 
 
+#: in the output directory: the processes of the run that started them (pid and start time)
+PROCESS_RECORD = ".processes.json"
+
+
+def record_processes(path: str) -> None:
+    """Write every process this one started (Ray's, the workers', the engines') to ``path``."""
+    import json
+
+    import psutil
+
+    from rlhf_sg.trainer.checkpoint import write_atomic
+
+    me = psutil.Process()
+    procs = [{"pid": p.pid, "started": p.create_time()} for p in me.children(recursive=True)]
+    write_atomic(path, json.dumps({"driver": {"pid": me.pid, "started": me.create_time()}, "processes": procs}))
+
+
+def stop_recorded_processes(path: str) -> int:
+    """Kill the processes ``path`` recorded that still run (matched by pid and start time, so a reused pid is
+    left alone) when the run that recorded them is gone; returns how many."""
+    import json
+
+    import psutil
+
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return 0
+    driver = record.get("driver") or {}
+    if driver.get("pid") != os.getpid() and _running(driver.get("pid"), driver.get("started")):
+        return 0  # that run is still going (a second run in the same directory): not ours to stop
+    stopped = 0
+    for entry in record.get("processes", []):
+        if _running(entry["pid"], entry["started"]):
+            try:
+                psutil.Process(entry["pid"]).kill()
+                stopped += 1
+            except psutil.Error:
+                pass
+    return stopped
+
+
+def _running(pid, started) -> bool:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return p.status() != psutil.STATUS_ZOMBIE and abs(p.create_time() - started) < 1e-3
+    except (psutil.Error, TypeError, ValueError):
+        return False
+
+
 class Cluster:
     """Ray, the actor / critic / reference / reward groups and the engines of one run.
 
@@ -26,11 +79,20 @@ class Cluster:
         self.actor = self.critic = self.ref = self.reward_model = None
         self.engines: list = []
         self._shared: list = []  # placement groups several groups share (colocated layouts)
+        self._engine_bundles = None  # the engines' shared bundles, if colocated
 
     # ---- start and stop --------------------------------------------------------------------------------------
     def start(self) -> None:
+        """Stop what an earlier run in the same output directory left running (a run killed with SIGKILL
+        cannot stop its Ray processes; Ray's node agents linger for a minute or more after their raylet died),
+        then start Ray, the groups and the engines, and record their processes for the next run to check."""
+        record = os.path.join(self.cfg.log.output_dir, PROCESS_RECORD)
+        stopped = stop_recorded_processes(record)
+        if stopped:
+            log.warning("stopped %d processes an earlier run in %s left running", stopped, self.cfg.log.output_dir)
         self._start_ray()
         self._start_groups()
+        record_processes(record)
 
     def _start_ray(self) -> None:
         import ray
@@ -78,6 +140,7 @@ class Cluster:
 
         r, t, layout = self.cfg.rollout, self.cfg.train, self.layout
         placed = self._start_shared_bundles()
+        self._engine_bundles = placed.get("engines")
         self.engines = start_engine_actors(
             r.backend, layout.engine_config(), r.num_engines, num_cpus=1.0,
             num_gpus=float(r.tensor_parallel_size) if t.device == "cuda" else 0.0, start_timeout_s=t.timeout_s,
@@ -109,6 +172,28 @@ class Cluster:
         for bundles in self._shared:
             bundles.remove()
         self._shared = []
+
+    def restart_engine(self, index: int, version: int) -> None:
+        """Replace engine ``index`` (its actor or process died) by a fresh one in the same place, set the weight
+        sync up again with every engine, and push the trainer's weights as ``version`` so the new engine samples
+        from the same policy as the others."""
+        import ray
+
+        from rlhf_sg.engine_actor import start_engine_actors
+
+        r, t = self.cfg.rollout, self.cfg.train
+        try:
+            ray.kill(self.engines[index])
+        except Exception:  # already gone
+            pass
+        (self.engines[index],) = start_engine_actors(
+            r.backend, self.layout.engine_config(), r.num_engines, num_cpus=1.0,
+            num_gpus=float(r.tensor_parallel_size) if t.device == "cuda" else 0.0, start_timeout_s=t.timeout_s,
+            shared=self._engine_bundles, only=[index],
+        )
+        self.actor.call("setup_weight_sync", self.engines, r.weight_transport, r.bucket_bytes, t.timeout_s,
+                        what=f"weight-sync set-up after restarting engine {index}")
+        self.actor.call("sync_weights", version, what=f"weight sync to restarted engine {index} (version {version})")
 
     # ---- calls on every engine or rank -------------------------------------------------------------------
     def engines_call(self, method: str, *args) -> list:

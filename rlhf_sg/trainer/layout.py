@@ -66,20 +66,28 @@ class Layout:
             return 1
         return max(1, (os.cpu_count() or 1) // r.num_engines)
 
+    def model_path(self, role: str) -> str:
+        """The directory ``role``'s model starts from (the critic from the critic's, else the reward model's,
+        else the policy's)."""
+        m = self.cfg.model
+        return {"actor": m.pretrain, "ref": m.pretrain, "reward": m.reward_pretrain,
+                "critic": m.critic_pretrain or m.reward_pretrain or m.pretrain}[role]
+
     def worker_spec(self, role: str):
         """The :class:`rlhf_sg.workers.WorkerSpec` of ``role``'s group (a fresh rendezvous port each call)."""
         from rlhf_sg.distributed import free_port
         from rlhf_sg.workers import WorkerSpec
 
         cfg, t, m = self.cfg, self.cfg.train, self.cfg.model
-        path, world, train, lr = {
-            "actor": (m.pretrain, t.actor_num_ranks, True, t.actor_lr),
-            "critic": (m.critic_pretrain or m.reward_pretrain or m.pretrain, t.critic_num_ranks, True, t.critic_lr),
-            "ref": (m.pretrain, t.ref_num_ranks, False, 0.0),
-            "reward": (m.reward_pretrain, cfg.reward.num_ranks, False, 0.0),
+        world, train, lr = {
+            "actor": (t.actor_num_ranks, True, t.actor_lr),
+            "critic": (t.critic_num_ranks, True, t.critic_lr),
+            "ref": (t.ref_num_ranks, False, 0.0),
+            "reward": (cfg.reward.num_ranks, False, 0.0),
         }[role]
         return WorkerSpec(
-            role=role, model_path=path, world_size=world, master_addr="127.0.0.1", master_port=free_port(),
+            role=role, model_path=self.model_path(role), world_size=world, master_addr="127.0.0.1",
+            master_port=free_port(),
             train=train, dtype=m.dtype, attn_implementation=m.attn_implementation, lr=lr,
             lr_scheduler=t.lr_scheduler, lr_warmup_steps=lr_warmup_steps(cfg, role),
             lr_total_steps=optimizer_steps(cfg, role),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -33,8 +34,9 @@ from rlhf_sg.timing import StepTimer
 from rlhf_sg.trainer import checkpoint
 from rlhf_sg.trainer.cluster import Cluster
 from rlhf_sg.trainer.layout import Layout
-from rlhf_sg.trainer.rollout import RolloutMaker
+from rlhf_sg.trainer.rollout import EngineFailure, RolloutMaker
 from rlhf_sg.trainer.run_log import RunLog
+from rlhf_sg.workers import wait_ranks
 
 log = logging.getLogger("rlhf_sg")
 
@@ -92,6 +94,7 @@ class PPOTrainer:
         )
         self.rng = random.Random(cfg.train.seed)
         self.prompts: list[Prompt] = []  # the prompts of the step in progress (for hooks)
+        self.nonfinite_steps = 0  # steps in a row whose updates were all skipped for NaN / Inf
 
     # ---- what the run does ---------------------------------------------------------------------------
     @property
@@ -136,11 +139,13 @@ class PPOTrainer:
         self.stream = PromptStream(prompts, cfg.rollout.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
         eos_id = self.tokenizer.eos_token_id
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_id
-        os.makedirs(cfg.log.output_dir, exist_ok=True)
+        trained = [self.layout.model_path(r) for r in ("actor", "critic") if r == "actor" or self.uses_critic]
+        checkpoint.check_output_dir(cfg.log.output_dir, trained)
         with open(os.path.join(cfg.log.output_dir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
         self.cluster.start()
-        self.rollout = RolloutMaker(cfg, self.cluster.engines, self.stream, eos_id, pad_id, self.compute_rewards)
+        self.rollout = RolloutMaker(cfg, self.cluster.engines, self.stream, eos_id, pad_id, self.compute_rewards,
+                                    restart=lambda i: self.cluster.restart_engine(i, self.weight_version))
         if cfg.log.resume:
             self._resume()
 
@@ -154,7 +159,12 @@ class PPOTrainer:
             self.cluster.actor.call("start_profile")
         self.cluster.offload_training_states(timer)  # with offloading: only the first step has any on the device
         # generate and score (with dynamic sampling, as many rounds as the batch needs)
-        self.prompts, experience, metrics = self.rollout.make(timer, self.step, self.weight_version)
+        data_state = self.stream.state()
+        try:
+            self.prompts, experience, metrics = self.rollout.make(timer, self.step, self.weight_version)
+        except EngineFailure:
+            self.save_checkpoint(data_state)  # this step's prompts are drawn again on resume
+            raise
         reloaded = self.cluster.hand_device_to_trainer(timer)  # engines sleep, then training states come back
         if offload_states(self.cfg):
             metrics["offload/device_GB"] = reloaded / 1e9
@@ -165,12 +175,13 @@ class PPOTrainer:
         with timer.phase("train"):
             # a KL the scoring forwards measured (the sampling policy's) stands over the one the update's loss saw
             metrics = {**self.update(experience), **metrics}
+        self._check_finite(metrics)
 
         self.step += 1
         # states off, engine weights on, sync, KV cache on (colocated; otherwise the sync alone)
         sync_stats = self.cluster.hand_device_to_engines(timer, self.step)
         self.weight_version = self.step
-        if metrics.get("kl") is not None:
+        if metrics.get("kl") is not None and math.isfinite(metrics["kl"]):
             self.kl_ctl.update(metrics["kl"], experience.batch_size)
         times = timer.end_step()
         metrics.update({
@@ -248,23 +259,20 @@ class PPOTrainer:
     def update(self, experience: Experience) -> dict[str, float]:
         """The PPO epochs: the critic's and the actor's updates, run at the same time (they share nothing).
         The actor sits out the critic's warmup steps. Returns their metrics."""
-        import ray
-
         t, cluster = self.cfg.train, self.cluster
         ref, calls = _put(experience), []
         if self.uses_critic:
             steps = update_plans(experience, t.critic_num_ranks, t, self.rng)
             update = CriticUpdate(value_clip=t.value_clip)
-            calls += [w.train_critic.remote(ref, steps[i], update) for i, w in enumerate(cluster.critic.workers)]
+            calls += [("critic", i, w.train_critic.remote(ref, steps[i], update))
+                      for i, w in enumerate(cluster.critic.workers)]
         if not (self.uses_critic and self.step < t.critic_warmup_steps):
             steps = update_plans(experience, t.actor_num_ranks, t, self.rng,
                                  normalize_rows=t.loss_aggregation == "seq_mean")
             update = self.actor_update()
-            calls += [w.train_actor.remote(ref, steps[i], update) for i, w in enumerate(cluster.actor.workers)]
-        try:
-            results = ray.get(calls, timeout=t.timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(f"train: actor/critic updates did not finish within {t.timeout_s:.0f} s") from e
+            calls += [("actor", i, w.train_actor.remote(ref, steps[i], update))
+                      for i, w in enumerate(cluster.actor.workers)]
+        results = wait_ranks(calls, f"step {self.step + 1} updates", t.timeout_s)
         metrics: dict[str, float] = {}
         for r in results:  # every rank returns the group's all-reduced metrics: take the first
             for k, v in r.items():
@@ -275,6 +283,24 @@ class PPOTrainer:
         if "actor/kl_loss" in metrics:
             metrics["kl"] = metrics["actor/kl_loss"]
         return metrics
+
+    def _check_finite(self, metrics: dict[str, float]) -> None:
+        """Count the steps whose optimizer updates were all skipped for a NaN / Inf (DeepSpeed drops such an
+        update: the weights stay as they were); stop after ``max_nonfinite_steps`` in a row."""
+        updates = sum(metrics.get(f"{role}/updates", 0.0) for role in ("actor", "critic"))
+        skipped = sum(metrics.get(f"{role}/skipped_updates", 0.0) for role in ("actor", "critic"))
+        if skipped:
+            log.warning("step %d: %d of %d optimizer updates skipped: NaN or Inf in the loss or gradients",
+                        self.step + 1, skipped, updates)
+        self.nonfinite_steps = self.nonfinite_steps + 1 if updates and skipped >= updates else 0
+        if self.nonfinite_steps >= self.cfg.train.max_nonfinite_steps:
+            latest = checkpoint.latest_checkpoint(checkpoint.checkpoint_root(self.cfg.log.output_dir))
+            raise checkpoint.CheckpointError(
+                f"step {self.step + 1}: {self.nonfinite_steps} steps in a row had every optimizer update skipped for "
+                "NaN or Inf in the loss or gradients (--train.max_nonfinite_steps); the weights are those of the "
+                f"last finite update. Last checkpoint: {latest or 'none yet'}. Lower the learning rate, check the "
+                "rewards and the data, then resume from it with --log.resume true"
+            )
 
     def compute_rewards(self, prompts: list[Prompt], completions: list, experience: Experience) -> torch.Tensor:
         """Scores [B], one per completion. Override for custom scoring."""
@@ -345,14 +371,19 @@ class PPOTrainer:
     def _checkpointed_groups(self) -> dict:
         return {"actor": self.cluster.actor, "critic": self.cluster.critic}
 
-    def save_checkpoint(self) -> str:
-        state = {"data": self.stream.state(), "rng": self.rng.getstate(), "kl_coef": self.kl_ctl.value}
+    def save_checkpoint(self, data_state: dict | None = None) -> str:
+        """Checkpoint the run as of the last finished step; ``data_state``: the prompt stream's position to
+        record, when it has moved since (a step that failed after drawing its prompts)."""
+        state = {"data": data_state or self.stream.state(), "rng": self.rng.getstate(), "kl_coef": self.kl_ctl.value}
         return checkpoint.save_checkpoint(checkpoint.checkpoint_root(self.cfg.log.output_dir), self.step,
                                           self._checkpointed_groups(), state)
 
     def _resume(self) -> None:
         root = checkpoint.checkpoint_root(self.cfg.log.output_dir)
         state = checkpoint.load_checkpoint(root, self._checkpointed_groups())
+        dropped = self.run_log.resume_at(0 if state is None else int(state["step"]))
+        if dropped:
+            log.info("--log.resume: %d metric records after the checkpoint will be logged again", dropped)
         if state is None:
             return
         self.step = int(state["step"])

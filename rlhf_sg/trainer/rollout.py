@@ -68,39 +68,69 @@ def reward_metrics(scores: torch.Tensor) -> dict[str, float]:
     return {"reward/mean": scores.mean().item(), "reward/std": scores.std().item()}
 
 
-class RolloutMaker:
-    """Draws the step's prompts, spreads them over the engines and scores the completions."""
+class EngineFailure(RuntimeError):
+    """An engine died more times in a row than ``--rollout.max_engine_restarts`` allows."""
 
-    def __init__(self, cfg: Config, engines: list, stream: PromptStream, eos_id: int, pad_id: int, score: ScoreFn):
+
+#: ``(engine index) -> None``: replace the dead engine and give it the current weights
+RestartFn = Callable[[int], None]
+
+
+class RolloutMaker:
+    """Draws the step's prompts, spreads them over the engines and scores the completions.
+
+    An engine that dies while generating (its actor or process killed, a crash, out of memory) is restarted
+    through ``restart`` and its prompts are generated again, with the same seed; ``restarts`` counts them.
+    After ``--rollout.max_engine_restarts`` restarts of one engine in a row, :class:`EngineFailure`."""
+
+    def __init__(self, cfg: Config, engines: list, stream: PromptStream, eos_id: int, pad_id: int, score: ScoreFn,
+                 restart: RestartFn | None = None):
         self.cfg, self.engines, self.stream, self.score = cfg, engines, stream, score
-        self.eos_id, self.pad_id = eos_id, pad_id
+        self.eos_id, self.pad_id, self.restart = eos_id, pad_id, restart
+        self.restarts = 0  # engine restarts so far
+        self._in_a_row = [0] * len(engines)
 
     def generate(self, prompts: list[Prompt], step: int, draw: int = 0) -> list:
         """Completions for every prompt, n each, prompt-major; prompts are spread over the engines, each
         call seeded by :func:`rollout_seed` (``draw``: the generation round within the step)."""
         from backends.base import SamplingParams
-        from rlhf_sg.engine_actor import wait_engine_calls
+        from rlhf_sg.engine_actor import EngineDied, wait_engine_calls_or_died
 
         r = self.cfg.rollout
         params = SamplingParams(
             n=r.n_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
             max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(r.stop_token_ids) + (self.eos_id,),
         )
-        shards = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
-        calls = [
-            (i, "generate", engine.generate.remote(
+        shards = {i: list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))}
+        pending = {i: shard for i, shard in shards.items() if shard}
+        by_prompt: dict[int, list] = {}
+        while pending:
+            calls = [(i, "generate", self.engines[i].generate.remote(
                 [prompts[j].token_ids for j in shard],
                 dataclasses.replace(params, seed=rollout_seed(self.cfg.train.seed, step, draw, i)),
-            ))
-            for i, (engine, shard) in enumerate(zip(self.engines, shards))
-            if shard
-        ]
-        results = wait_engine_calls(calls, self.cfg.train.timeout_s)
-        by_prompt: dict[int, list] = {}
-        for shard, completions in zip([s for s in shards if s], results):
-            for c in completions:
-                by_prompt.setdefault(shard[c.prompt_index], []).append(c)
+            )) for i, shard in pending.items()]
+            for (i, _, _), result in zip(calls, wait_engine_calls_or_died(calls, self.cfg.train.timeout_s)):
+                if isinstance(result, EngineDied):
+                    self._restart(i, result)
+                    continue
+                self._in_a_row[i] = 0
+                for c in result:
+                    by_prompt.setdefault(pending[i][c.prompt_index], []).append(c)
+                del pending[i]
         return [c for j in range(len(prompts)) for c in by_prompt[j]]
+
+    def _restart(self, index: int, died: Exception) -> None:
+        self._in_a_row[index] += 1
+        if self.restart is None or self._in_a_row[index] > self.cfg.rollout.max_engine_restarts:
+            raise EngineFailure(
+                f"engine {index} died {self._in_a_row[index]} time(s) in a row while generating, more than "
+                f"--rollout.max_engine_restarts {self.cfg.rollout.max_engine_restarts} allows; last: {died}. Check "
+                "the engine's log (Ray's worker logs) for why: out of memory, a crash in the engine, a killed process"
+            ) from died
+        log.warning("%s; restarting it (restart %d in a row) and generating its prompts again", died,
+                    self._in_a_row[index])
+        self.restart(index)
+        self.restarts += 1
 
     def make(self, timer: StepTimer, step: int, weight_version: int) -> tuple[list[Prompt], Experience, dict]:
         """Generate and score the step's samples: (prompts, experience with scores, metrics).
@@ -109,6 +139,12 @@ class RolloutMaker:
         and generated until ``prompts_per_step`` groups have signal, at most ``dynamic_filtering_max_draws``
         rounds; a batch still short is filled up with dropped groups. Every completion must come from
         ``weight_version``, the weights the trainer holds (:func:`check_weight_versions`)."""
+        restarts_before = self.restarts
+        prompts, experience, metrics = self._make(timer, step, weight_version)
+        metrics["rollout/engine_restarts"] = self.restarts - restarts_before
+        return prompts, experience, metrics
+
+    def _make(self, timer: StepTimer, step: int, weight_version: int) -> tuple[list[Prompt], Experience, dict]:
         t, n, want = self.cfg.train, self.cfg.rollout.n_samples_per_prompt, self.cfg.rollout.prompts_per_step
         groups: list[tuple[Prompt, list, torch.Tensor]] = []
         draws = 0

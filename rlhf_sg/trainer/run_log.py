@@ -27,6 +27,28 @@ class RunLog:
 
             wandb.init(project=self.cfg.log.wandb_project, config=self.cfg.to_dict())
 
+    def resume_at(self, step: int) -> int:
+        """A resumed run goes on after ``step``: drop the records of later steps (a run stopped after its
+        last checkpoint logged them, and they are about to run again), so each step is logged once. The file
+        is replaced atomically. Returns the number of records dropped."""
+        from rlhf_sg.trainer.checkpoint import write_atomic
+
+        path = os.path.join(self.cfg.log.output_dir, "metrics.jsonl")
+        if not os.path.isfile(path):
+            return 0
+        with open(path) as f:
+            lines = [line for line in f if line.strip()]
+        kept = []
+        for line in lines:
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                pass  # a line cut short by a kill
+        if len(kept) != len(lines):
+            write_atomic(path, "".join(kept))
+        return len(lines) - len(kept)
+
     def write(self, step: int, metrics: dict[str, float]) -> None:
         """Append step ``step``'s metrics to every sink."""
         if self._file is None:

@@ -1,0 +1,339 @@
+"""Faults: a run that is killed, or whose disk fails it, goes on from its last complete checkpoint or stops with a
+message naming the path; nothing is lost or logged twice."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlhf_sg.config import Config
+from rlhf_sg.trainer import checkpoint
+from rlhf_sg.trainer.run_log import RunLog
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+RECIPES = os.path.join(os.path.dirname(TESTS), "recipes")
+
+
+class _FileGroup:
+    """What :func:`checkpoint.save_checkpoint` asks of a model group, with files of a known content: ``call``
+    writes ``<path>/<tag>/state.pt``."""
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+
+    def call(self, method, path, tag, *args, what=None):
+        assert method in ("save_checkpoint", "load_checkpoint"), method
+        if method == "save_checkpoint":
+            os.makedirs(os.path.join(path, tag), exist_ok=True)
+            with open(os.path.join(path, tag, "state.pt"), "wb") as f:
+                f.write(self.payload)
+
+
+def test_resume_takes_the_newest_checkpoint_whose_files_are_whole(tmp_path, caplog):
+    root = str(tmp_path / "checkpoints")
+    group = {"actor": _FileGroup(b"x" * 100)}
+    checkpoint.save_checkpoint(root, 2, group, {"data": 1})
+    checkpoint.save_checkpoint(root, 4, group, {"data": 2})
+    assert checkpoint.load_checkpoint(root, group)["step"] == 4
+    with open(os.path.join(root, "actor", "step4", "state.pt"), "wb") as f:
+        f.write(b"x" * 10)  # cut short (a disk that filled up, a copy that stopped)
+    state = checkpoint.load_checkpoint(root, group)
+    assert state["step"] == 2 and state["data"] == 1
+    assert "step4 is incomplete" in caplog.text and "state.pt has 10 bytes" in caplog.text
+    os.remove(os.path.join(root, "actor", "step2", "state.pt"))
+    with pytest.raises(checkpoint.CheckpointError, match=r"no complete checkpoint .*step2/state.pt is missing"):
+        checkpoint.load_checkpoint(root, group)
+
+
+def test_a_failed_save_keeps_latest_on_the_last_complete_checkpoint(tmp_path):
+    root = str(tmp_path / "checkpoints")
+    checkpoint.save_checkpoint(root, 2, {"actor": _FileGroup(b"ok")}, {})
+    os.makedirs(os.path.join(root, "step4.trainer.json"))  # the trainer state cannot be written there
+    with pytest.raises(checkpoint.CheckpointError, match=r"checkpoint step4 could not be written under .*"
+                                                         r"last complete checkpoint, step2, is intact"):
+        checkpoint.save_checkpoint(root, 4, {"actor": _FileGroup(b"ok")}, {})
+    with open(os.path.join(root, "latest")) as f:
+        assert f.read() == "step2"
+    assert [f for f in os.listdir(root) if ".tmp-" in f] == []
+
+
+def test_unwritable_or_full_output_directory_is_refused_before_start(tmp_path, monkeypatch):
+    from rlhf_sg.tiny import save_tiny_model
+
+    model = save_tiny_model(str(tmp_path / "m"), arch="qwen2", size="tiny")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(checkpoint.CheckpointError, match=r"--log.output_dir '.*a_file/run' is not writable"):
+        checkpoint.check_output_dir(str(blocker / "run"), [model])
+    need = checkpoint.checkpoint_bytes(model)
+    n_params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(model)
+                   .parameters())
+    assert need > 12 * n_params  # the saved weights plus fp32 master weights and two Adam moments
+    import shutil
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=need - 1))
+    with pytest.raises(checkpoint.CheckpointError, match=r"GB free, but one checkpoint .* takes about"):
+        checkpoint.check_output_dir(str(tmp_path / "run"), [model])
+
+
+def test_resume_drops_the_metrics_of_steps_that_will_run_again(tmp_path):
+    cfg = Config()
+    cfg.log.output_dir = str(tmp_path)
+    lines = [json.dumps({"step": s, "reward/mean": s / 10}) + "\n" for s in (1, 2, 3, 4)] + ['{"step": 5, "rew']
+    (tmp_path / "metrics.jsonl").write_text("".join(lines))
+    assert RunLog(cfg).resume_at(2) == 3
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+# ---- a real run, killed ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    sys.path.insert(0, RECIPES)
+    from quickstart_cpu import prepare
+
+    return prepare(str(tmp_path_factory.mktemp("faults_task")), warm_start_steps=5)
+
+
+def _run(out, task, steps, *extra, expect_kill=False):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([RECIPES, TESTS, os.environ.get("PYTHONPATH", "")]),
+               RAY_ADDRESS="local", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(TESTS, "fault_run.py"), str(out), *task, str(steps), *extra],
+                          env=env, capture_output=True, text=True, timeout=900)
+    if expect_kill:
+        assert proc.returncode == -9, proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _alive(pids):
+    import psutil
+
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill", ["step", "checkpoint"])
+def test_a_run_killed_mid_step_or_mid_checkpoint_resumes_with_nothing_lost_or_repeated(tmp_path, task, kill):
+    """SIGKILL at the end of step 3 (last checkpoint: step 2), or while the step-4 checkpoint is half written
+    (the actor's files there, the trainer's state not). The rerun with --log.resume goes on from step 2: steps
+    1-6 train on exactly the prompts an uninterrupted run draws (none skipped or seen twice), each step is in
+    metrics.jsonl once, the half-written checkpoint is never loaded, and the killed run leaves no process."""
+    from rlhf_sg.data import PromptStream, load_prompts, load_tokenizer
+
+    _run(tmp_path, task, 6, "--kill", kill, expect_kill=True)
+    pids = json.loads((tmp_path / "pids.json").read_text())
+    assert pids  # the run had started Ray and its workers
+    deadline = time.monotonic() + 10
+    while _alive(pids) and time.monotonic() < deadline:  # the raylet, workers and engines go with the driver ...
+        time.sleep(1)
+    lingering = _alive(pids)  # ... Ray's node agents may linger: the next run in the directory stops them
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / "latest").read_text() == "step2"
+    if kill == "checkpoint":
+        assert (root / "actor" / "step4").is_dir() and not (root / "step4.trainer.json").exists()
+
+    _run(tmp_path, task, 6, "--resume")
+    assert _alive(pids) == [], f"processes of the killed run still running (lingering after 10 s: {lingering})"
+    seen = [json.loads(line) for line in open(tmp_path / "prompts_seen.jsonl")]
+    by_step = {}
+    for record in seen:  # the last attempt at a step is the one that counts
+        by_step[record["step"]] = record["prompts"]
+    assert sorted(by_step) == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in seen] == [1, 2, 3] + ([4] if kill == "checkpoint" else []) + [3, 4, 5, 6]
+    policy, prompts_file = task
+    prompts, _ = load_prompts(prompts_file, load_tokenizer(policy), label_key="answer", max_prompt_len=16)
+    stream = PromptStream(prompts, 4, 42, True)
+    assert [by_step[s] for s in range(1, 7)] == [[p.text for p in stream.next_batch()] for _ in range(6)]
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert (root / "latest").read_text() == "step6"
+
+
+# ---- NaN / Inf in the loss or gradients --------------------------------------------------------------------------
+
+
+def _nonfinite_then_finite(model_path: str) -> dict:
+    """A real ZeRO-3 actor rank: an update whose advantages hold a NaN, then one whose advantages are finite."""
+    import torch
+    import torch.distributed as dist
+    from zero3_rank import PLAIN_UPDATE, actor_rank, one_step
+
+    worker, batch, plan = actor_rank(model_path)
+    try:
+        batch.old_logp = before = worker.forward(batch, plan)[1]
+        finite = batch.advantages.clone()
+        batch.advantages[0, 0] = float("nan")
+        nan_metrics = worker.train_actor(batch, one_step(plan, batch), PLAIN_UPDATE)
+        after_nan = worker.forward(batch, plan)[1]
+        batch.advantages = finite
+        ok_metrics = worker.train_actor(batch, one_step(plan, batch), PLAIN_UPDATE)
+        after_ok = worker.forward(batch, plan)[1]
+        return {"nan": nan_metrics, "ok": ok_metrics, "before": before, "after_nan": after_nan,
+                "after_ok": after_ok, "finite": bool(torch.isfinite(after_ok).all())}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_an_update_with_a_nan_is_skipped_and_counted_and_the_next_one_trains(tmp_path):
+    """A NaN advantage makes the loss and every gradient NaN: ZeRO-3 drops that update (the weights are bit for
+    bit those before it) and the worker reports it; the next, finite update trains normally."""
+    import torch
+    from zero3_rank import in_fresh_process
+
+    from rlhf_sg.tiny import save_tiny_model
+
+    path = save_tiny_model(str(tmp_path / "m"), arch="qwen2", size="tiny")
+    out = in_fresh_process(_nonfinite_then_finite, path)
+    assert out["nan"]["actor/skipped_updates"] == 1.0 and out["nan"]["actor/updates"] == 1.0
+    assert torch.equal(out["after_nan"], out["before"])
+    assert out["ok"]["actor/skipped_updates"] == 0.0
+    assert out["finite"] and (out["after_ok"] - out["before"]).abs().max() > 1e-4
+
+
+def test_the_run_stops_after_max_nonfinite_steps_in_a_row_naming_the_last_checkpoint(tmp_path):
+    from rlhf_sg.tiny import save_tiny_model
+    from rlhf_sg.trainer import PPOTrainer
+    from rlhf_sg.trainer.checkpoint import CheckpointError, write_atomic
+
+    cfg = Config()
+    cfg.model.pretrain = save_tiny_model(str(tmp_path / "m"))
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+1="}\n')
+    cfg.data.prompt_data = str(tmp_path / "prompts.jsonl")
+    cfg.reward.function = "arith_task:addition_reward"
+    cfg.log.output_dir = str(tmp_path / "run")
+    cfg.train.max_nonfinite_steps = 2
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    write_atomic(str(root / "latest"), "step4")
+    trainer = PPOTrainer(cfg)
+    all_skipped = {"actor/updates": 2.0, "actor/skipped_updates": 2.0, "critic/updates": 2.0,
+                   "critic/skipped_updates": 2.0}
+    trainer._check_finite(all_skipped)
+    trainer._check_finite(dict(all_skipped, **{"critic/skipped_updates": 1.0}))  # one update went through
+    trainer._check_finite({"actor/updates": 1.0, "actor/skipped_updates": 0.0})
+    assert trainer.nonfinite_steps == 0
+    trainer._check_finite(all_skipped)
+    with pytest.raises(CheckpointError, match=r"2 steps in a row had every optimizer update skipped .*"
+                                              r"Last checkpoint: .*checkpoints/step4"):
+        trainer._check_finite(all_skipped)
+
+
+# ---- a rank that never answers ---------------------------------------------------------------------------------
+
+
+def test_a_stuck_rank_is_named_with_its_group_and_phase_after_the_timeout():
+    """Two Ray actors answer a call; one of them is stuck in an earlier call (as a rank blocked in a collective
+    whose peer died). Waiting for both ends after the timeout with a message naming the stuck rank, its group
+    and the phase, instead of hanging; a rank whose process died is named too."""
+    ray = pytest.importorskip("ray")
+    from rlhf_sg.workers import wait_ranks
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def ping(self):
+            return "ok"
+
+        def block(self, seconds):
+            time.sleep(seconds)
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        ranks = [Rank.remote(), Rank.remote()]
+        assert wait_ranks([("actor", i, r.ping.remote()) for i, r in enumerate(ranks)], "warm-up", 60) == ["ok"] * 2
+        ranks[1].block.remote(30)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"step 3 updates: no answer within 2 s \(--train.timeout_s\) from "
+                                               r"actor rank 1;"):
+            wait_ranks([("actor", i, r.ping.remote()) for i, r in enumerate(ranks)], "step 3 updates", 2)
+        assert time.monotonic() - t0 < 10
+        ray.kill(ranks[0])
+        with pytest.raises(RuntimeError, match="weight sync: critic rank 0 died"):
+            wait_ranks([("critic", 0, ranks[0].ping.remote())], "weight sync", 30)
+    finally:
+        ray.shutdown()
+
+
+# ---- an engine that dies while generating -------------------------------------------------------------------------
+
+
+def _engine_run_cfg(task, out, **rollout):
+    from quickstart_cpu import make_config
+
+    cfg = make_config(*task, str(out), 3, "grpo", "slow_backend:SlowBackend")  # engines take 2 s a generate
+    cfg.train.actor_num_ranks, cfg.train.kl_coef = 1, 0.0
+    cfg.rollout.num_engines, cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt = 2, 4, 2
+    cfg.log.progress_bar = cfg.log.tensorboard = cfg.log.export_hf = False
+    for k, v in rollout.items():
+        setattr(cfg.rollout, k, v)
+    return cfg
+
+
+def _killing_engine(index: int, at_steps: set[int]):
+    """A trainer that SIGKILLs engine ``index``'s process 0.7 s into the generation of each step in ``at_steps``."""
+    import signal
+    import threading
+
+    import ray
+
+    from rlhf_sg.trainer import PPOTrainer
+
+    class Killing(PPOTrainer):
+        killed_pids: list = []
+
+        def on_step_start(self, step):
+            if step in at_steps:
+                pid = ray.get(self.engines[index].resources.remote(), timeout=60)["pid"]
+                self.killed_pids.append(pid)
+                threading.Timer(0.7, os.kill, (pid, signal.SIGKILL)).start()
+
+    return Killing
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    os.environ["PYTHONPATH"] = os.pathsep.join([RECIPES, TESTS, os.environ.get("PYTHONPATH", "")])
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_an_engine_killed_mid_generation_is_restarted_synced_and_its_prompts_generated_again(ray_local, task,
+                                                                                            tmp_path):
+    import arith_task
+
+    from rlhf_sg.trainer import train
+
+    trainer_cls = _killing_engine(1, {1})
+    history = train(_engine_run_cfg(task, tmp_path / "run"), trainer_cls=trainer_cls,
+                    reward_fn=arith_task.addition_reward)
+    assert [h["rollout/engine_restarts"] for h in history] == [0, 1, 0]
+    assert all(h["rollout/samples"] == 8 for h in history)  # no prompt lost: the dead engine's were generated again
+    assert [h["weight_version"] for h in history] == [1, 2, 3]  # every sample came from the trainer's weights
+    assert len(trainer_cls.killed_pids) == 1
+
+
+@pytest.mark.slow
+def test_an_engine_that_keeps_dying_stops_the_run_with_a_checkpoint_naming_it(ray_local, task, tmp_path):
+    import arith_task
+
+    from rlhf_sg.trainer import train
+    from rlhf_sg.trainer.rollout import EngineFailure
+
+    with pytest.raises(EngineFailure, match=r"engine 1 died 1 time\(s\) in a row while generating, more than "
+                                            r"--rollout.max_engine_restarts 0 allows; last: engine 1: generate: "
+                                            r"the engine actor died"):
+        train(_engine_run_cfg(task, tmp_path / "run", max_engine_restarts=0), trainer_cls=_killing_engine(1, {1}),
+              reward_fn=arith_task.addition_reward)
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / "latest").read_text() == "step1"  # the last finished step, ...
+    state = json.loads((root / "step1.trainer.json").read_text())
+    assert state["data"]["position"] == 4  # ... with the prompt stream where step 2 drew from: none skipped
