@@ -82,7 +82,22 @@ backend sets. It runs the model in plain torch (no SGLang CPU kernels), float32 
 * ``server_urls`` (list of str): switch to http mode, one URL per running server;
 * ``router_url`` (str, http mode): send rollouts through this SGLang router;
 * ``request_timeout_s`` (float, default 1800): the longest a generate or control call may take;
-* ``max_concurrency`` (int, default 256, router only): requests in flight at once.
+* ``max_concurrency`` (int, default 256, router only): requests in flight at once;
+* ``api_key_env`` (str, http mode): the NAME of the environment variable holding the servers' (and the
+  router's) ``--api-key``;
+* ``admin_api_key_env`` (str, http mode): the NAME of the environment variable holding the servers'
+  ``--admin-api-key``.
+
+Keys (http mode). Keys never go in ``extra`` itself (it is part of the run's config, written to
+``config.json`` and shell history): ``extra`` names environment variables, read in the process that
+runs the backend (the engine's Ray actor: set them where its Ray worker starts). SGLang 0.5.23 checks
+``Authorization: Bearer <key>`` per endpoint level (``sglang/srt/utils/auth.py``): ``/generate`` and
+``/get_server_info`` are normal endpoints and take the API key; everything else this backend calls
+(weight updates and their group, ``begin`` / ``end_weight_update``, ``flush_cache``, pause / continue,
+memory release / resume, ``get_weights_by_name``) is an admin endpoint and takes the admin key when the
+server has one, else the API key. The backend sends exactly that; a 401 / 403 becomes an error naming
+the server, the endpoint and the variable to set. Redirects are not followed (they would carry the key
+elsewhere), and https URLs get their certificates checked.
 """
 
 from __future__ import annotations
@@ -126,7 +141,19 @@ __all__ = ["SGLangBackend", "open_weight_update_group", "sglang_engine_kwargs", 
 logger = logging.getLogger(__name__)
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_EXTRA_KEYS = {"engine_kwargs", "server_urls", "router_url", "request_timeout_s", "max_concurrency"}
+_EXTRA_KEYS = {
+    "engine_kwargs", "server_urls", "router_url", "request_timeout_s", "max_concurrency", "api_key_env",
+    "admin_api_key_env",
+}  # fmt: skip
+#: extra keys that would put a secret in the run's config: refused, pointing at the *_env key instead
+_SECRET_EXTRA_KEYS = {"api_key": "api_key_env", "admin_api_key": "admin_api_key_env"}
+#: SGLang 0.5.23's normal-level endpoints among those this backend calls (``@auth_level`` in
+#: ``sglang/srt/entrypoints/http_server.py``); every other endpoint it calls is ``ADMIN_OPTIONAL``
+_NORMAL_ENDPOINTS = frozenset({"generate", "get_server_info"})
+#: the fields of a server's ``/get_server_info`` answer the backend uses
+_SERVER_INFO_FIELDS = (
+    "tp_size", "context_length", "enable_deterministic_inference", "enable_memory_saver", "enable_weights_cpu_backup",
+)  # fmt: skip
 INSTALL_CPU = "bash recipes/install/sglang_cpu.sh"
 INSTALL_GPU = "pip install 'rlhf-sg[sglang]'"
 #: our memory tags -> SGLang's (``sglang.srt.constants.GPU_MEMORY_TYPE_*``); CUDA graphs serve generation
@@ -245,6 +272,12 @@ def sglang_engine_kwargs(config: BackendConfig, user_kwargs: dict[str, Any] | No
             # SGLang sizes the KV cache from device memory; on CPU that reserves gigabytes.
             max_total_tokens=max(32768, 4 * _context_length(config)),
         )
+    if config.memory_fraction is not None:
+        kwargs["mem_fraction_static"] = config.memory_fraction
+    if config.sleeps_while_training and device == "cuda":
+        # release_memory_occupation frees memory only under the memory saver; the weights need no CPU backup,
+        # as every wake of the weights is followed by a full sync
+        kwargs["enable_memory_saver"] = True
     overridden = sorted(k for k in ("model_path", "skip_tokenizer_init") if k in user_kwargs)
     if overridden:
         raise BackendError(
@@ -457,36 +490,101 @@ class _EngineDriver:
         self._thread.shutdown(wait=self._stuck is None, cancel_futures=True)
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Refuse redirects: urllib would resend the Authorization header to wherever one points."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl} refused", headers, fp)
+
+
+def _key_from_env(extra: dict[str, Any], name: str) -> str | None:
+    """The key held by the environment variable ``extra[name]`` names (None when not named)."""
+    var = extra.get(name)
+    if var is None:
+        return None
+    if not (isinstance(var, str) and var.isascii() and var.isidentifier()):
+        raise BackendError(
+            f"BackendConfig.extra['{name}'] takes the NAME of an environment variable holding the key (letters, "
+            "digits, underscores), not the key itself"
+        )
+    key = os.environ.get(var, "").strip()
+    if not key:
+        raise BackendError(
+            f"BackendConfig.extra['{name}'] names environment variable {var}, which is not set (or empty) in the "
+            f"process running the SGLang backend (pid {os.getpid()}); export {var} where that process starts (for "
+            "an engine actor: before ray.init / ray start on its node)"
+        )
+    return key
+
+
 class _HTTPDriver:
     """Running SGLang servers (optionally behind SGLang's router), over their HTTP API."""
 
     mode = "http"
 
-    def __init__(self, server_urls: list[str], router_url: str | None, timeout_s: float, max_concurrency: int):
+    def __init__(
+        self,
+        server_urls: list[str],
+        router_url: str | None,
+        timeout_s: float,
+        max_concurrency: int,
+        keys: dict[str, tuple[str, str] | None],
+    ):
         self.server_urls = [u.rstrip("/") for u in server_urls]
         self.router_url = router_url.rstrip("/") if router_url else None
         self._timeout_s = timeout_s
+        # (extra key, variable, key) for each level; the admin level falls back to the API key, as
+        # SGLang's ADMIN_OPTIONAL endpoints accept it on a server started without --admin-api-key
+        api, admin = keys.get("api_key_env"), keys.get("admin_api_key_env")
+        self._auth = {
+            "normal": ("api_key_env", *api) if api else None,
+            "admin": ("admin_api_key_env", *admin) if admin else ("api_key_env", *api) if api else None,
+        }
+        self._opener = urllib.request.build_opener(_NoRedirect())
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(max_concurrency, len(self.server_urls)), thread_name_prefix="sglang-http"
         )
-        infos = self._on_every_server("get_server_info", "GET", None, timeout_s=60)
-        self.server_info = infos[0]
+        try:
+            infos = self._on_every_server("get_server_info", "GET", None, timeout_s=60)
+        except BackendError:
+            self._pool.shutdown(wait=False)
+            raise
+        # SGLang 0.5.23 answers with its whole configuration, both keys included (at several places):
+        # keep only what the backend reads
+        self.server_info = {k: infos[0][k] for k in _SERVER_INFO_FIELDS if k in infos[0]}
         self.tp_sizes = [int(info["tp_size"]) for info in infos]
 
-    def request(self, url: str, method: str, body: Any, timeout_s: float | None = None) -> Any:
+    def __repr__(self) -> str:  # no keys in reprs
+        return f"_HTTPDriver(server_urls={self.server_urls}, router_url={self.router_url})"
+
+    def request(self, base: str, endpoint: str, method: str, body: Any, timeout_s: float | None = None) -> Any:
+        """``method`` ``base/endpoint`` with the key ``endpoint``'s SGLang auth level takes; JSON in and out."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        level = "normal" if endpoint in _NORMAL_ENDPOINTS else "admin"
+        auth = self._auth[level]
+        headers = {"Content-Type": "application/json"}
+        if auth is not None:
+            headers["Authorization"] = f"Bearer {auth[2]}"
+        req = urllib.request.Request(f"{base}/{endpoint}", data=data, method=method, headers=headers)
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            with self._opener.open(req, timeout=timeout_s) as resp:
                 text = resp.read().decode()
         except urllib.error.HTTPError as exc:
+            if exc.code in (401, 403):
+                raise BackendError(_auth_refused(base, endpoint, method, exc.code, level, auth)) from None
+            if 300 <= exc.code < 400:
+                raise BackendError(
+                    f"SGLang server {base}: {method} /{endpoint} answered {exc.code}, a redirect to "
+                    f"{exc.headers.get('Location')}; redirects are not followed (they would carry the key "
+                    "elsewhere): list the servers' final URLs in extra['server_urls']"
+                ) from None
             detail = exc.read().decode()[:2000]
-            raise BackendError(f"SGLang server: {method} {url} answered {exc.code}: {detail}") from exc
+            raise BackendError(f"SGLang server {base}: {method} /{endpoint} answered {exc.code}: {detail}") from exc
         except (urllib.error.URLError, TimeoutError, OSError) as exc:
             raise BackendError(
-                f"SGLang server: {method} {url} failed within {timeout_s} s: {exc}; is the server running and "
-                "reachable from this node?"
+                f"SGLang server {base}: {method} /{endpoint} failed within {timeout_s} s: {exc}; is the server "
+                "running and reachable from this node?"
             ) from exc
         try:
             return json.loads(text) if text else None
@@ -494,9 +592,7 @@ class _HTTPDriver:
             return text
 
     def _on_every_server(self, endpoint: str, method: str, body: Any, timeout_s: float | None = None) -> list[Any]:
-        futures = [
-            self._pool.submit(self.request, f"{url}/{endpoint}", method, body, timeout_s) for url in self.server_urls
-        ]
+        futures = [self._pool.submit(self.request, url, endpoint, method, body, timeout_s) for url in self.server_urls]
         return [f.result() for f in futures]
 
     def generate(self, input_ids: list[list[int]], sampling: list[dict]) -> list[dict]:
@@ -504,7 +600,8 @@ class _HTTPDriver:
             futures = [
                 self._pool.submit(
                     self.request,
-                    f"{self.router_url}/generate",
+                    self.router_url,
+                    "generate",
                     "POST",
                     {"input_ids": ids, "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1},
                 )
@@ -516,7 +613,8 @@ class _HTTPDriver:
         futures = [
             self._pool.submit(
                 self.request,
-                f"{url}/generate",
+                url,
+                "generate",
                 "POST",
                 {
                     "input_ids": input_ids[lo:hi],
@@ -541,7 +639,8 @@ class _HTTPDriver:
         futures = [
             self._pool.submit(
                 self.request,
-                f"{url}/init_weights_update_group",
+                url,
+                "init_weights_update_group",
                 "POST",
                 {
                     "master_address": spec.master_address,
@@ -575,12 +674,14 @@ class _HTTPDriver:
                 "load_format": "flattened_bucket",
                 "flush_cache": False,
             }
-            _check_answer("update_weights_from_tensor", self.request(url + "/update_weights_from_tensor", "POST", body))
+            _check_answer(
+                f"update_weights_from_tensor on {url}", self.request(url, "update_weights_from_tensor", "POST", body)
+            )
             start += tp
 
     def get_weights(self, name: str) -> Any:
         return self.request(
-            f"{self.server_urls[0]}/get_weights_by_name", "POST", {"name": name, "truncate_size": 2**31 - 1}
+            self.server_urls[0], "get_weights_by_name", "POST", {"name": name, "truncate_size": 2**31 - 1}
         )
 
     def export_weights(self) -> dict[str, torch.Tensor]:
@@ -601,7 +702,8 @@ class _HTTPDriver:
         futures = [
             self._pool.submit(
                 self.request,
-                f"{url}/update_weights_from_tensor",
+                url,
+                "update_weights_from_tensor",
                 "POST",
                 {"serialized_named_tensors": [empty] * tp, "flush_cache": True},
             )
@@ -612,6 +714,31 @@ class _HTTPDriver:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _auth_refused(
+    base: str, endpoint: str, method: str, code: int, level: str, auth: tuple[str, str, str] | None
+) -> str:
+    """The message for a 401 / 403: the server, the endpoint, the key it takes and the variable to set."""
+    if level == "normal":
+        wants = "a normal endpoint: it takes the server's --api-key"
+        name = "api_key_env"
+    else:
+        wants = (
+            "an admin endpoint (weight updates, flush, pause, memory): it takes the server's --admin-api-key, "
+            "or its --api-key when it was started without an admin key"
+        )
+        name = "admin_api_key_env"
+    if auth is None:
+        sent = (
+            f"no key was sent: put the key in an environment variable and name that variable with "
+            f"BackendConfig.extra['{name}'] (--rollout.engine_kwargs)"
+        )
+    else:
+        sent = f"the key in environment variable {auth[1]} (extra['{auth[0]}']) was refused: set it to the right key"
+        if level == "admin" and auth[0] == "api_key_env":
+            sent += f", or name the admin key's variable with extra['{name}']"
+    return f"SGLang server {base}: {method} /{endpoint} answered {code} ({wants}); {sent}"
 
 
 def _check_answer(what: str, answer: Any) -> None:
@@ -632,6 +759,13 @@ class SGLangBackend(RolloutBackend):
     def __init__(self, config: BackendConfig):
         super().__init__(config)
         extra = dict(config.extra)
+        for literal, named in _SECRET_EXTRA_KEYS.items():
+            if literal in extra:
+                raise BackendError(
+                    f"BackendConfig.extra['{literal}']: keys never go in the config (it is saved with the run and "
+                    f"reaches shell history); put the key in an environment variable and set extra['{named}'] to "
+                    "that variable's name"
+                )
         unknown = sorted(set(extra) - _EXTRA_KEYS)
         if unknown:
             raise BackendError(
@@ -665,7 +799,13 @@ class SGLangBackend(RolloutBackend):
                     "BackendConfig.extra: 'engine_kwargs' is for engine mode; the servers of "
                     "'server_urls' take their arguments on their own command lines"
                 )
-            self._driver = _HTTPDriver(urls, extra.get("router_url"), timeout_s, int(extra.get("max_concurrency", 256)))
+            keys = {}
+            for name in ("api_key_env", "admin_api_key_env"):
+                key = _key_from_env(extra, name)
+                keys[name] = (extra[name], key) if key is not None else None
+            self._driver = _HTTPDriver(
+                urls, extra.get("router_url"), timeout_s, int(extra.get("max_concurrency", 256)), keys
+            )
             if sum(self._driver.tp_sizes) != config.tensor_parallel_size:
                 self._driver.shutdown()
                 raise BackendError(
@@ -674,8 +814,9 @@ class SGLangBackend(RolloutBackend):
                     "to the sum, the number of ranks the engine takes in a weight-update group"
                 )
         else:
-            if "router_url" in extra:
-                raise BackendError("BackendConfig.extra['router_url'] needs extra['server_urls'] (http mode)")
+            for name in ("router_url", "api_key_env", "admin_api_key_env"):
+                if name in extra:
+                    raise BackendError(f"BackendConfig.extra['{name}'] needs extra['server_urls'] (http mode)")
             engine_kwargs = sglang_engine_kwargs(config, extra.get("engine_kwargs", {}))
             self._driver = _EngineDriver(engine_kwargs, timeout_s)
         self._closed = False

@@ -377,6 +377,11 @@ def validate(cfg: Config) -> Config:
     _need(r.max_engine_restarts >= 0, f"--rollout.max_engine_restarts must be >= 0, got {r.max_engine_restarts}")
     _need(t.max_nonfinite_steps >= 1, f"--train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}")
     _need(0 <= t.lr_warmup_ratio < 1, f"--train.lr_warmup_ratio must be in [0, 1), got {t.lr_warmup_ratio}")
+    for literal in ("api_key", "admin_api_key"):
+        _need(literal not in r.engine_kwargs,
+              f"--rollout.engine_kwargs['{literal}']: keys never go in the config (it is saved to "
+              f"<output_dir>/config.json); put the key in an environment variable and set "
+              f"engine_kwargs['{literal}_env'] to its name")
     _need(r.memory_fraction is None or 0 < r.memory_fraction <= 1,
           f"--rollout.memory_fraction must be in (0, 1] (a share of each engine device), got {r.memory_fraction}")
     _need(t.kl_estimator in KL_KINDS, f"--train.kl_estimator must be one of {list(KL_KINDS)}, got {t.kl_estimator!r}")

@@ -315,7 +315,8 @@ class PPOTrainer:
         texts_c = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         labels = [prompts[i // n].label for i in range(len(completions))]
         if cfg.reward.kind == "remote":
-            scores = remote_reward(cfg.reward.url, texts_p, texts_c, labels, t.timeout_s)
+            scores = remote_reward(cfg.reward.url, texts_p, texts_c, labels, t.timeout_s,
+                                   token_env=cfg.reward.token_env, ca_file=cfg.reward.ca_file)
         else:
             scores = check_scores(self.reward_fn(texts_p, texts_c, labels), len(completions), "reward function")
         return torch.tensor(scores, dtype=torch.float32)

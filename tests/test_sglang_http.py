@@ -1,0 +1,217 @@
+"""The SGLang backend's http mode against a real SGLang server that wants keys.
+
+One ``sglang.launch_server`` in its CPU mode (``python -m backends.sglang_cpu.serve``, keys read from
+environment variables) on a tiny Qwen2, started with both ``--api-key`` and ``--admin-api-key``.
+Through the backend: generate, a weight sync (tensor transport over HTTP, inside SGLang's update
+window) and a flush work with the right keys; with no key, the API key alone, or a wrong key, each
+call fails with a message naming the server, the endpoint and the variable to set.
+
+Runs in the SGLang venv (``recipes/install/sglang_cpu.sh``); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from backends.base import BackendConfig, BackendError, SamplingParams
+from rlhf_sg.tiny import BOS_ID, EOS_ID, build_tiny_model, save_tiny_model
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang not installed (sglang_cpu.sh)"),
+    pytest.mark.slow,
+]
+PROMPTS = [[BOS_ID, 40, 41, 42, 43], [BOS_ID, 50, 12, 77, 13, 9, 20]]
+API_VAR, ADMIN_VAR = "RLHF_SG_TEST_SGLANG_API_KEY", "RLHF_SG_TEST_SGLANG_ADMIN_KEY"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(url, model_path, api_key, admin_key) of a server started with both keys."""
+    model_path = save_tiny_model(str(tmp_path_factory.mktemp("sglang-http-keys")), arch="qwen2", size="tiny", seed=2)
+    api_key, admin_key = "api-" + secrets.token_hex(12), "admin-" + secrets.token_hex(12)
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{API_VAR: api_key, ADMIN_VAR: admin_key})
+    cmd = [
+        sys.executable, "-m", "backends.sglang_cpu.serve", "--api-key-env", API_VAR, "--admin-api-key-env", ADMIN_VAR,
+        "--model-path", model_path, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+        "--dtype", "float32", "--attention-backend", "torch_native", "--skip-tokenizer-init", "--disable-cuda-graph",
+        "--sleep-on-idle", "--max-total-tokens", "4096", "--context-length", "256", "--log-level", "error",
+    ]  # fmt: skip
+    log_path = tmp_path_factory.mktemp("sglang-http-keys-log") / "server.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:  # /health takes no key
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"SGLang server did not come up:\n{log_path.read_text()[-3000:]}")
+            time.sleep(2)
+        yield url, model_path, api_key, admin_key
+    finally:
+        _kill_group(proc)
+        log.close()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """The server and its scheduler / detokenizer children (its own process group)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=60)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _backend(url: str, model_path: str, monkeypatch, api: str | None, admin: str | None):
+    """An http-mode backend whose key variables hold ``api`` / ``admin`` (None: the variable is not named)."""
+    from backends.sglang_backend import SGLangBackend
+
+    extra = {"server_urls": [url], "request_timeout_s": 120}
+    for var, name, value in ((API_VAR, "api_key_env", api), (ADMIN_VAR, "admin_api_key_env", admin)):
+        monkeypatch.delenv(var, raising=False)
+        if value is not None:
+            monkeypatch.setenv(var, value)
+            extra[name] = var
+    config = BackendConfig(
+        model_path=model_path, dtype="float32", max_model_len=256, seed=0, num_threads=1, extra=extra
+    )
+    return SGLangBackend(config)
+
+
+def _raw(url: str, endpoint: str, key: str | None, body: dict | None = None) -> int:
+    """The HTTP status of a bare POST (no backend), to show what the server itself enforces."""
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(f"{url}/{endpoint}", data=json.dumps(body or {}).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def _raw_server_info(url: str, key: str) -> dict:
+    req = urllib.request.Request(f"{url}/get_server_info", headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    tokens: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            tokens.append(int(model(torch.tensor([prompt + tokens])).logits[0, -1].argmax()))
+            if tokens[-1] == EOS_ID:
+                break
+    return tokens
+
+
+def _sync(backend, seed: int, version: int):
+    """One full weight sync of a fresh tiny Qwen2 (seed ``seed``) through the tensor transport; its model."""
+    from rlhf_sg.sync import plan_buckets
+
+    model = build_tiny_model("qwen2", "tiny", seed=seed)
+    named = {n: p.detach().clone() for n, p in model.named_parameters()}
+    (whole,) = plan_buckets([(n, t.shape, t.dtype) for n, t in named.items()], 1 << 30)
+    backend.update_weights_from_tensor(whole, torch.cat([named[t.name].reshape(-1) for t in whole.tensors]))
+    backend.finish_weight_update(version)
+    return model
+
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
+
+
+def test_the_server_enforces_both_levels(server):
+    """What the backend must match: /generate takes the API key only, admin endpoints the admin key only."""
+    url, _, api_key, admin_key = server
+    gen = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 1}}
+    assert [_raw(url, "generate", k, gen) for k in (None, admin_key, api_key)] == [401, 401, 200]
+    assert [_raw(url, "flush_cache", k) for k in (None, api_key, admin_key)] == [401, 401, 200]
+    # and any holder of the API key can read both keys back from the server's info (SGLang 0.5.23)
+    info = _raw_server_info(url, api_key)
+    assert (info.get("api_key"), info.get("admin_api_key")) == (api_key, admin_key)
+
+
+def test_right_keys_generate_sync_and_flush(server, monkeypatch):
+    url, model_path, api_key, admin_key = server
+    backend = _backend(url, model_path, monkeypatch, api_key, admin_key)
+    try:
+        info = backend._driver.server_info  # what the backend keeps of the servers' info: no key
+        assert int(info["tp_size"]) == 1 and api_key not in json.dumps(info) and admin_key not in json.dumps(info)
+        out = backend.generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_new_tokens=6))
+        assert [c.prompt_index for c in out] == [0, 0, 1, 1]
+        new = _sync(backend, seed=9, version=1)
+        greedy = backend.generate(PROMPTS, GREEDY)
+        assert [c.token_ids for c in greedy] == [_hf_greedy(new, p, 6) for p in PROMPTS]
+        assert all(c.weight_version == 1 for c in greedy)
+        backend.reset_prefix_cache()  # SGLang's standalone /flush_cache
+        assert [c.token_ids for c in backend.generate(PROMPTS, GREEDY)] == [c.token_ids for c in greedy]
+        assert api_key not in repr(backend._driver) and admin_key not in repr(backend._driver)
+    finally:
+        backend.shutdown()
+
+
+def test_no_key_names_the_server_endpoint_and_variable(server, monkeypatch):
+    url, model_path, _, _ = server
+    with pytest.raises(BackendError, match=rf"{url}: GET /get_server_info answered 401.*extra\['api_key_env'\]"):
+        _backend(url, model_path, monkeypatch, None, None)
+
+
+def test_api_key_alone_generates_but_admin_calls_name_the_admin_variable(server, monkeypatch):
+    url, model_path, api_key, _ = server
+    backend = _backend(url, model_path, monkeypatch, api_key, None)
+    try:
+        assert len(backend.generate(PROMPTS, GREEDY)) == 2
+        admin_error = rf"{url}: POST /(pause_generation|flush_cache) answered 401 \(an admin endpoint.*--admin-api-key"
+        with pytest.raises(BackendError, match=admin_error + r".*extra\['admin_api_key_env'\]"):
+            _sync(backend, seed=9, version=1)
+        with pytest.raises(BackendError, match=admin_error):
+            backend.reset_prefix_cache()
+    finally:
+        backend.shutdown()
+
+
+def test_wrong_keys_name_the_variable_that_holds_them(server, monkeypatch):
+    url, model_path, api_key, admin_key = server
+    with pytest.raises(BackendError, match=rf"/get_server_info answered 401.*{API_VAR} \(extra\['api_key_env'\]\) was "
+                       "refused") as err:  # fmt: skip
+        _backend(url, model_path, monkeypatch, "wrong-" + api_key, admin_key)
+    assert api_key not in str(err.value)
+    backend = _backend(url, model_path, monkeypatch, api_key, "wrong-" + admin_key)
+    try:
+        with pytest.raises(BackendError, match=rf"/pause_generation answered 401.*{ADMIN_VAR} .*was refused") as err:
+            _sync(backend, seed=9, version=1)
+        assert admin_key not in str(err.value) and api_key not in str(err.value)
+        assert len(backend.generate(PROMPTS, GREEDY)) == 2  # generation still works (it takes the API key)
+    finally:
+        backend.shutdown()
