@@ -180,6 +180,13 @@ class RewardConfig:
     #: are always checked
     ca_file: str | None = None
     num_ranks: int = 1
+    #: a reward function that raises, returns a non-number or no answer for a completion: "raise" (stop,
+    #: naming the function and the sample) or "zero" (score it 0 and count it in reward/errors)
+    on_error: str = "raise"
+    #: seconds a reward function (or the remote scorer) may take for a step's batch (None: --train.timeout_s)
+    timeout_s: float | None = None
+    #: times a remote scorer that is down, slow or answers 5xx is asked again (waiting 1, 2, 4, ... s)
+    retries: int = 3
 
 
 @dataclass
@@ -377,6 +384,9 @@ def validate(cfg: Config) -> Config:
     _need(r.max_engine_restarts >= 0, f"--rollout.max_engine_restarts must be >= 0, got {r.max_engine_restarts}")
     _need(t.max_nonfinite_steps >= 1, f"--train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}")
     _need(0 <= t.lr_warmup_ratio < 1, f"--train.lr_warmup_ratio must be in [0, 1), got {t.lr_warmup_ratio}")
+    _need(rw.on_error in ("raise", "zero"), f"--reward.on_error must be raise or zero, got {rw.on_error!r}")
+    _need(rw.timeout_s is None or rw.timeout_s > 0, f"--reward.timeout_s must be > 0, got {rw.timeout_s}")
+    _need(rw.retries >= 0, f"--reward.retries must be >= 0, got {rw.retries}")
     for literal in ("api_key", "admin_api_key"):
         _need(literal not in r.engine_kwargs,
               f"--rollout.engine_kwargs['{literal}']: keys never go in the config (it is saved to "

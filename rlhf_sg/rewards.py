@@ -17,6 +17,8 @@ import logging
 import math
 import os
 import ssl
+import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -72,6 +74,102 @@ def check_scores(scores: Sequence[float], n: int, source: str) -> list[float]:
     return out
 
 
+def _excerpt(text: str, width: int = 60) -> str:
+    return repr(text if len(text) <= width else text[:width] + "...")
+
+
+def _call_with_timeout(fn, args: tuple, timeout_s: float):
+    """``fn(*args)`` in a daemon thread; (True, result or the exception it raised), or (False, None) when it did
+    not return within ``timeout_s`` (the thread is left behind: Python cannot stop it)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["result"] = fn(*args)
+        except Exception as e:  # handed to the caller, which names the function and the sample
+            box["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True, name="reward-function")
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        return False, None
+    return True, box["error"] if "error" in box else box["result"]
+
+
+def score_with_function(
+    fn: RewardFn, name: str, prompts: list[str], completions: list[str], labels: list, *,
+    on_error: str = "raise", timeout_s: float = 600.0,
+) -> tuple[list[float], int]:
+    """Scores of a reward function, and how many completions it failed on.
+
+    The batch is scored in one call. When that call raises or returns the wrong number of scores, each
+    completion is scored alone to find the ones it fails on. A completion whose score is an exception, not a
+    number, or not finite is an error: with ``on_error="raise"`` a RewardError names the function, the sample
+    (index, prompt, completion) and what went wrong; with ``on_error="zero"`` it scores 0 and is counted. A call
+    that does not return within ``timeout_s`` fails the whole batch the same way.
+    """
+    n = len(completions)
+
+    def fail(i: int | None, what: str) -> None:
+        if on_error == "raise":
+            where = (f"sample {i} (prompt {_excerpt(prompts[i])}, completion {_excerpt(completions[i])})"
+                     if i is not None else f"a batch of {n} completions")
+            raise RewardError(f"reward function {name}: {where}: {what}; fix the function, or score such "
+                              "samples 0 with --reward.on_error zero")
+
+    done, result = _call_with_timeout(fn, (prompts, completions, labels), timeout_s)
+    if not done:
+        fail(None, f"no answer within {timeout_s:g} s (--reward.timeout_s)")
+        log.warning("reward function %s: no answer within %g s; %d completions score 0", name, timeout_s, n)
+        return [0.0] * n, n
+    if isinstance(result, Exception) or not _is_sized(result) or len(result) != n:
+        # find the samples it fails on
+        results = []
+        for i in range(n):
+            done, one = _call_with_timeout(fn, ([prompts[i]], [completions[i]], [labels[i]]), timeout_s)
+            if not done:
+                results.append(RewardError(f"no answer within {timeout_s:g} s (--reward.timeout_s)"))
+            elif isinstance(one, Exception):
+                results.append(one)
+            elif not _is_sized(one) or len(one) != 1:
+                results.append(RewardError(f"returned {_describe(one)} for one completion"))
+            else:
+                results.append(one[0])
+        if not isinstance(result, Exception) and all(not isinstance(r, Exception) for r in results):
+            fail(None, f"returned {_describe(result)} for {n} completions, though each alone scores")
+        result = results
+    scores, errors = [], 0
+    for i, value in enumerate(result):
+        what = None
+        if isinstance(value, Exception):
+            what = f"raised {type(value).__name__}: {value}"
+        else:
+            try:
+                value = float(value)
+                if not math.isfinite(value):
+                    what = f"score {value} is not finite"
+            except (TypeError, ValueError):
+                what = f"score {value!r} is not a number"
+        if what is not None:
+            fail(i, what)
+            errors += 1
+            value = 0.0
+        scores.append(value)
+    if errors:
+        log.warning("reward function %s: %d of %d completions failed and score 0 (--reward.on_error zero)", name,
+                    errors, n)
+    return scores, errors
+
+
+def _is_sized(x) -> bool:
+    return hasattr(x, "__len__") and hasattr(x, "__getitem__") and not isinstance(x, (str, bytes, dict))
+
+
+def _describe(x) -> str:
+    return f"{len(x)} scores" if _is_sized(x) else f"a {type(x).__name__}"
+
+
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     """Refuse redirects: urllib would resend the Authorization header to wherever one points."""
 
@@ -108,8 +206,13 @@ def remote_reward(
     *,
     token_env: str | None = None,
     ca_file: str | None = None,
+    retries: int = 0,
+    backoff_s: float = 1.0,
 ) -> list[float]:
     """POST ``{"prompts", "completions", "labels"}`` as JSON; expects ``{"rewards": [...]}``.
+
+    A server that is down, slow (``timeout_s``) or answers 5xx is asked again up to ``retries`` times, waiting
+    ``backoff_s``, then twice that, and so on; then a RewardError says what happened. A 4xx answer is not retried.
 
     ``token_env``: the environment variable holding a bearer token, sent as ``Authorization: Bearer
     <token>`` (read at each call, so it never sits in the config). TLS certificates are always
@@ -122,20 +225,34 @@ def remote_reward(
             _warn_plain_http(url)
     body = json.dumps({"prompts": prompts, "completions": completions, "labels": labels}).encode()
     request = urllib.request.Request(url, data=body, headers=headers)
-    try:
-        with _opener(ca_file).open(request, timeout=timeout_s) as response:
-            payload = json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        raise RewardError(f"remote reward {url}: {_http_error_hint(e, token_env)}") from None
-    except urllib.error.URLError as e:
-        if isinstance(e.reason, ssl.SSLCertVerificationError):
-            raise RewardError(
-                f"remote reward {url}: the server's TLS certificate failed verification ({e.reason.verify_message}); "
-                "if it is signed by a private CA, pass that CA's certificate with --reward.ca_file PATH"
-            ) from None
-        raise RewardError(f"remote reward {url}: request failed ({e.reason})") from None
-    except OSError as e:
-        raise RewardError(f"remote reward {url}: request failed or timed out after {timeout_s:.0f} s ({e})") from None
+    payload = None
+    for attempt in range(retries + 1):
+        try:
+            with _opener(ca_file).open(request, timeout=timeout_s) as response:
+                payload = json.loads(response.read())
+            break
+        except urllib.error.HTTPError as e:
+            if e.code < 500 or attempt == retries:  # a client error does not get better by asking again
+                raise RewardError(f"remote reward {url}: {_http_error_hint(e, token_env)}"
+                                  + (f" (after {attempt + 1} attempts)" if attempt else "")) from None
+            problem = f"answered {e.code} {e.reason}"
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, ssl.SSLCertVerificationError):
+                raise RewardError(
+                    f"remote reward {url}: the server's TLS certificate failed verification "
+                    f"({e.reason.verify_message}); if it is signed by a private CA, pass that CA's certificate with "
+                    "--reward.ca_file PATH"
+                ) from None
+            problem = f"request failed ({e.reason})"
+        except OSError as e:
+            problem = f"request failed or timed out after {timeout_s:.0f} s ({e})"
+        if attempt == retries:
+            raise RewardError(f"remote reward {url}: {problem}, {retries + 1} attempts; is the server up and "
+                              "reachable? (--reward.retries, --train.timeout_s)") from None
+        delay = backoff_s * 2**attempt
+        log.warning("remote reward %s: %s; retrying in %.1f s (attempt %d of %d)", url, problem, delay, attempt + 2,
+                    retries + 1)
+        time.sleep(delay)
     if not isinstance(payload, dict) or "rewards" not in payload:
         raise RewardError(f"remote reward {url}: expected a JSON object with 'rewards', got {str(payload)[:200]}")
     return check_scores(payload["rewards"], len(completions), f"remote reward {url}")

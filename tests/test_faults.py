@@ -337,3 +337,119 @@ def test_an_engine_that_keeps_dying_stops_the_run_with_a_checkpoint_naming_it(ra
     assert (root / "latest").read_text() == "step1"  # the last finished step, ...
     state = json.loads((root / "step1.trainer.json").read_text())
     assert state["data"]["position"] == 4  # ... with the prompt stream where step 2 drew from: none skipped
+
+
+# ---- the reward function and the remote scorer ---------------------------------------------------------------------
+
+PROMPTS = ["1+1=", "2+2=", "3+3=", "4+4="]
+COMPLETIONS = ["2", "4", "x", "8"]
+
+
+def _raises_on_x(prompts, completions, labels):
+    return [1.0 / (c != "x") for c in completions]  # ZeroDivisionError on "x"
+
+
+def _none_for_x(prompts, completions, labels):
+    return [None if c == "x" else 1.0 for c in completions]
+
+
+def _drops_the_last(prompts, completions, labels):
+    return [0.5] * max(1, len(completions) - 1) if len(completions) > 1 else [0.5]
+
+
+@pytest.mark.parametrize("fn, what", [(_raises_on_x, r"raised ZeroDivisionError: float division by zero"),
+                                      (_none_for_x, r"score None is not a number")])
+def test_a_reward_function_failing_on_one_sample_is_named_or_scores_zero(fn, what):
+    from rlhf_sg.rewards import RewardError, score_with_function
+
+    with pytest.raises(RewardError, match=rf"reward function my_task:score: sample 2 \(prompt '3\+3=', completion "
+                                          rf"'x'\): {what}; .*--reward.on_error zero"):
+        score_with_function(fn, "my_task:score", PROMPTS, COMPLETIONS, [None] * 4)
+    scores, errors = score_with_function(fn, "my_task:score", PROMPTS, COMPLETIONS, [None] * 4, on_error="zero")
+    assert scores == [1.0, 1.0, 0.0, 1.0] and errors == 1
+
+
+def test_a_reward_function_returning_the_wrong_number_of_scores_is_named_or_scored_one_by_one():
+    from rlhf_sg.rewards import RewardError, score_with_function
+
+    with pytest.raises(RewardError, match=r"a batch of 4 completions: returned 3 scores for 4 completions"):
+        score_with_function(_drops_the_last, "f", PROMPTS, COMPLETIONS, [None] * 4)
+    assert score_with_function(_drops_the_last, "f", PROMPTS, COMPLETIONS, [None] * 4, on_error="zero") == (
+        [0.5] * 4, 0)
+
+
+def test_a_reward_function_that_hangs_is_stopped_waiting_for_after_its_timeout():
+    from rlhf_sg.rewards import RewardError, score_with_function
+
+    def hangs(prompts, completions, labels):
+        time.sleep(30)
+
+    t0 = time.monotonic()
+    with pytest.raises(RewardError, match=r"reward function slow:f: a batch of 4 completions: no answer within "
+                                          r"0.5 s \(--reward.timeout_s\)"):
+        score_with_function(hangs, "slow:f", PROMPTS, COMPLETIONS, [None] * 4, timeout_s=0.5)
+    assert time.monotonic() - t0 < 5
+    assert score_with_function(hangs, "slow:f", PROMPTS, COMPLETIONS, [None] * 4, on_error="zero",
+                               timeout_s=0.5) == ([0.0] * 4, 4)
+
+
+@pytest.fixture
+def flaky_scorer():
+    """A local scorer that answers 503 to its first ``failures`` requests (or always ``status``), counting them."""
+    import http.server
+    import threading
+
+    state = {"failures": 0, "status": 503, "calls": 0}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            state["calls"] += 1
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if state["calls"] <= state["failures"]:
+                self.send_response(state["status"])
+                self.end_headers()
+                return
+            out = json.dumps({"rewards": [1.0] * len(body["completions"])}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/score", state
+    server.shutdown()
+
+
+def test_a_remote_scorer_that_fails_is_asked_again_with_backoff_then_named(flaky_scorer):
+    from rlhf_sg.rewards import RewardError, remote_reward
+
+    url, state = flaky_scorer
+    state["failures"] = 2
+    assert remote_reward(url, PROMPTS, COMPLETIONS, [None] * 4, 5, retries=3, backoff_s=0.01) == [1.0] * 4
+    assert state["calls"] == 3
+    state.update(calls=0, failures=10)
+    with pytest.raises(RewardError, match=r"answered 503 .*3 attempts"):
+        remote_reward(url, PROMPTS, COMPLETIONS, [None] * 4, 5, retries=2, backoff_s=0.01)
+    assert state["calls"] == 3
+    state.update(calls=0, failures=10, status=400)  # a client error: asking again would not help
+    with pytest.raises(RewardError, match=r"answered 400"):
+        remote_reward(url, PROMPTS, COMPLETIONS, [None] * 4, 5, retries=3, backoff_s=0.01)
+    assert state["calls"] == 1
+
+
+def test_a_remote_scorer_that_is_down_is_named_after_the_retries():
+    import socket
+
+    from rlhf_sg.rewards import RewardError, remote_reward
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    with pytest.raises(RewardError, match=rf"remote reward http://127.0.0.1:{port}/score: request failed .*3 attempts; "
+                                          r"is the server up"):
+        remote_reward(f"http://127.0.0.1:{port}/score", PROMPTS, COMPLETIONS, [None] * 4, 5, retries=2,
+                      backoff_s=0.01)

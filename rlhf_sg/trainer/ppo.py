@@ -95,6 +95,7 @@ class PPOTrainer:
         self.rng = random.Random(cfg.train.seed)
         self.prompts: list[Prompt] = []  # the prompts of the step in progress (for hooks)
         self.nonfinite_steps = 0  # steps in a row whose updates were all skipped for NaN / Inf
+        self.reward_errors = 0  # completions of the step in progress the reward function failed on
 
     # ---- what the run does ---------------------------------------------------------------------------
     @property
@@ -159,12 +160,13 @@ class PPOTrainer:
             self.cluster.actor.call("start_profile")
         self.cluster.offload_training_states(timer)  # with offloading: only the first step has any on the device
         # generate and score (with dynamic sampling, as many rounds as the batch needs)
-        data_state = self.stream.state()
+        data_state, self.reward_errors = self.stream.state(), 0
         try:
             self.prompts, experience, metrics = self.rollout.make(timer, self.step, self.weight_version)
         except EngineFailure:
             self.save_checkpoint(data_state)  # this step's prompts are drawn again on resume
             raise
+        metrics["reward/errors"] = self.reward_errors
         reloaded = self.cluster.hand_device_to_trainer(timer)  # engines sleep, then training states come back
         if offload_states(self.cfg):
             metrics["offload/device_GB"] = reloaded / 1e9
@@ -304,9 +306,10 @@ class PPOTrainer:
 
     def compute_rewards(self, prompts: list[Prompt], completions: list, experience: Experience) -> torch.Tensor:
         """Scores [B], one per completion. Override for custom scoring."""
-        from rlhf_sg.rewards import check_scores, remote_reward
+        from rlhf_sg.rewards import remote_reward, score_with_function
 
         cfg, t = self.cfg, self.cfg.train
+        timeout_s = cfg.reward.timeout_s or t.timeout_s
         n = cfg.rollout.n_samples_per_prompt
         if cfg.reward.kind == "model":
             plans = microbatch_plans(experience, cfg.reward.num_ranks, t.max_tokens_per_microbatch)
@@ -315,10 +318,14 @@ class PPOTrainer:
         texts_c = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         labels = [prompts[i // n].label for i in range(len(completions))]
         if cfg.reward.kind == "remote":
-            scores = remote_reward(cfg.reward.url, texts_p, texts_c, labels, t.timeout_s,
-                                   token_env=cfg.reward.token_env, ca_file=cfg.reward.ca_file)
+            scores = remote_reward(cfg.reward.url, texts_p, texts_c, labels, timeout_s,
+                                   token_env=cfg.reward.token_env, ca_file=cfg.reward.ca_file,
+                                   retries=cfg.reward.retries)
         else:
-            scores = check_scores(self.reward_fn(texts_p, texts_c, labels), len(completions), "reward function")
+            name = cfg.reward.function or getattr(self.reward_fn, "__qualname__", repr(self.reward_fn))
+            scores, errors = score_with_function(self.reward_fn, name, texts_p, texts_c, labels,
+                                                 on_error=cfg.reward.on_error, timeout_s=timeout_s)
+            self.reward_errors += errors
         return torch.tensor(scores, dtype=torch.float32)
 
     def _finish_step(self, metrics: dict[str, float], times: dict[str, float], profiling: bool) -> dict[str, float]:
