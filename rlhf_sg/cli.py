@@ -18,15 +18,21 @@ def main(argv: list[str] | None = None) -> None:
         return
     command, rest = argv[0], argv[1:]
     if command == "train-ppo":
-        from rlhf_sg.config import ConfigError, parse_args
-        from rlhf_sg.trainer import train
+        from rlhf_sg.config import ConfigError, check_devices, parse_args
+        from rlhf_sg.data import DataError
+        from rlhf_sg.rewards import RewardError
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        # bad input (flags, YAML, devices, model and tokenizer, prompt file, reward function) stops the run
+        # with the message alone and exit status 1; the data is read before Ray or any model starts
         try:
             cfg = parse_args(rest)
-        except ConfigError as e:
+            check_devices(cfg)
+            from rlhf_sg.trainer import train
+
+            train(cfg)
+        except (ConfigError, DataError, RewardError) as e:
             raise SystemExit(f"rlhf-sg train-ppo: {e}") from None
-        train(cfg)
         print(f"logs, checkpoints and the exported policy are in {cfg.log.output_dir}")
     elif command == "backends":
         from backends import available_backends

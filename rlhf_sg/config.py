@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import math
 import os
 import types
 import typing
@@ -19,6 +21,8 @@ from rlhf_sg.advantages import advantage_estimator, advantage_estimators
 from rlhf_sg.algorithms import KL_KINDS
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
+#: --data.overlong_prompts: what happens to a prompt over --data.max_prompt_len (rlhf_sg.data.load_prompts)
+OVERLONG_PROMPTS = ("error", "drop", "truncate")
 
 
 class ConfigError(ValueError):
@@ -163,6 +167,9 @@ class DataConfig:
     max_prompt_len: int = 1024
     #: skip (and count) malformed rows instead of stopping at the first one
     skip_bad_rows: bool = False
+    #: a prompt over max_prompt_len tokens: "error" (stop, naming the row), "drop" it, or "truncate" it to its
+    #: last max_prompt_len tokens; dropped / truncated prompts are counted in the log
+    overlong_prompts: str = "error"
     shuffle: bool = True
 
 
@@ -268,23 +275,48 @@ def _coerce(flag: str, typ: Any, raw: Any) -> Any:
                 return dict(raw)
             import json
 
-            return json.loads(raw)
-    except (ValueError, TypeError) as e:
+            value = json.loads(raw)
+            if not isinstance(value, dict):
+                raise TypeError
+            return value
+    except (ValueError, TypeError, OverflowError) as e:
         raise ConfigError(f"{flag}: cannot read {raw!r} as {getattr(typ, '__name__', typ)}") from e
     return raw
+
+
+def dotted_keys() -> list[str]:
+    """Every setting as ``section.key``."""
+    return [f"{s}.{f.name}" for s, cls in _section_classes().items() for f in dataclasses.fields(cls)]
+
+
+def _closest(name: str, candidates: list[str]) -> str | None:
+    """What ``name`` was meant to be: the candidate with the same key in another section (or with a section,
+    where ``name`` has none), else the one it most likely misspells (difflib), else None."""
+    key = name.rpartition(".")[2]
+    same_key = next((c for c in candidates if c.rpartition(".")[2] == key), None)
+    if same_key is not None:
+        return same_key
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _did_you_mean(dotted: str) -> str:
+    close = _closest(dotted, dotted_keys())
+    return f" (did you mean {close!r}?)" if close else ""
 
 
 def apply_overrides(cfg: Config, overrides: dict[str, Any], source: str) -> Config:
     """Set dotted keys (``rollout.backend``) on ``cfg``; unknown keys are errors naming ``source``."""
     classes = _section_classes()
     for dotted, raw in overrides.items():
-        section, _, key = dotted.partition(".")
+        section, _, key = str(dotted).partition(".")
         if section not in classes or not key:
-            raise ConfigError(f"{source}: unknown setting {dotted!r}; sections are {sorted(classes)}")
+            raise ConfigError(f"{source}: unknown setting {dotted!r}{_did_you_mean(str(dotted))}; sections are "
+                              f"{sorted(classes)}")
         hints = typing.get_type_hints(classes[section])
         if key not in hints:
             raise ConfigError(
-                f"{source}: unknown setting {dotted!r}; {section} has {sorted(hints)}"
+                f"{source}: unknown setting {dotted!r}{_did_you_mean(str(dotted))}; {section} has {sorted(hints)}"
             )
         label = f"--{dotted}" if source == "flag" else f"{source}: {dotted}"
         setattr(getattr(cfg, section), key, _coerce(label, hints[key], raw))
@@ -297,8 +329,16 @@ def load_yaml(path: str) -> dict[str, Any]:
 
     if not os.path.isfile(path):
         raise ConfigError(f"--config: file {path!r} does not exist")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', None) or e}); sections of "
+                          "`key: value` lines are expected") from None
+    except (UnicodeDecodeError, OSError) as e:
+        raise ConfigError(f"--config: cannot read {path!r} as UTF-8 text ({e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections ({', '.join(SECTIONS)})")
     flat: dict[str, Any] = {}
@@ -333,7 +373,16 @@ def build_parser(prog: str = "rlhf-sg train-ppo") -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> Config:
     """Config from CLI flags (and ``--config`` YAML); validated."""
-    ns = vars(build_parser().parse_args(argv))
+    known, extra = build_parser().parse_known_args(argv)
+    if extra:
+        flag = next((a for a in extra if a.startswith("-")), None)
+        if flag is None:
+            raise ConfigError(f"unexpected argument {extra[0]!r}: settings are given as --section.key value")
+        name = flag.split("=", 1)[0]
+        close = _closest(name.lstrip("-"), dotted_keys() + [a.lstrip("-") for a in ALIASES])
+        hint = f" (did you mean --{close}?)" if close else ""
+        raise ConfigError(f"unknown flag {name}{hint}; `rlhf-sg train-ppo --help` lists every setting")
+    ns = vars(known)
     cfg = Config()
     path = ns.pop("config", None)
     if path:
@@ -351,6 +400,22 @@ def _need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _check_model_dir(flag: str, path: str) -> None:
+    """A model directory's config.json reads as a JSON object and weights lie beside it."""
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            ok = isinstance(json.load(f), dict)
+    except (OSError, ValueError):
+        ok = False
+    _need(ok, f"{flag}: {os.path.join(path, 'config.json')!r} is not a JSON object; re-save the model with "
+              "save_pretrained")
+    _need(any(name.endswith((".safetensors", ".bin")) for name in os.listdir(path)),
+          f"{flag}: {path!r} has a config.json but no weights (*.safetensors or *.bin); save the model with "
+          "save_pretrained or point at the directory that holds them")
+
+
 def validate(cfg: Config) -> Config:
     """Everything checkable without starting Ray; raises ConfigError naming the flag."""
     m, r, t, d, rw = cfg.model, cfg.rollout, cfg.train, cfg.data, cfg.reward
@@ -361,6 +426,7 @@ def validate(cfg: Config) -> Config:
             _need(os.path.isfile(os.path.join(path, "config.json")),
                   f"{flag}: {path!r} is not a model directory (no config.json there); save the model with "
                   "save_pretrained or point at its directory")
+            _check_model_dir(flag, path)
     _need(m.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {m.dtype!r}")
     _need(m.attn_implementation in ("sdpa", "eager", "flash_attention_2"),
           f"--model.attn_implementation must be sdpa, eager or flash_attention_2, got {m.attn_implementation!r}")
@@ -404,8 +470,30 @@ def validate(cfg: Config) -> Config:
                     ("--rollout.prompts_per_step", r.prompts_per_step), ("--train.max_steps", t.max_steps),
                     ("--train.ppo_epochs", t.ppo_epochs), ("--train.num_minibatches", t.num_minibatches),
                     ("--rollout.max_new_tokens", r.max_new_tokens), ("--train.worker_threads", t.worker_threads),
-                    ("--rollout.tensor_parallel_size", r.tensor_parallel_size)):
+                    ("--rollout.tensor_parallel_size", r.tensor_parallel_size),
+                    ("--rollout.n_samples_per_prompt", r.n_samples_per_prompt),
+                    ("--data.max_prompt_len", d.max_prompt_len), ("--train.kl_horizon", t.kl_horizon)):
         _need(v >= 1, f"{flag} must be >= 1, got {v}")
+    for flag, v, ok, allowed in (
+        ("--train.actor_lr", t.actor_lr, t.actor_lr >= 0 and math.isfinite(t.actor_lr), ">= 0"),
+        ("--train.critic_lr", t.critic_lr, t.critic_lr >= 0 and math.isfinite(t.critic_lr), ">= 0"),
+        ("--train.weight_decay", t.weight_decay, t.weight_decay >= 0, ">= 0"),
+        ("--train.max_grad_norm", t.max_grad_norm, t.max_grad_norm > 0, "> 0"),
+        ("--train.gamma", t.gamma, 0 <= t.gamma <= 1, "in [0, 1]"),
+        ("--train.lam", t.lam, 0 <= t.lam <= 1, "in [0, 1]"),
+        ("--train.entropy_coef", t.entropy_coef, t.entropy_coef >= 0, ">= 0"),
+        ("--train.value_clip", t.value_clip, t.value_clip is None or t.value_clip > 0, "> 0 (or none)"),
+        ("--train.kl_target", t.kl_target, t.kl_target is None or t.kl_target > 0, "> 0 (or none)"),
+        ("--train.critic_warmup_steps", t.critic_warmup_steps, t.critic_warmup_steps >= 0, ">= 0"),
+        ("--train.timeout_s", t.timeout_s, t.timeout_s > 0, "> 0"),
+        ("--rollout.top_p", r.top_p, 0 < r.top_p <= 1, "in (0, 1]"),
+        ("--rollout.top_k", r.top_k, r.top_k == -1 or r.top_k >= 1, "-1 (off) or >= 1"),
+        ("--log.profile_step", cfg.log.profile_step, cfg.log.profile_step is None or cfg.log.profile_step >= 0,
+         ">= 0 (or none)"),
+    ):
+        _need(ok, f"{flag} must be {allowed}, got {v}")
+    _need(d.overlong_prompts in OVERLONG_PROMPTS,
+          f"--data.overlong_prompts must be one of {list(OVERLONG_PROMPTS)}, got {d.overlong_prompts!r}")
     samples = r.prompts_per_step * r.n_samples_per_prompt
     _need(samples % t.num_minibatches == 0,
           f"--train.num_minibatches {t.num_minibatches} must divide "
@@ -416,6 +504,12 @@ def validate(cfg: Config) -> Config:
         _need(per_minibatch >= ranks,
               f"{flag} {ranks}: each optimizer step has {per_minibatch} samples (prompts_per_step x "
               f"n_samples_per_prompt / num_minibatches), fewer than the ranks that must each train on one")
+    # scoring-only groups split the whole batch: every rank needs at least one sample of it
+    for flag, ranks, used in (("--train.ref_num_ranks", t.ref_num_ranks, t.kl_coef > 0),
+                              ("--reward.num_ranks", rw.num_ranks, rw.kind == "model")):
+        _need(not used or samples >= ranks,
+              f"{flag} {ranks}: a step has {samples} samples (prompts_per_step x n_samples_per_prompt), fewer than "
+              "the ranks that must each score one; lower it or raise --rollout.prompts_per_step")
     _need(t.clip_low >= 0 and t.clip_low < 1 and t.clip_high >= 0,
           f"--train.clip_low must be in [0, 1) and --train.clip_high >= 0 (got {t.clip_low}, {t.clip_high})")
     _need(t.dual_clip is None or t.dual_clip > 1, f"--train.dual_clip must be > 1 (got {t.dual_clip})")
@@ -502,6 +596,80 @@ def _validate_colocation(cfg: Config) -> None:
         _need(r.sleep_engines_while_training is not False,
               "--train.offload_states_while_generating frees the device for engines that share it; it makes no "
               "sense with --rollout.sleep_engines_while_training false and no colocate_all")
+
+
+def devices_needed(cfg: Config) -> tuple[int, str]:
+    """Devices the run's groups take, and how they add up: one per model rank, tensor_parallel_size per engine;
+    a colocated set shares as many as its largest group has ranks (rank i of each on device i)."""
+    r, t = cfg.rollout, cfg.train
+    sizes = {"actor": t.actor_num_ranks, "engines": r.num_engines}
+    if uses_critic_model(cfg):
+        sizes["critic"] = t.critic_num_ranks
+    if t.kl_coef > 0:
+        sizes["ref"] = t.ref_num_ranks
+    if cfg.reward.kind == "model":
+        sizes["reward"] = cfg.reward.num_ranks
+    if t.colocate_all:
+        shared = [list(sizes)]
+    else:
+        shared = [s for s, on in ((["actor", "ref"], t.colocate_actor_ref),
+                                  (["critic", "reward"], t.colocate_critic_reward)) if on]
+        shared = [[g for g in s if g in sizes] for s in shared]
+    total, parts = 0, []
+    for names in shared:
+        n = max(sizes[g] for g in names)
+        total += n
+        parts.append(f"{n} shared by {'+'.join(names)}")
+    for g, n in sizes.items():
+        if any(g in s for s in shared):
+            continue
+        if g == "engines":
+            total += n * r.tensor_parallel_size
+            parts.append(f"{n} engines x tensor_parallel_size {r.tensor_parallel_size}")
+        else:
+            total += n
+            parts.append(f"{n} {g}")
+    return total, ", ".join(parts)
+
+
+def _visible_gpus() -> int | None:
+    """GPUs the run's Ray will have, where that is known before it starts: the cluster's if Ray already runs in
+    this process; this machine's (torch.cuda.device_count(), after CUDA_VISIBLE_DEVICES) if the run will start
+    its own local Ray; None (unknown) if it will join a cluster at RAY_ADDRESS."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return int(ray.cluster_resources().get("GPU", 0))
+    if (os.environ.get("RAY_ADDRESS") or "local") != "local":
+        return None
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def check_devices(cfg: Config, visible: int | None = None) -> None:
+    """With ``--train.device cuda``, that the GPUs the layout needs exist, before anything starts. ``visible``:
+    the GPUs available (default: :func:`_visible_gpus`). A run that joins a Ray cluster (RAY_ADDRESS set) is
+    not checked: the other nodes' GPUs are unknown until it connects, so a multi-node run is never refused
+    here (if the cluster is too small, placement stops after --train.timeout_s). Not part of :func:`validate`,
+    which checks the config alone, wherever it is read."""
+    if cfg.train.device != "cuda":
+        return
+    if visible is None:
+        visible = _visible_gpus()
+        if visible is None:
+            return
+    _need(visible >= 1, "--train.device cuda: no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the "
+                        "driver), or run on CPU with --train.device cpu")
+    tp = cfg.rollout.tensor_parallel_size
+    _need(tp <= visible, f"--rollout.tensor_parallel_size {tp} is larger than the {visible} GPUs visible: an "
+                         f"engine spreads over tensor_parallel_size devices; set it to {visible} or less")
+    need, parts = devices_needed(cfg)
+    _need(need <= visible,
+          f"the layout needs {need} GPUs ({parts}) but {visible} are visible; lower --train.*_num_ranks / "
+          "--rollout.num_engines / --rollout.tensor_parallel_size, or share devices (--train.colocate_all, "
+          "--train.colocate_actor_ref, --train.colocate_critic_reward), or join a larger Ray cluster (RAY_ADDRESS)")
 
 
 def uses_critic_model(cfg: Config) -> bool:

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_sg.config import OVERLONG_PROMPTS, ConfigError
+
 __all__ = ["DataError", "Prompt", "PromptStream", "load_prompts"]
+
+log = logging.getLogger("rlhf_sg")
+
+#: files a model directory's tokenizer is made from (or a *.tiktoken file)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
 
 
 class DataError(ValueError):
@@ -25,32 +34,54 @@ class Prompt:
 
 def _read_rows(path: str) -> tuple[list[Any], str]:
     """Raw rows and how to name a row in errors ("line" for JSONL, "row" for tables)."""
+    if not os.path.exists(path):
+        raise DataError(f"--data.prompt_data: {path!r} does not exist; give a JSONL / Parquet file or a "
+                        "datasets directory")
     if os.path.isdir(path):
         try:
             import datasets
         except ImportError as e:
             raise DataError(f"{path}: a directory needs the `datasets` package (pip install datasets)") from e
-        ds = datasets.load_from_disk(path)
+        try:
+            ds = datasets.load_from_disk(path)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: not a dataset saved with datasets' save_to_disk ({e}); give a JSONL / "
+                            "Parquet file or such a directory") from None
         if isinstance(ds, datasets.DatasetDict):
             if "train" not in ds:
                 raise DataError(f"{path}: a DatasetDict without a 'train' split (splits: {list(ds)})")
             ds = ds["train"]
         return list(ds), "row"
     if path.endswith(".parquet"):
+        import pyarrow
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist(), "row"
+        try:
+            return pq.read_table(path).to_pylist(), "row"
+        except (OSError, pyarrow.ArrowException) as e:
+            raise DataError(f"{path}: cannot read it as Parquet ({e})") from None
     if path.endswith((".jsonl", ".json")):
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    rows.append(None)
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    rows.append(DataError(f"{path} line {line_no}: not valid JSON ({e.msg} at column {e.colno})"))
+        rows: list[Any] = []
+        try:
+            with open(path, "rb") as f:  # decoded line by line, so a bad byte is reported on its own line
+                for line_no, raw_line in enumerate(f, start=1):
+                    try:
+                        line = raw_line.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise DataError(f"{path} line {line_no}: not UTF-8 text ({e.reason} at column {e.start + 1});"
+                                        " save the file as UTF-8") from None
+                    if not line.strip():
+                        rows.append(None)
+                        continue
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        rows.append(DataError(f"{path} line {line_no}: not valid JSON ({e.msg} at column {e.colno}); "
+                                              "each line must be one JSON object (JSONL)"))
+                    except RecursionError:
+                        rows.append(DataError(f"{path} line {line_no}: JSON nested too deeply"))
+        except OSError as e:
+            raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
         return rows, "line"
     raise DataError(f"{path}: unknown format; use .jsonl, .parquet or a datasets directory")
 
@@ -58,15 +89,27 @@ def _read_rows(path: str) -> tuple[list[Any], str]:
 def load_tokenizer(path: str):
     """The model's tokenizer. A plain ``tokenizer.json`` saved as PreTrainedTokenizerFast is loaded as
     such: AutoTokenizer would attach the architecture's own pre-tokenizer to it (and a character-level
-    tokenizer would silently lose its spaces)."""
+    tokenizer would silently lose its spaces). A directory without a loadable tokenizer is a ConfigError
+    naming it."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    cfg_path = os.path.join(path, "tokenizer_config.json")
-    if os.path.isfile(cfg_path):
-        with open(cfg_path) as f:
-            if json.load(f).get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend"):
-                return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
+    # without these transformers may build an empty tokenizer from config.json alone, and every prompt would
+    # encode to nothing
+    files = os.listdir(path) if os.path.isdir(path) else []
+    if not any(f in TOKENIZER_FILES or f.endswith(".tiktoken") for f in files):
+        raise ConfigError(f"--model.pretrain: {path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                          "save the tokenizer next to the model (tokenizer.save_pretrained)")
+    try:
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            with open(cfg_path) as f:
+                if json.load(f).get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+                    return PreTrainedTokenizerFast.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"--model.pretrain: no tokenizer loads from {path!r} ({type(e).__name__}: {e}); save the "
+                          "tokenizer next to the model (tokenizer.save_pretrained) or point at a directory that "
+                          "has one") from None
 
 
 def load_prompts(
@@ -77,59 +120,108 @@ def load_prompts(
     apply_chat_template: bool = False,
     max_prompt_len: int = 1024,
     skip_bad_rows: bool = False,
+    overlong_prompts: str = "error",
 ) -> tuple[list[Prompt], int]:
-    """Read and tokenise every prompt; returns (prompts, number of rows skipped).
+    """Read and tokenise every prompt; returns (prompts, number of malformed rows skipped).
 
-    A malformed row (bad JSON, missing key, empty or over-long prompt) raises DataError naming
-    the file and row, unless ``skip_bad_rows``, which skips and counts it. Nothing is truncated.
+    A malformed row (bad JSON, missing key, empty prompt) raises DataError naming the file and row, unless
+    ``skip_bad_rows``, which skips and counts it. A prompt over ``max_prompt_len`` tokens is such an error
+    too (``overlong_prompts="error"``), unless ``overlong_prompts`` is ``"drop"`` (left out) or
+    ``"truncate"`` (its last ``max_prompt_len`` tokens kept); how many were dropped or truncated is logged.
     """
+    if overlong_prompts not in OVERLONG_PROMPTS:
+        raise DataError(f"--data.overlong_prompts must be one of {list(OVERLONG_PROMPTS)}, got {overlong_prompts!r}")
+    if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        model = getattr(tokenizer, "name_or_path", "") or "the model"
+        raise DataError(f"--data.apply_chat_template is on but the tokenizer of {model!r} has no chat template; "
+                        "turn the flag off (prompts are then used as written) or use a model whose "
+                        "tokenizer_config.json has a chat_template")
     rows, unit = _read_rows(path)
     first = 1 if unit == "line" else 0
     prompts: list[Prompt] = []
-    skipped = 0
+    skipped = dropped = truncated = 0
     for i, raw in enumerate(rows, start=first):
         if raw is None:  # blank JSONL line
             continue
         try:
-            prompts.append(
-                _make_prompt(raw, path, unit, i, tokenizer, input_key, label_key, apply_chat_template, max_prompt_len)
-            )
+            prompt = _make_prompt(raw, path, unit, i, tokenizer, input_key, label_key, apply_chat_template)
+            if len(prompt.token_ids) > max_prompt_len:
+                if overlong_prompts == "drop":
+                    dropped += 1
+                    continue
+                if overlong_prompts == "truncate":
+                    prompt.token_ids = prompt.token_ids[-max_prompt_len:]
+                    prompt.text = tokenizer.decode(prompt.token_ids)
+                    truncated += 1
+                else:
+                    raise DataError(
+                        f"{path} {unit} {i}: prompt is {len(prompt.token_ids)} tokens, over --data.max_prompt_len "
+                        f"{max_prompt_len}; raise it, or set --data.overlong_prompts drop (or truncate), or "
+                        "--data.skip_bad_rows")
+            prompts.append(prompt)
         except DataError:
             if not skip_bad_rows:
                 raise
             skipped += 1
+    if dropped:
+        log.warning("%s: dropped %d prompts longer than --data.max_prompt_len %d (--data.overlong_prompts drop)",
+                    path, dropped, max_prompt_len)
+    if truncated:
+        log.warning("%s: truncated %d prompts to their last %d tokens (--data.max_prompt_len, "
+                    "--data.overlong_prompts truncate)", path, truncated, max_prompt_len)
     if not prompts:
-        raise DataError(f"{path}: no usable prompt ({skipped} bad rows skipped)")
+        if not skipped and not dropped:
+            raise DataError(f"{path}: no prompts in it (the file is empty); give one row per prompt with key "
+                            f"{input_key!r}")
+        raise DataError(f"{path}: no usable prompt ({skipped} bad rows skipped with --data.skip_bad_rows, "
+                        f"{dropped} over --data.max_prompt_len {max_prompt_len} dropped); fix the rows or the flags")
     return prompts, skipped
 
 
-def _make_prompt(raw, path, unit, i, tokenizer, input_key, label_key, apply_chat_template, max_prompt_len) -> Prompt:
+def _messages_ok(content: Any) -> bool:
+    return bool(content) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in content
+    )
+
+
+def _make_prompt(raw, path, unit, i, tokenizer, input_key, label_key, apply_chat_template) -> Prompt:
     where = f"{path} {unit} {i}"
     if isinstance(raw, DataError):
         raise raw
     if not isinstance(raw, dict):
         raise DataError(f"{where}: expected an object with key {input_key!r}, got {type(raw).__name__}")
     if input_key not in raw:
-        raise DataError(f"{where}: key {input_key!r} missing (keys: {', '.join(raw)}); set --data.input_key")
+        raise DataError(f"{where}: key {input_key!r} missing (keys: {', '.join(map(str, raw))}); set --data.input_key")
     if label_key is not None and label_key not in raw:
-        raise DataError(f"{where}: key {label_key!r} missing (keys: {', '.join(raw)}); set --data.label_key")
+        raise DataError(f"{where}: key {label_key!r} missing (keys: {', '.join(map(str, raw))}); set --data.label_key")
     content = raw[input_key]
+    if isinstance(content, str) and not content.strip() or isinstance(content, list) and not content:
+        raise DataError(f"{where}: {input_key!r} is empty; give it text, or drop the row (or --data.skip_bad_rows)")
     if apply_chat_template:
-        messages = content if isinstance(content, list) else [{"role": "user", "content": str(content)}]
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise DataError(f"{where}: --data.apply_chat_template is on but the tokenizer has no chat template")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if isinstance(content, str):
+            messages = [{"role": "user", "content": content}]
+        elif isinstance(content, list) and _messages_ok(content):
+            messages = content
+        else:
+            raise DataError(f"{where}: with --data.apply_chat_template, {input_key!r} must be a string or a list of "
+                            f'{{"role": ..., "content": ...}} messages (got {str(content)[:80]!r})')
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template's own checks (roles it refuses, ...) raise what they like
+            raise DataError(f"{where}: the chat template of {getattr(tokenizer, 'name_or_path', '')!r} fails on "
+                            f"this row ({type(e).__name__}: {e})") from None
     else:
         if not isinstance(content, str):
             raise DataError(f"{where}: {input_key!r} must be a string (got {type(content).__name__}); "
                             "set --data.apply_chat_template for message lists")
         text = content
-    if not text:
-        raise DataError(f"{where}: {input_key!r} is empty")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) > max_prompt_len:
-        raise DataError(f"{where}: prompt is {len(ids)} tokens, over --data.max_prompt_len {max_prompt_len}; "
-                        "raise it or use --data.skip_bad_rows")
+    try:
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    except Exception as e:  # the tokenizer library's own error (e.g. text it cannot encode)
+        raise DataError(f"{where}: the tokenizer cannot encode this prompt ({type(e).__name__}: {e})") from None
+    if not ids:
+        raise DataError(f"{where}: {input_key!r} gives no tokens; give it text, or drop the row "
+                        "(or --data.skip_bad_rows)")
     return Prompt(token_ids=ids, text=text, label=raw.get(label_key) if label_key else None, row=i)
 
 
@@ -142,7 +234,8 @@ class PromptStream:
 
     def __init__(self, prompts: list[Prompt], batch_size: int, seed: int, shuffle: bool = True):
         if batch_size > len(prompts):
-            raise DataError(f"prompts_per_step {batch_size} is larger than the dataset ({len(prompts)} prompts)")
+            raise DataError(f"--rollout.prompts_per_step {batch_size} is larger than the dataset ({len(prompts)} "
+                            "usable prompts); lower it or add prompts")
         self.prompts = prompts
         self.batch_size = batch_size
         self.seed = seed

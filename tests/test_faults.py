@@ -3,8 +3,6 @@ message naming the path; nothing is lost or logged twice."""
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -93,40 +91,32 @@ def test_resume_drops_the_metrics_of_steps_that_will_run_again(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    sys.path.insert(0, RECIPES)
-    from quickstart_cpu import prepare
+def small_task(tmp_path_factory):
+    from rlhf_sg.bench.faults import prepare
 
-    return prepare(str(tmp_path_factory.mktemp("faults_task")), warm_start_steps=5)
-
-
-def _run(out, task, steps, *extra, expect_kill=False):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([RECIPES, TESTS, os.environ.get("PYTHONPATH", "")]),
-               RAY_ADDRESS="local", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(TESTS, "fault_run.py"), str(out), *task, str(steps), *extra],
-                          env=env, capture_output=True, text=True, timeout=900)
-    if expect_kill:
-        assert proc.returncode == -9, proc.stderr[-3000:]
-    else:
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    return prepare(str(tmp_path_factory.mktemp("faults_task")))
 
 
 def _alive(pids):
-    import psutil
+    from rlhf_sg.bench.faults import running
 
-    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    return running(pids)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kill", ["step", "checkpoint"])
-def test_a_run_killed_mid_step_or_mid_checkpoint_resumes_with_nothing_lost_or_repeated(tmp_path, task, kill):
+def test_a_run_killed_mid_step_or_mid_checkpoint_resumes_with_nothing_lost_or_repeated(tmp_path, small_task, kill):
     """SIGKILL at the end of step 3 (last checkpoint: step 2), or while the step-4 checkpoint is half written
     (the actor's files there, the trainer's state not). The rerun with --log.resume goes on from step 2: steps
     1-6 train on exactly the prompts an uninterrupted run draws (none skipped or seen twice), each step is in
-    metrics.jsonl once, the half-written checkpoint is never loaded, and the killed run leaves no process."""
-    from rlhf_sg.data import PromptStream, load_prompts, load_tokenizer
+    metrics.jsonl once, the half-written checkpoint is never loaded, and the killed run leaves no process.
+    The run is ``python -m rlhf_sg.bench faults --child`` (the faults bench runs the same)."""
+    from rlhf_sg.bench.faults import expected_prompts, make_config, run_child
 
-    _run(tmp_path, task, 6, "--kill", kill, expect_kill=True)
+    model, prompts = small_task
+    spec = {"out": str(tmp_path), "model": model, "prompts": prompts, "steps": 6, "kill": kill}
+    killed = run_child(spec)
+    assert killed.returncode == -9, killed.stderr[-3000:]
     pids = json.loads((tmp_path / "pids.json").read_text())
     assert pids  # the run had started Ray and its workers
     deadline = time.monotonic() + 10
@@ -138,18 +128,16 @@ def test_a_run_killed_mid_step_or_mid_checkpoint_resumes_with_nothing_lost_or_re
     if kill == "checkpoint":
         assert (root / "actor" / "step4").is_dir() and not (root / "step4.trainer.json").exists()
 
-    _run(tmp_path, task, 6, "--resume")
+    resumed = run_child({**spec, "kill": None, "resume": True})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _alive(pids) == [], f"processes of the killed run still running (lingering after 10 s: {lingering})"
     seen = [json.loads(line) for line in open(tmp_path / "prompts_seen.jsonl")]
     by_step = {}
     for record in seen:  # the last attempt at a step is the one that counts
         by_step[record["step"]] = record["prompts"]
-    assert sorted(by_step) == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in seen] == [1, 2, 3] + ([4] if kill == "checkpoint" else []) + [3, 4, 5, 6]
-    policy, prompts_file = task
-    prompts, _ = load_prompts(prompts_file, load_tokenizer(policy), label_key="answer", max_prompt_len=16)
-    stream = PromptStream(prompts, 4, 42, True)
-    assert [by_step[s] for s in range(1, 7)] == [[p.text for p in stream.next_batch()] for _ in range(6)]
+    cfg = make_config(model, prompts, str(tmp_path / "run"), 6)
+    assert [by_step[s] for s in range(1, 7)] == expected_prompts(cfg, 6)
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert (root / "latest").read_text() == "step6"
@@ -263,13 +251,11 @@ def test_a_stuck_rank_is_named_with_its_group_and_phase_after_the_timeout():
 # ---- an engine that dies while generating -------------------------------------------------------------------------
 
 
-def _engine_run_cfg(task, out, **rollout):
-    from quickstart_cpu import make_config
+def _engine_run_cfg(small_task, out, **rollout):
+    from rlhf_sg.bench.faults import make_config
 
-    cfg = make_config(*task, str(out), 3, "grpo", "slow_backend:SlowBackend")  # engines take 2 s a generate
-    cfg.train.actor_num_ranks, cfg.train.kl_coef = 1, 0.0
-    cfg.rollout.num_engines, cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt = 2, 4, 2
-    cfg.log.progress_bar = cfg.log.tensorboard = cfg.log.export_hf = False
+    cfg = make_config(*small_task, str(out), 3, rollout__backend="slow_backend:SlowBackend",  # 2 s a generate
+                      rollout__num_engines=2)
     for k, v in rollout.items():
         setattr(cfg.rollout, k, v)
     return cfg
@@ -306,15 +292,12 @@ def ray_local():
 
 
 @pytest.mark.slow
-def test_an_engine_killed_mid_generation_is_restarted_synced_and_its_prompts_generated_again(ray_local, task,
-                                                                                            tmp_path):
-    import arith_task
-
+def test_an_engine_killed_mid_generation_is_restarted_synced_and_its_prompts_generated_again(ray_local,
+                                                                                            small_task, tmp_path):
     from rlhf_sg.trainer import train
 
     trainer_cls = _killing_engine(1, {1})
-    history = train(_engine_run_cfg(task, tmp_path / "run"), trainer_cls=trainer_cls,
-                    reward_fn=arith_task.addition_reward)
+    history = train(_engine_run_cfg(small_task, tmp_path / "run"), trainer_cls=trainer_cls)
     assert [h["rollout/engine_restarts"] for h in history] == [0, 1, 0]
     assert all(h["rollout/samples"] == 8 for h in history)  # no prompt lost: the dead engine's were generated again
     assert [h["weight_version"] for h in history] == [1, 2, 3]  # every sample came from the trainer's weights
@@ -322,17 +305,15 @@ def test_an_engine_killed_mid_generation_is_restarted_synced_and_its_prompts_gen
 
 
 @pytest.mark.slow
-def test_an_engine_that_keeps_dying_stops_the_run_with_a_checkpoint_naming_it(ray_local, task, tmp_path):
-    import arith_task
-
+def test_an_engine_that_keeps_dying_stops_the_run_with_a_checkpoint_naming_it(ray_local, small_task, tmp_path):
     from rlhf_sg.trainer import train
     from rlhf_sg.trainer.rollout import EngineFailure
 
     with pytest.raises(EngineFailure, match=r"engine 1 died 1 time\(s\) in a row while generating, more than "
                                             r"--rollout.max_engine_restarts 0 allows; last: engine 1: generate: "
                                             r"the engine actor died"):
-        train(_engine_run_cfg(task, tmp_path / "run", max_engine_restarts=0), trainer_cls=_killing_engine(1, {1}),
-              reward_fn=arith_task.addition_reward)
+        train(_engine_run_cfg(small_task, tmp_path / "run", max_engine_restarts=0),
+              trainer_cls=_killing_engine(1, {1}))
     root = tmp_path / "run" / "checkpoints"
     assert (root / "latest").read_text() == "step1"  # the last finished step, ...
     state = json.loads((root / "step1.trainer.json").read_text())

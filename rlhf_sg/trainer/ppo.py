@@ -27,7 +27,7 @@ import torch
 
 from rlhf_sg import algorithms as algo
 from rlhf_sg.advantages import AdvantageInputs, advantage_estimator
-from rlhf_sg.config import Config, TrainConfig, offload_states, validate
+from rlhf_sg.config import Config, TrainConfig, check_devices, offload_states, validate
 from rlhf_sg.data import Prompt, PromptStream, load_prompts, load_tokenizer
 from rlhf_sg.experience import ActorUpdate, CriticUpdate, Experience, OptimizerStep
 from rlhf_sg.timing import StepTimer
@@ -122,7 +122,25 @@ class PPOTrainer:
         return t.ppo_epochs > 1 or t.num_minibatches > 1 or (self.uses_ref and t.kl_mode == "reward")
 
     def setup(self) -> None:
-        """Load data (errors surface here, before any process starts), then start Ray and every group."""
+        """Everything that can fail on the user's input first (devices, tokenizer, reward, prompts, output
+        directory), then Ray, every group and the engines."""
+        cfg = self.cfg
+        check_devices(cfg)
+        self.load_data()
+        trained = [self.layout.model_path(r) for r in ("actor", "critic") if r == "actor" or self.uses_critic]
+        checkpoint.check_output_dir(cfg.log.output_dir, trained)
+        with open(os.path.join(cfg.log.output_dir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+        self.cluster.start()
+        eos_id = self.tokenizer.eos_token_id
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_id
+        self.rollout = RolloutMaker(cfg, self.cluster.engines, self.stream, eos_id, pad_id, self.compute_rewards,
+                                    restart=lambda i: self.cluster.restart_engine(i, self.weight_version))
+        if cfg.log.resume:
+            self._resume()
+
+    def load_data(self) -> None:
+        """The tokenizer, the reward function and the prompt stream (no process is started)."""
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model.pretrain)
         if self.reward_fn is None and cfg.reward.kind == "function":
@@ -132,23 +150,12 @@ class PPOTrainer:
         prompts, skipped = load_prompts(
             cfg.data.prompt_data, self.tokenizer, input_key=cfg.data.input_key, label_key=cfg.data.label_key,
             apply_chat_template=cfg.data.apply_chat_template, max_prompt_len=cfg.data.max_prompt_len,
-            skip_bad_rows=cfg.data.skip_bad_rows,
+            skip_bad_rows=cfg.data.skip_bad_rows, overlong_prompts=cfg.data.overlong_prompts,
         )
         if skipped:
             log.warning("%s: skipped %d malformed rows (--data.skip_bad_rows)", cfg.data.prompt_data, skipped)
         self.skipped_rows = skipped
         self.stream = PromptStream(prompts, cfg.rollout.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
-        eos_id = self.tokenizer.eos_token_id
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_id
-        trained = [self.layout.model_path(r) for r in ("actor", "critic") if r == "actor" or self.uses_critic]
-        checkpoint.check_output_dir(cfg.log.output_dir, trained)
-        with open(os.path.join(cfg.log.output_dir, "config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
-        self.cluster.start()
-        self.rollout = RolloutMaker(cfg, self.cluster.engines, self.stream, eos_id, pad_id, self.compute_rewards,
-                                    restart=lambda i: self.cluster.restart_engine(i, self.weight_version))
-        if cfg.log.resume:
-            self._resume()
 
     # ---- one step ------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -159,14 +166,7 @@ class PPOTrainer:
         if profiling:
             self.cluster.actor.call("start_profile")
         self.cluster.offload_training_states(timer)  # with offloading: only the first step has any on the device
-        # generate and score (with dynamic sampling, as many rounds as the batch needs)
-        data_state, self.reward_errors = self.stream.state(), 0
-        try:
-            self.prompts, experience, metrics = self.rollout.make(timer, self.step, self.weight_version)
-        except EngineFailure:
-            self.save_checkpoint(data_state)  # this step's prompts are drawn again on resume
-            raise
-        metrics["reward/errors"] = self.reward_errors
+        self.prompts, experience, metrics = self._rollout(timer)  # generate and score
         reloaded = self.cluster.hand_device_to_trainer(timer)  # engines sleep, then training states come back
         if offload_states(self.cfg):
             metrics["offload/device_GB"] = reloaded / 1e9
@@ -195,6 +195,18 @@ class PPOTrainer:
             "throughput/samples_per_s": experience.batch_size / times["step"],
         })
         return self._finish_step(metrics, times, profiling)
+
+    def _rollout(self, timer: StepTimer) -> tuple[list[Prompt], Experience, dict[str, float]]:
+        """The step's samples, scored (with dynamic sampling, as many rounds as the batch needs). An engine that
+        keeps dying stops the run with a checkpoint from which this step's prompts are drawn again."""
+        data_state, self.reward_errors = self.stream.state(), 0
+        try:
+            prompts, experience, metrics = self.rollout.make(timer, self.step, self.weight_version)
+        except EngineFailure:
+            self.save_checkpoint(data_state)
+            raise
+        metrics["reward/errors"] = self.reward_errors
+        return prompts, experience, metrics
 
     def score(self, experience: Experience, timer: StepTimer) -> dict[str, float]:
         """The scoring forwards, in eval mode: reference log-probs, critic values and (when the step needs them,
