@@ -1,0 +1,725 @@
+"""The weight syncer as a specification, in one process: trainer ranks as threads, engines in-process.
+
+Every transport (collective, tensor, disk) moves a model into embedded engines, with engines and
+trainer ranks in unequal numbers, mixed dtypes, several buckets, and several syncs on one syncer.
+The property checked is always the same round trip: after ``sync(model, v)`` every engine holds the
+trainer's weights (cast to the engine's dtype) and reports weight version ``v``.
+
+Ray is replaced at its boundary only: an engine "handle" runs each ``.remote`` call of the real
+:class:`~rlhf_sg.engine_actor.EngineActor` in a thread and returns a future as the object ref, and
+``ray.wait`` / ``ray.get`` / ``ray.get_runtime_context`` answer for those futures. Everything between
+(the syncer, the transports, the plan check, ``wait_engine_calls``) runs unchanged. On the disk transport
+the trainer ranks' barrier (a gloo ``monitored_barrier`` across processes) is a thread barrier here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+from backends.base import BackendConfig
+from backends.embedded import EmbeddedBackend
+from rlhf_sg.engine_actor import EngineActor, EngineCallError
+from rlhf_sg.sync import DEFAULT_BUCKET_BYTES, WeightSyncer, named_weights, plan_buckets
+from rlhf_sg.sync import transports as transports_module
+from rlhf_sg.tiny import build_tiny_model, save_tiny_model
+
+ray = pytest.importorskip("ray")
+
+NODE = "node-of-this-process"
+#: small buckets: the tiny llama (348 kB, 21 tensors) becomes about ten buckets, so buffers are reused
+BUCKET_BYTES = 40_000
+TIMEOUT_S = 60.0
+
+
+# ---- the Ray boundary -----------------------------------------------------------------------------
+class _Method:
+    def __init__(self, handle: _Handle, name: str):
+        self._handle, self._name = handle, name
+
+    def remote(self, *args):
+        return self._handle.pool.submit(getattr(self._handle.actor, self._name), *args)
+
+
+class _Handle:
+    """Stands for a Ray actor handle of ``actor``: ``handle.method.remote(*args)`` -> a future."""
+
+    def __init__(self, actor: EngineActor, pool: concurrent.futures.Executor):
+        self.actor, self.pool = actor, pool
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(self, name)
+
+
+class _Context:
+    def get_node_id(self) -> str:
+        return NODE
+
+
+def _wait(refs, num_returns=1, timeout=None):
+    done, _ = concurrent.futures.wait(refs, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+    ready = [r for r in refs if r in done][:num_returns]
+    return ready, [r for r in refs if r not in ready]
+
+
+def _get(ref, timeout=None):
+    try:
+        return ref.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        raise
+    except Exception as exc:  # what Ray raises for an actor method that raised
+        raise ray.exceptions.RayTaskError("engine call", "", exc) from exc
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    monkeypatch.setattr(ray, "wait", _wait)
+    monkeypatch.setattr(ray, "get", _get)
+    monkeypatch.setattr(ray, "get_runtime_context", _Context)
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="engine")
+    yield pool
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def engine_model_dir(tmp_path_factory):
+    """The checkpoint every engine starts from: different weights from every trainer model below."""
+    return save_tiny_model(str(tmp_path_factory.mktemp("engine") / "m"), arch="llama", seed=1)
+
+
+def _engines(n: int, path: str, pool) -> list[_Handle]:
+    return [
+        _Handle(EngineActor("hf", BackendConfig(model_path=path, num_threads=1, seed=i), engine_index=i), pool)
+        for i in range(n)
+    ]
+
+
+def _trainer_model(seed: int, mixed: bool = True) -> torch.nn.Module:
+    """The trainer's tiny llama; ``mixed``: its norms in bf16 (a second dtype, so buckets of two dtypes)."""
+    model = build_tiny_model("llama", "tiny", seed=seed)
+    if mixed:
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.data = (p.data + 0.25 * torch.randn_like(p.data)).to(torch.bfloat16)
+    return model
+
+
+def _assert_engines_hold(engines: list[_Handle], model: torch.nn.Module, version: int) -> None:
+    for e, handle in enumerate(engines):
+        assert handle.actor.weight_version() == version, f"engine {e}"
+        for name, p in named_weights(model):
+            got = handle.actor.get_weights_by_name(name)
+            assert torch.equal(got, p.detach().to(got.dtype)), f"engine {e}: {name} differs after sync {version}"
+
+
+def _on_ranks(fn, world_size: int) -> list:
+    """Run ``fn(rank)`` for every trainer rank concurrently (ranks are threads); results by rank."""
+    with concurrent.futures.ThreadPoolExecutor(world_size) as pool:
+        return [f.result(timeout=120) for f in [pool.submit(fn, r) for r in range(world_size)]]
+
+
+@pytest.fixture
+def rank_barrier(monkeypatch):
+    """The disk transport's barrier across trainer ranks, for ranks that are threads of this process."""
+    barriers: dict[int, threading.Barrier] = {}
+
+    def install(world_size: int):
+        barriers[0] = threading.Barrier(world_size, timeout=60)
+
+        def barrier(self, what):
+            barriers[0].wait()
+
+        monkeypatch.setattr(transports_module.DiskTransport, "_barrier", barrier)
+
+    return install
+
+
+def _syncers(world_size, engines, transport, tmp_path, **kw):
+    extra = {"disk_dir": str(tmp_path / "weights")} if transport == "disk" else {}
+    return [
+        WeightSyncer(r, world_size, engines, transport=transport, bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S,
+                     device="cpu", group_name=f"spec-{transport}", **extra, **kw)
+        for r in range(world_size)
+    ]
+
+
+# ---- round trips ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("transport", ["collective", "tensor", "disk"])
+@pytest.mark.parametrize("world_size, num_engines", [(2, 3), (3, 2)], ids=["2ranks-3engines", "3ranks-2engines"])
+def test_every_transport_fills_every_engine_with_ranks_and_engines_in_unequal_numbers(
+    fake_ray, engine_model_dir, rank_barrier, tmp_path, transport, world_size, num_engines
+):
+    engines = _engines(num_engines, engine_model_dir, fake_ray)
+    rank_barrier(world_size)
+    syncers = _syncers(world_size, engines, transport, tmp_path)
+    # engine e is served by rank e % senders, senders = min(ranks, engines)
+    assert sorted(e for s in syncers for e in s.my_engines) == list(range(num_engines))
+    _on_ranks(lambda r: syncers[r].setup(), world_size)
+    model = _trainer_model(seed=2)
+    plan = plan_buckets([(n, tuple(p.shape), p.dtype) for n, p in named_weights(model)], BUCKET_BYTES)
+    assert len({m.dtype for m in plan}) == 2 and len(plan) >= 6, "the case needs several buckets of two dtypes"
+
+    stats = _on_ranks(lambda r: syncers[r].sync(model, 1), world_size)
+    _assert_engines_hold(engines, model, 1)
+    total_bytes = sum(p.numel() * p.element_size() for _, p in named_weights(model))
+    for r, s in enumerate(stats):
+        assert s["bytes"] == total_bytes and s["buckets"] == len(plan)
+        assert s["engines"] == len(syncers[r].my_engines)
+        assert len(syncers[r].bucket_times) == len(plan)
+        assert 0 < s["seconds"] < 120 and s["GBps"] == pytest.approx(total_bytes / s["seconds"] / 1e9, rel=1e-12)
+        if transport == "disk":  # bucket k is written by rank k % world_size, whatever engines the rank serves
+            written = [k for k, t in enumerate(syncers[r].bucket_times) if "write_s" in t]
+            assert written == [k for k in range(len(plan)) if k % world_size == r]
+            assert s["engine_seconds"] == 0.0 and s["send_wait_seconds"] == 0.0  # nothing timed per bucket
+    _on_ranks(lambda r: syncers[r].close(), world_size)
+
+
+@pytest.mark.parametrize("transport", ["collective", "tensor", "disk"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_several_syncs_on_one_syncer_each_lands_and_versions_only_go_up(
+    fake_ray, engine_model_dir, rank_barrier, tmp_path, transport, overlap
+):
+    engines = _engines(2, engine_model_dir, fake_ray)
+    rank_barrier(1)
+    (syncer,) = _syncers(1, engines, transport, tmp_path, overlap=overlap)
+    syncer.setup()
+    for version, seed in ((1, 2), (2, 3), (7, 4)):
+        model = _trainer_model(seed)
+        syncer.sync(model, version)
+        _assert_engines_hold(engines, model, version)
+    for stale in (7, 3, 0):
+        with pytest.raises(ValueError, match=f"version {stale} is not newer than the last synced 7"):
+            syncer.sync(model, stale)
+    if transport == "disk":  # only the newest version's files are kept; each bucket's write is timed
+        assert os.listdir(tmp_path / "weights") == ["v00000007"]
+        assert all(0 < t["write_s"] < TIMEOUT_S for t in syncer.bucket_times)
+    syncer.close()
+
+
+def test_a_changed_model_is_planned_and_checked_again(fake_ray, engine_model_dir, tmp_path):
+    """Same names, new dtypes: the second sync must plan anew (a stale plan would send the wrong bytes)."""
+    engines = _engines(1, engine_model_dir, fake_ray)
+    (syncer,) = _syncers(1, engines, "tensor", tmp_path)
+    syncer.setup()
+    first = _trainer_model(2, mixed=False)
+    syncer.sync(first, 1)
+    second = _trainer_model(3, mixed=True)
+    syncer.sync(second, 2)
+    _assert_engines_hold(engines, second, 2)
+    syncer.close()
+
+
+def test_close_then_setup_again_opens_a_new_group_and_syncs(fake_ray, engine_model_dir, tmp_path):
+    engines = _engines(2, engine_model_dir, fake_ray)
+    (syncer,) = _syncers(1, engines, "collective", tmp_path)
+    syncer.setup()
+    assert syncer.group_name == "spec-collective-rank0-setup1"
+    with pytest.raises(RuntimeError, match="setup\\(\\) was already called"):
+        syncer.setup()
+    syncer.sync(_trainer_model(2), 1)
+    syncer.close()
+    with pytest.raises(RuntimeError, match="call setup\\(\\) before sync\\(\\)"):
+        syncer.sync(_trainer_model(3), 2)
+    syncer.setup()
+    assert syncer.group_name == "spec-collective-rank0-setup2"
+    model = _trainer_model(3)
+    syncer.sync(model, 2)
+    _assert_engines_hold(engines, model, 2)
+    syncer.close()
+
+
+def test_collective_meets_the_engines_at_the_given_address_with_the_given_group_builder(
+    fake_ray, engine_model_dir, tmp_path
+):
+    engines = _engines(1, engine_model_dir, fake_ray)
+    opened = []
+
+    def open_group(spec, store):
+        opened.append(spec)
+        return EmbeddedBackend.open_sender_group(spec, store)
+
+    syncer = WeightSyncer(0, 1, engines, transport="collective", bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S,
+                          device="cpu", master_address="localhost", open_group=open_group)
+    syncer.setup()
+    assert [(s.rank_offset, s.world_size, s.master_address) for s in opened] == [(0, 2, "localhost")]
+    assert engines[0].actor.backend._group_spec.master_address == "localhost"
+    model = _trainer_model(2)
+    syncer.sync(model, 1)
+    _assert_engines_hold(engines, model, 1)
+    syncer.close()
+    syncer.close()  # a second close has nothing left to release
+
+
+def test_a_given_disk_directory_stays_after_close(fake_ray, engine_model_dir, tmp_path):
+    engines = _engines(1, engine_model_dir, fake_ray)
+    (syncer,) = _syncers(1, engines, "disk", tmp_path)
+    syncer.setup()
+    syncer.sync(_trainer_model(2), 1)
+    syncer.close()
+    assert syncer.disk_dir == str(tmp_path / "weights") and os.path.isdir(syncer.disk_dir)
+
+
+def test_disk_without_a_directory_makes_one_and_close_removes_it(fake_ray, engine_model_dir):
+    engines = _engines(1, engine_model_dir, fake_ray)
+    syncer = WeightSyncer(0, 1, engines, transport="disk", bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S,
+                          device="cpu")
+    syncer.setup()
+    assert syncer.group_name == "weight-sync-rank0-setup1"  # the default group name
+    made = syncer.disk_dir
+    assert made and os.path.isdir(made)
+    model = _trainer_model(2)
+    syncer.sync(model, 1)
+    _assert_engines_hold(engines, model, 1)
+    syncer.close()
+    assert not os.path.exists(made)
+
+
+def test_an_engine_without_the_transport_is_refused_at_setup(fake_ray, engine_model_dir, tmp_path, monkeypatch):
+    engines = _engines(2, engine_model_dir, fake_ray)
+    describe = engines[1].actor.describe()
+    monkeypatch.setattr(engines[1].actor, "describe", lambda: {**describe, "transports": ["collective"]})
+    (syncer,) = _syncers(1, engines, "disk", tmp_path)
+    with pytest.raises(ValueError, match=r"engine 1 \(hf\) has no 'disk' transport; use one of \['collective'\]"):
+        syncer.setup()
+
+
+def test_tensor_transport_refuses_an_engine_on_another_node(fake_ray, engine_model_dir, tmp_path, monkeypatch):
+    engines = _engines(1, engine_model_dir, fake_ray)
+    (syncer,) = _syncers(1, engines, "tensor", tmp_path)
+
+    describe = engines[0].actor.describe()
+    monkeypatch.setattr(engines[0].actor, "describe", lambda: {**describe, "node_id": "another-node"})
+    with pytest.raises(ValueError, match="colocated engines: engine 0 runs on node another-node"):
+        syncer.setup()
+
+
+def test_a_model_the_engines_do_not_have_is_refused_before_any_byte(fake_ray, engine_model_dir, tmp_path):
+    engines = _engines(2, engine_model_dir, fake_ray)
+    (syncer,) = _syncers(1, engines, "tensor", tmp_path)
+    syncer.setup()
+    wrong = build_tiny_model("llama", "tiny", seed=2, vocab_size=120)
+    with pytest.raises(ValueError, match="do not match the engines' model, nothing was sent: trainer rank 0"):
+        syncer.sync(wrong, 1)
+    for handle in engines:
+        assert handle.actor.weight_version() == 0
+    model = _trainer_model(2)
+    syncer.sync(model, 1)  # the refusal left the syncer usable
+    _assert_engines_hold(engines, model, 1)
+    syncer.close()
+
+
+def test_an_engine_left_at_another_version_fails_the_sync(fake_ray, engine_model_dir, tmp_path, monkeypatch):
+    engines = _engines(1, engine_model_dir, fake_ray)
+    (syncer,) = _syncers(1, engines, "tensor", tmp_path)
+    syncer.setup()
+    actor = engines[0].actor
+    monkeypatch.setattr(actor, "finish_weight_update", lambda version: version - 1)
+    with pytest.raises(EngineCallError, match=r"engine 0: finish_weight_update\(4\) left weight_version 3"):
+        syncer.sync(_trainer_model(2), 4)
+    syncer.close()
+
+
+# ---- the gather: ZeRO-3 shards exchanged in one go, trainer ranks as threads ---------------------------------
+class _ThreadGroup:
+    """A process group of ``world`` trainer ranks that are threads of this process."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=60)
+        self.published: dict[tuple[int, int], torch.Tensor] = {}
+        self.local = threading.local()
+
+
+class _Work:
+    def __init__(self, group: _ThreadGroup, key: tuple[int, int], tensor: torch.Tensor):
+        self.group, self.key, self.tensor = group, key, tensor
+
+    def wait(self):
+        self.group.barrier.wait()  # every rank has published this broadcast
+        if self.key[1] != self.group.local.rank:
+            self.tensor.copy_(self.group.published[self.key])
+
+
+class _ThreadDist:
+    """``torch.distributed`` as the gather uses it, for a :class:`_ThreadGroup` (gloo's broadcast semantics).
+    Every call must name the parameters' group; broadcasts must be asynchronous (all W in flight at once)."""
+
+    def __init__(self, group: _ThreadGroup):
+        self.group = group
+
+    def _mine(self, group):
+        assert group is self.group, "a collective on another group than the parameters'"
+        return group
+
+    def get_world_size(self, group):
+        return self._mine(group).world
+
+    def get_rank(self, group):
+        return self._mine(group).local.rank
+
+    def get_backend(self, group):
+        self._mine(group)
+        return "gloo"
+
+    def get_global_rank(self, group, rank):
+        self._mine(group)
+        return rank
+
+    def broadcast(self, tensor, src, group, async_op):
+        assert async_op is True, "the W broadcasts of a gather must all be in flight at once"
+        local = self._mine(group).local
+        local.calls = getattr(local, "calls", 0) + 1
+        key = (local.calls, src)
+        if src == local.rank:
+            group.published[key] = tensor.clone()
+        return _Work(group, key, tensor)
+
+
+def _zero3_param(full: torch.Tensor, rank: int, world: int, group, index: int) -> torch.nn.Parameter:
+    """A ZeRO-3 partitioned parameter as DeepSpeed lays it out: W partitions of ceil(N / W) elements, the last
+    one padded, partition ``rank`` in ``ds_tensor``; the parameter's own data is empty."""
+    p = torch.nn.Parameter(torch.empty(0, dtype=full.dtype), requires_grad=False)
+    size = -(-full.numel() // world)
+    padded = torch.full((size * world,), -7, dtype=full.dtype)  # padding that must never reach the bucket
+    padded[: full.numel()] = full.reshape(-1)
+    p.ds_tensor = padded[rank * size : (rank + 1) * size].clone()
+    p.ds_id, p.ds_shape, p.ds_process_group = index, tuple(full.shape), group
+    p.ds_status = type("Status", (), {"name": "NOT_AVAILABLE"})()
+    return p
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("names", [("a", "b", "c", "plain", "d"), ("b",)], ids=["five", "one"])
+def test_gather_rebuilds_every_partitioned_parameter_exactly(monkeypatch, world, names):
+    from rlhf_sg.sync import gather as gather_module
+    from rlhf_sg.sync.gather import GatherStaging, gather_bucket
+
+    # sizes that divide by W and that do not (a short last partition), one smaller than W, one not partitioned
+    full = {"a": torch.arange(12.0).view(3, 4), "b": torch.arange(100.0, 107.0), "c": torch.tensor([5.5]),
+            "plain": torch.arange(-3.0, 0.0), "d": torch.arange(200.0, 210.0).view(2, 5)}
+    full = {n: full[n] for n in names}
+    (manifest,) = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in full.items()], 1 << 20)
+    group = _ThreadGroup(world)
+    monkeypatch.setattr(gather_module, "dist", _ThreadDist(group))
+    expected = torch.cat([full[t.name].reshape(-1) for t in manifest.tensors])
+
+    def rank_gathers(rank):
+        group.local.rank = rank
+        params = [
+            torch.nn.Parameter(full[t.name].clone(), requires_grad=False) if t.name == "plain"
+            else _zero3_param(full[t.name], rank, world, group, i)
+            for i, t in enumerate(manifest.tensors)
+        ]
+        out = torch.full((manifest.numel,), float("nan")) if rank != 1 else None  # rank 1 only takes part
+        first: dict[str, float] = {}
+        gather_bucket(params, manifest, out, GatherStaging(), first)
+        # times add up across buckets: a second gather into the same dict adds to what is there
+        timings = {"exchange_s": 100.0, "copy_s": 100.0}
+        staging = GatherStaging()
+        for _ in range(2):  # twice through one staging buffer: reuse must not leak the first round
+            gather_bucket(params, manifest, out, staging, timings)
+        return out, first, timings
+
+    for rank, (out, first, timings) in enumerate(_on_ranks(rank_gathers, world)):
+        if rank == 1:
+            assert out is None and set(first) == {"exchange_s"}
+        else:
+            assert torch.equal(out, expected), f"rank {rank}"
+            assert set(first) == {"exchange_s", "copy_s"} and 0 < first["copy_s"] < 1.0
+            assert 100.0 < timings["copy_s"] < 101.0
+        assert 0 < first["exchange_s"] < 1.0 and 100.0 < timings["exchange_s"] < 101.0
+
+
+def test_shards_are_exchanged_directly_only_when_every_one_is_a_plain_local_partition():
+    from rlhf_sg.sync.gather import _exchangeable
+
+    group, other = object(), object()
+
+    def param(**changes):
+        p = _zero3_param(torch.arange(6.0), 0, 2, group, 0)
+        for key, value in changes.items():
+            setattr(p, key, value)
+        return p
+
+    assert _exchangeable([param(), param()])
+    swapped = param()
+    swapped.ds_tensor.status = type("S", (), {"name": "NOT_AVAILABLE"})()  # shard swapped out to NVMe
+    quantized = param()
+    quantized.ds_tensor.ds_quant_scale = 0.5
+    for odd in (param(ds_tensor=None), param(ds_status=type("S", (), {"name": "INFLIGHT"})()),
+                swapped, quantized, param(ds_tensor=torch.arange(3.0).to(torch.bfloat16))):
+        assert not _exchangeable([param(), odd]) and not _exchangeable([odd])
+    # one group per exchange: a bucket whose parameters live in two groups is not exchanged
+    assert not _exchangeable([param(), param(ds_process_group=other)])
+    unsharded = param()
+    del unsharded.ds_tensor  # a parameter with no shard attribute at all
+    assert not _exchangeable([param(), unsharded])
+    assert _exchangeable([param(ds_process_group=other)])
+
+
+def test_gather_staging_reuses_its_memory_while_it_is_large_enough():
+    from rlhf_sg.sync.gather import GatherStaging
+
+    staging = GatherStaging()
+    big = staging.get(10, torch.float32, torch.device("cpu"))
+    assert big.shape == (10,) and big.dtype == torch.float32
+    small = staging.get(16, torch.bfloat16, torch.device("cpu"))  # 32 bytes <= 40: the same memory
+    assert small.shape == (16,) and small.dtype == torch.bfloat16 and small.data_ptr() == big.data_ptr()
+    exact = staging.get(5, torch.float64, torch.device("cpu"))  # 40 bytes: exactly the buffer
+    assert exact.data_ptr() == big.data_ptr()
+    bigger = staging.get(11, torch.float32, torch.device("cpu"))
+    assert bigger.shape == (11,) and bigger.data_ptr() != big.data_ptr()
+
+
+# ---- failures and their messages ----------------------------------------------------------------------------
+class OtherGroupBackend(EmbeddedBackend):
+    """An engine whose trainer end of the side group is built another way (as SGLang's is)."""
+
+    name = "hf-other-group"
+
+    @classmethod
+    def open_sender_group(cls, spec, store):
+        return super().open_sender_group(spec, store)
+
+
+def test_weight_syncer_names_each_bad_argument():
+    cases = [
+        (dict(rank=-1, world_size=2), "WeightSyncer: rank -1 outside world_size 2"),
+        (dict(timeout_s=0), "WeightSyncer: timeout_s must be > 0, got 0"),
+        (dict(num_senders=0), "WeightSyncer: num_senders must be >= 1, got 0"),
+        (dict(device="tpu"), "WeightSyncer: device must be 'cpu' or 'cuda', got 'tpu'"),
+        (dict(bucket_bytes=0), "WeightSyncer: bucket_bytes must be a positive int, got 0"),
+        (dict(bucket_bytes=1.5), "WeightSyncer: bucket_bytes must be a positive int, got 1.5"),
+        (dict(transport="Disk"), "WeightSyncer: transport must be one of ('collective', 'tensor', 'disk'), got 'Disk'"),
+        (dict(engines=[]), "WeightSyncer: engines is empty; pass the Ray handles of the rollout engines"),
+    ]
+    for kwargs, message in cases:
+        args = dict(rank=0, world_size=1, engines=[object()], device="cpu") | kwargs
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            WeightSyncer(**args)
+    syncer = WeightSyncer(1, 2, [object()] * 3, device="cpu", timeout_s=5, group_name="g")
+    assert syncer.timeout_s == 5.0 and isinstance(syncer.timeout_s, float)
+    assert syncer.device == torch.device("cpu") and syncer.num_senders == 2 and syncer.my_engines == [1]
+    assert syncer.group_name == "" and syncer.bucket_bytes == DEFAULT_BUCKET_BYTES
+    defaults = WeightSyncer(0, 1, [object()], device="cpu")
+    assert defaults.timeout_s == 600.0 and defaults.overlap is True and defaults.bucket_times == []
+    assert WeightSyncer(0, 1, [object()], device="cpu", bucket_bytes=1).bucket_bytes == 1  # the smallest bucket
+    # senders: at most one per trainer rank and one per engine
+    assert WeightSyncer(0, 2, [object()] * 3, device="cpu", num_senders=5).num_senders == 2
+    assert WeightSyncer(0, 4, [object()] * 3, device="cpu").num_senders == 3
+
+
+def test_sync_refuses_versions_that_are_not_non_negative_ints(fake_ray, engine_model_dir, tmp_path):
+    engines = _engines(1, engine_model_dir, fake_ray)
+    (syncer,) = _syncers(1, engines, "tensor", tmp_path)
+    syncer.setup()
+    model = _trainer_model(2)
+    for bad in (-1, "3", 2.0):
+        with pytest.raises(ValueError, match=f"^sync: version must be an int >= 0, got {re.escape(repr(bad))}$"):
+            syncer.sync(model, bad)
+    stats = syncer.sync(model, 0)  # version 0 is a version
+    assert stats["seconds"] > 0 and stats["GBps"] == pytest.approx(stats["bytes"] / stats["seconds"] / 1e9)
+    assert stats["gather_seconds"] > 0 and stats["copy_seconds"] > 0 and stats["send_wait_seconds"] > 0
+    assert stats["engine_seconds"] > 0
+    assert all({"pack_s", "send_wait_s", "engine_s", "exchange_s", "copy_s"} <= set(t) for t in syncer.bucket_times)
+    syncer.close()
+
+
+def test_an_engine_failing_mid_collective_sync_breaks_the_syncer_until_set_up_again(
+    fake_ray, engine_model_dir, tmp_path
+):
+    engines = _engines(1, engine_model_dir, fake_ray)
+    (syncer,) = _syncers(1, engines, "collective", tmp_path)
+    syncer.setup()
+    engines[0].actor.destroy_weight_update_group()  # the engine can no longer receive
+    start = time.monotonic()
+    with pytest.raises(EngineCallError, match="^engine 0: update_weights_from_collective failed: BackendError: "
+                                              ".*no weight-update group"):
+        syncer.sync(_trainer_model(2), 1)
+    assert time.monotonic() - start < TIMEOUT_S / 2, "the sender waited out its timeout instead of failing at once"
+    with pytest.raises(RuntimeError, match=r"a previous sync failed \(EngineCallError: engine 0: .*the side groups "
+                                           r"may be out of step: call close\(\) and setup\(\) again$"):
+        syncer.sync(_trainer_model(2), 1)
+    syncer.close()
+    syncer.setup()
+    model = _trainer_model(3)
+    syncer.sync(model, 1)
+    _assert_engines_hold(engines, model, 1)
+    syncer.close()
+
+
+def test_engines_whose_groups_are_built_differently_cannot_share_one(fake_ray, engine_model_dir, tmp_path,
+                                                                    monkeypatch):
+    engines = _engines(2, engine_model_dir, fake_ray)
+    describe = engines[1].actor.describe()
+    other = f"{os.path.abspath(__file__)}:OtherGroupBackend"
+    monkeypatch.setattr(engines[1].actor, "describe", lambda: {**describe, "backend_class": other})
+    (syncer,) = _syncers(1, engines, "collective", tmp_path)
+    with pytest.raises(ValueError, match=r"^WeightSyncer rank 0: engines of backends \['hf', 'hf-other-group'\] share "
+                                         "one side group but build it differently"):
+        syncer.setup()
+
+
+def test_an_engine_that_never_joins_the_group_times_out_naming_it(fake_ray, engine_model_dir, tmp_path, monkeypatch):
+    engines = _engines(1, engine_model_dir, fake_ray)
+    monkeypatch.setattr(engines[0].actor, "init_weight_update_group", lambda spec: None)  # answers, never joins
+    syncer = WeightSyncer(0, 1, engines, transport="collective", timeout_s=1.0, device="cpu", group_name="lost")
+    with pytest.raises(TimeoutError, match=r"^weight-update group 'lost-rank0-setup1' \(gloo, world_size 2\) at "
+                                           r"127\.0\.0\.1:\d+: trainer rank 0 \(group rank 0\) waited timeout_s=1\.0 "
+                                           r"for engine 0 \(group rank 1\) to join"):
+        syncer.setup()
+
+
+def test_close_reports_an_engine_that_cannot_leave_the_group(fake_ray, engine_model_dir, tmp_path, monkeypatch):
+    engines = _engines(1, engine_model_dir, fake_ray)
+    (syncer,) = _syncers(1, engines, "collective", tmp_path)
+    syncer.setup()
+
+    def stuck():
+        raise RuntimeError("still receiving")
+
+    monkeypatch.setattr(engines[0].actor, "destroy_weight_update_group", stuck)
+    with pytest.raises(EngineCallError, match="^WeightSyncer rank 0: close: engine 0: destroy_weight_update_group "
+                                              "failed: RuntimeError: still receiving$"):
+        syncer.close()
+    monkeypatch.undo()
+    engines[0].actor.destroy_weight_update_group()
+
+
+@pytest.mark.parametrize("exc, timeout", [
+    (TimeoutError("x"), True), (RuntimeError("Socket Timeout after 5s"), True),
+    (RuntimeError("the operation timed out"), True), (RuntimeError("connection reset"), False),
+    (type("ConnectTimeout", (Exception,), {})("refused"), True),
+])
+def test_what_counts_as_a_timeout(exc, timeout):
+    assert transports_module._is_timeout(exc) is timeout
+
+
+def test_disk_transport_agrees_on_its_directory_and_waits_for_every_rank(tmp_path, monkeypatch):
+    """With the trainer's default group up (here a one-process gloo group standing for W ranks) rank 0's
+    directory reaches every rank, and each sync ends at a monitored barrier bounded by timeout_s."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from rlhf_sg.sync.transports import DiskTransport, SenderContext
+
+    # without a default group, only rank 0 makes a directory; the others learn none
+    lonely = DiskTransport(SenderContext(1, 2, [], [], 5.0, torch.device("cpu"), "g"), [])
+    lonely.setup()
+    assert lonely.disk_dir is None and not lonely._own_dir
+    given = DiskTransport(SenderContext(0, 2, [], [], 5.0, torch.device("cpu"), "g"), [], str(tmp_path / "given"))
+    given.setup()
+    given.close()
+    assert os.path.isdir(tmp_path / "given"), "a directory the user gave was deleted"
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ctx = SenderContext(0, 2, [], [], 7.0, torch.device("cpu"), "g")
+        assert ctx.distributed() and not SenderContext(0, 1, [], [], 7.0, torch.device("cpu"), "g").distributed()
+        transport = DiskTransport(ctx, [])
+        transport.setup()
+        made = transport.disk_dir
+        assert os.path.basename(made).startswith("rlhf_sg-weights-") and transport._own_dir
+        barriers = []
+        monkeypatch.setattr(dist, "monitored_barrier", lambda timeout: barriers.append(timeout))
+        monkeypatch.setattr(dist, "barrier", lambda: barriers.append("plain barrier"))
+        transport.begin([], 3)
+        transport.end([], 3)
+        assert barriers == [datetime.timedelta(seconds=7.0)]
+
+        def missing_rank(timeout):
+            raise RuntimeError("rank 1 did not reach the barrier")
+
+        monkeypatch.setattr(dist, "monitored_barrier", missing_rank)
+        transport.begin([], 4)
+        with pytest.raises(TimeoutError, match=f"^trainer rank 0: barrier after writing weight version 4 to "
+                                               f"{re.escape(made)}/v00000004 failed: rank 1 did not reach"):
+            transport.end([], 4)
+        transport.close()
+        assert not os.path.exists(made)
+    finally:
+        dist.destroy_process_group()
+    assert not SenderContext(0, 2, [], [], 7.0, torch.device("cpu"), "g").distributed()
+
+
+# ---- the plan: names, shapes, exact fits and the check across ranks ---------------------------------------
+def test_hf_names_keep_a_lone_wrapper_word_and_full_shapes_come_from_zero3():
+    from rlhf_sg.sync.plan import full_shape, hf_name
+
+    assert hf_name("module") == "module" and hf_name("module.weight") == "weight"
+    assert hf_name("_orig_mod.module.lm_head.weight") == "lm_head.weight"
+    partitioned = torch.nn.Parameter(torch.empty(0))
+    partitioned.ds_shape = torch.Size([3, 4])
+    assert full_shape(partitioned) == (3, 4) and full_shape(torch.zeros(2, 5)) == (2, 5)
+
+
+def test_named_weights_refuses_a_double_wrapper_and_an_empty_model():
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.module = torch.nn.Module()
+            self.module.w = torch.nn.Parameter(torch.zeros(1))
+
+    with pytest.raises(ValueError, match="^two parameters map to the HF name 'w'; is the model wrapped twice\\?$"):
+        named_weights(Twice())
+    with pytest.raises(ValueError, match="^Sequential has no parameters to sync$"):
+        named_weights(torch.nn.Sequential())
+
+
+def test_plan_exact_fits_and_the_smallest_sizes():
+    f32 = torch.float32
+    # a tensor of exactly bucket_bytes fills its bucket: the next one, even empty, opens a new bucket
+    plan = plan_buckets([("a", (4,), f32), ("empty", (0,), f32), ("b", (2,), f32)], 16)
+    assert [[t.name for t in m.tensors] for m in plan] == [["a"], ["empty", "b"]]
+    assert [m.numel for m in plan] == [4, 2]
+    assert [m.numel for m in plan_buckets([("byte", (1,), torch.uint8)], 1)] == [1]  # the smallest bucket
+    assert plan_buckets([("none", (0, 3), f32)], 8)[0].tensors[0].shape == (0, 3)  # empty tensors are tensors
+    with pytest.raises(ValueError, match="^plan_buckets: bucket_bytes must be a positive int, got 0$"):
+        plan_buckets([("a", (1,), f32)], 0)
+
+
+def test_check_plan_reports_every_refusing_rank_before_any_byte(monkeypatch):
+    from rlhf_sg.sync import plan as plan_module
+    from rlhf_sg.sync.plan import check_plan
+
+    plan = plan_buckets([("a", (2,), torch.float32)], 64)
+    seen = []
+
+    def accept(p):
+        seen.append(p)
+
+    check_plan(plan, accept, world_size=1, distributed=False)
+    assert seen == [plan]
+
+    def refuse(p):
+        raise EngineCallError("engine 2: check_manifests failed: 'a' is not a weight of the engine's checkpoint")
+
+    with pytest.raises(ValueError) as info:
+        check_plan(plan, refuse, world_size=1, distributed=False)
+    assert str(info.value) == ("the weights do not match the engines' model, nothing was sent: trainer rank 0: "
+                               "engine 2: check_manifests failed: 'a' is not a weight of the engine's checkpoint")
+
+    class ThreeRanks:  # all_gather_object as three trainer ranks would answer: this rank is rank 1
+        @staticmethod
+        def all_gather_object(out, obj):
+            assert out == [None, None, None]
+            out[:] = ["engine 0: refused", obj, "engine 4: refused"]
+
+    monkeypatch.setattr(plan_module, "dist", ThreeRanks)
+    with pytest.raises(ValueError) as info:
+        check_plan(plan, accept, world_size=3, distributed=True)
+    assert str(info.value) == ("the weights do not match the engines' model, nothing was sent: trainer rank 0: "
+                               "engine 0: refused; trainer rank 2: engine 4: refused")
+    with pytest.raises(ValueError) as info:  # this rank's own refusal reaches every rank
+        check_plan(plan, refuse, world_size=3, distributed=True)
+    assert "; trainer rank 1: engine 2: check_manifests failed: 'a' is not a weight" in str(info.value)
