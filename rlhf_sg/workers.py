@@ -190,6 +190,7 @@ class ModelWorker:
         if not self.spec.train:
             self.engine.eval()
         self.syncer = None
+        self._sync_setups = 0  # weight-sync set-ups so far (each gets group names of its own)
         self._profiler = None
         self._offloaded = False
 
@@ -332,6 +333,8 @@ class ModelWorker:
                 self.syncer.close()
             except EngineCallError as e:
                 warnings.warn(f"actor rank {self.rank}: leaving the old weight-sync groups: {e}", stacklevel=1)
+        # torch.distributed keeps every group name a process has used: each set-up gets new names
+        self._sync_setups += 1
         self.syncer = WeightSyncer(
             rank=self.rank,
             world_size=self.spec.world_size,
@@ -339,6 +342,7 @@ class ModelWorker:
             transport=transport,
             bucket_bytes=bucket_bytes,
             timeout_s=timeout_s,
+            group_name=f"weight-sync{self._sync_setups}",
         )
         self.syncer.setup()
 

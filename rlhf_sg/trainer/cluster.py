@@ -80,6 +80,7 @@ class Cluster:
         self.engines: list = []
         self._shared: list = []  # placement groups several groups share (colocated layouts)
         self._engine_bundles = None  # the engines' shared bundles, if colocated
+        self._started_ray = False  # whether this run started (or joined) Ray itself, and so shuts it down
 
     # ---- start and stop --------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -98,7 +99,8 @@ class Cluster:
         import ray
 
         if ray.is_initialized():
-            return
+            return  # the caller's Ray: it stays up after the run
+        self._started_ray = True
         # Workers and engines must import what the driver can (a user's module:Class backend or reward).
         paths = [os.getcwd(), os.path.dirname(os.path.abspath(sys.argv[0])), os.environ.get("PYTHONPATH", "")]
         runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false",
@@ -172,6 +174,9 @@ class Cluster:
         for bundles in self._shared:
             bundles.remove()
         self._shared = []
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
 
     def restart_engine(self, index: int, version: int) -> None:
         """Replace engine ``index`` (its actor or process died) by a fresh one in the same place, set the weight
