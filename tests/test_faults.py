@@ -434,3 +434,59 @@ def test_a_remote_scorer_that_is_down_is_named_after_the_retries():
                                           r"is the server up"):
         remote_reward(f"http://127.0.0.1:{port}/score", PROMPTS, COMPLETIONS, [None] * 4, 5, retries=2,
                       backoff_s=0.01)
+
+
+def test_processes_of_a_run_are_stopped_only_once_the_process_that_started_them_is_gone(tmp_path):
+    """A driver process starts a worker and records it (as a run does after starting Ray). While the driver
+    runs, the record stops nothing (a second run in the same directory); once the driver is killed, the next
+    start stops the orphaned worker."""
+    import subprocess as sp
+    import sys
+
+    import psutil
+
+    from rlhf_sg.trainer.cluster import stop_recorded_processes
+
+    record = str(tmp_path / ".processes.json")
+    driver = sp.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "from rlhf_sg.trainer.cluster import record_processes\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"record_processes({record!r})\n"
+        "print('recorded', flush=True)\n"
+        "time.sleep(120)\n")], stdout=sp.PIPE, text=True)
+    try:
+        assert driver.stdout.readline().strip() == "recorded"
+        worker = json.loads(open(record).read())["processes"][0]["pid"]
+        assert stop_recorded_processes(record) == 0 and psutil.pid_exists(worker)
+        driver.kill()
+        driver.wait(timeout=10)
+        assert stop_recorded_processes(record) == 1
+        deadline = time.monotonic() + 10
+        while _alive([worker]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _alive([worker]) == []
+    finally:
+        driver.kill()
+
+
+def test_a_record_made_by_this_very_process_stops_nothing(tmp_path):
+    """A second run in the same directory from the same Python session (a notebook, a test session) finds the
+    first run's record naming itself as the driver: those processes are its own Ray's, in use."""
+    import subprocess as sp
+    import sys
+
+    import psutil
+
+    from rlhf_sg.trainer.cluster import stop_recorded_processes
+
+    child = sp.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me, proc = psutil.Process(), psutil.Process(child.pid)
+        record = tmp_path / ".processes.json"
+        record.write_text(json.dumps({"driver": {"pid": me.pid, "started": me.create_time()},
+                                      "processes": [{"pid": child.pid, "started": proc.create_time()}]}))
+        assert stop_recorded_processes(str(record)) == 0
+        assert child.poll() is None
+    finally:
+        child.kill()

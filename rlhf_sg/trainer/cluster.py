@@ -33,7 +33,7 @@ def record_processes(path: str) -> None:
 
 def stop_recorded_processes(path: str) -> int:
     """Kill the processes ``path`` recorded that still run (matched by pid and start time, so a reused pid is
-    left alone) when the run that recorded them is gone; returns how many."""
+    left alone) when the process that recorded them is gone; returns how many."""
     import json
 
     import psutil
@@ -44,8 +44,8 @@ def stop_recorded_processes(path: str) -> int:
     except (OSError, ValueError):
         return 0
     driver = record.get("driver") or {}
-    if driver.get("pid") != os.getpid() and _running(driver.get("pid"), driver.get("started")):
-        return 0  # that run is still going (a second run in the same directory): not ours to stop
+    if _running(driver.get("pid"), driver.get("started")):
+        return 0  # the process that started them still runs (this one, or another run there): they are in use
     stopped = 0
     for entry in record.get("processes", []):
         if _running(entry["pid"], entry["started"]):
