@@ -59,37 +59,20 @@ def test_an_engine_whose_process_is_killed_is_restarted_with_the_current_weights
     log-probs match the trainer's (it holds the trained weights, not the checkpoint's), and no process of the
     killed engine is left (the embedded engine's case: tests/test_faults.py)."""
     _need(backend)
-    import signal
     import time
 
-    import psutil
-    import ray
+    from rlhf_sg.bench.faults import running, trainer_killing_engine
+    from rlhf_sg.trainer import train
 
-    from rlhf_sg.trainer import PPOTrainer, train
-
-    killed: list[int] = []
-
-    class Killing(PPOTrainer):
-        def on_step_start(self, step):
-            if step == 1:
-                pid = ray.get(self.engines[0].resources.remote(), timeout=60)["pid"]
-                killed.extend([pid] + [p.pid for p in psutil.Process(pid).children(recursive=True)])
-                os.kill(pid, signal.SIGKILL)
-
+    killing, killed = trainer_killing_engine(0, at_step=1)
     cfg = make_cfg(task, str(tmp_path / backend), steps=3, algo="grpo", backend=backend, train__kl_coef=0.0)
-    history = train(cfg, trainer_cls=Killing, reward_fn=arith_task.addition_reward)
+    history = train(cfg, trainer_cls=killing, reward_fn=arith_task.addition_reward)
     assert [h["rollout/engine_restarts"] for h in history] == [0, 1, 0]
     assert all(h["rollout/samples"] == history[0]["rollout/samples"] for h in history)
     assert [h["weight_version"] for h in history] == [1, 2, 3]
     gaps = [h["rollout/logp_gap_engine_vs_trainer"] for h in history]
     assert max(gaps) < 0.05, gaps
-    def running(pid):
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
     deadline = time.monotonic() + 30
-    while any(running(p) for p in killed):
-        assert time.monotonic() < deadline, f"processes of the killed engine still running: {killed}"
+    while running(killed):
+        assert time.monotonic() < deadline, f"processes of the killed engine still running: {running(killed)}"
         time.sleep(1)

@@ -193,24 +193,31 @@ def _extra_s(history: list[dict], index: int) -> float:
     return steps[index] - statistics.median(others) if others else steps[index]
 
 
-def engine_killed(model: str, prompts: str, out: str, steps: int) -> dict:
+def trainer_killing_engine(index: int, at_step: int, trainer_cls=None) -> tuple[type, list[int]]:
+    """A trainer class that SIGKILLs engine ``index``'s process (and so whatever it runs, such as SGLang's
+    scheduler processes) before step ``at_step`` generates, and the list it fills with the killed pids."""
+    import psutil
     import ray
 
     from rlhf_sg.trainer import PPOTrainer
 
     killed: list[int] = []
 
-    class Killing(PPOTrainer):
+    class Killing(trainer_cls or PPOTrainer):
         def on_step_start(self, step):
-            if step == 1:
-                import psutil
-
-                pid = ray.get(self.engines[0].resources.remote(), timeout=60)["pid"]
+            super().on_step_start(step)
+            if step == at_step:
+                pid = ray.get(self.engines[index].resources.remote(), timeout=60)["pid"]
                 killed.extend([pid] + [p.pid for p in psutil.Process(pid).children(recursive=True)])
                 os.kill(pid, signal.SIGKILL)
 
+    return Killing, killed
+
+
+def engine_killed(model: str, prompts: str, out: str, steps: int) -> dict:
+    killing, killed = trainer_killing_engine(0, 1)
     cfg = make_config(model, prompts, out, steps)
-    history, seen, error = _in_process(cfg, Killing)
+    history, seen, error = _in_process(cfg, killing)
     if error is not None or len(history) != steps:
         return _row("engine process killed before a generate", f"FAILED: {error}", None, -1, len(running(killed)))
     restarts = [h["rollout/engine_restarts"] for h in history]
