@@ -249,11 +249,13 @@ def test_http_endpoints_and_bodies():
             body = call.args[2] if len(call.args) > 2 else None
             posted.setdefault(first_string(call), set()).update(dict_keys(body) if body is not None else set())
         if func.attr in ("request", "submit"):
+            # request(base_url, "endpoint", "METHOD", body) or pool.submit(self.request, base_url, "endpoint", ...)
+            body = next((a for a in call.args if isinstance(a, ast.Dict)), None)
             for arg in call.args:
-                if isinstance(arg, ast.JoinedStr) and isinstance(arg.values[-1], ast.Constant):
-                    endpoint = arg.values[-1].value.lstrip("/")
-                    body = next((a for a in call.args if isinstance(a, ast.Dict)), None)
-                    posted.setdefault(endpoint, set()).update(dict_keys(body) if body is not None else set())
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value not in ("GET", "POST"):
+                    keys = dict_keys(body) if body is not None else set()
+                    posted.setdefault(arg.value.lstrip("/"), set()).update(keys)
+                    break
     assert {"generate", "init_weights_update_group", "pause_generation", "get_server_info"} <= set(posted)
     generate_fields = set(parameters(engine_methods()["generate"])) | {"input_ids"}
     for endpoint, keys in posted.items():
