@@ -25,9 +25,10 @@ import urllib.request
 
 import pytest
 import torch
+from test_sglang_backend import _hf_greedy  # tests/ is on the path
 
 from backends.base import BackendConfig, BackendError, SamplingParams
-from rlhf_sg.tiny import BOS_ID, EOS_ID, build_tiny_model, save_tiny_model
+from rlhf_sg.tiny import BOS_ID, build_tiny_model, save_tiny_model
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang not installed (sglang_cpu.sh)"),
@@ -124,16 +125,6 @@ def _raw_server_info(url: str, key: str) -> dict:
     req = urllib.request.Request(f"{url}/get_server_info", headers={"Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(req, timeout=60) as resp:
         return json.loads(resp.read())
-
-
-def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    tokens: list[int] = []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            tokens.append(int(model(torch.tensor([prompt + tokens])).logits[0, -1].argmax()))
-            if tokens[-1] == EOS_ID:
-                break
-    return tokens
 
 
 def _sync(backend, seed: int, version: int):

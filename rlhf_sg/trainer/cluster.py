@@ -138,16 +138,10 @@ class Cluster:
                           strategy=t.placement_strategy, shared=shared)
 
     def _start_groups(self) -> None:
-        from rlhf_sg.engine_actor import start_engine_actors
-
         r, t, layout = self.cfg.rollout, self.cfg.train, self.layout
         placed = self._start_shared_bundles()
         self._engine_bundles = placed.get("engines")
-        self.engines = start_engine_actors(
-            r.backend, layout.engine_config(), r.num_engines, num_cpus=1.0,
-            num_gpus=float(r.tensor_parallel_size) if t.device == "cuda" else 0.0, start_timeout_s=t.timeout_s,
-            shared=placed.get("engines"),
-        )
+        self.engines = self._start_engines()
         self.actor = self._group("actor", placed.get("actor"))
         if layout.uses_critic:
             self.critic = self._group("critic", placed.get("critic"))
@@ -157,6 +151,18 @@ class Cluster:
             self.reward_model = self._group("reward", placed.get("reward"))
         self.actor.call("setup_weight_sync", self.engines, r.weight_transport, r.bucket_bytes, t.timeout_s,
                         what="weight-sync set-up")
+
+    def _start_engines(self, only: list[int] | None = None) -> list:
+        """Engine actors (all of them, or the indices in ``only``), each on its place: its own bundle, or bundle
+        i of the colocated set."""
+        from rlhf_sg.engine_actor import start_engine_actors
+
+        r, t = self.cfg.rollout, self.cfg.train
+        return start_engine_actors(
+            r.backend, self.layout.engine_config(), r.num_engines, num_cpus=1.0,
+            num_gpus=float(r.tensor_parallel_size) if t.device == "cuda" else 0.0, start_timeout_s=t.timeout_s,
+            shared=self._engine_bundles, only=only,
+        )
 
     def shutdown(self) -> None:
         import ray
@@ -184,18 +190,12 @@ class Cluster:
         from the same policy as the others."""
         import ray
 
-        from rlhf_sg.engine_actor import start_engine_actors
-
         r, t = self.cfg.rollout, self.cfg.train
         try:
             ray.kill(self.engines[index])
         except Exception:  # already gone
             pass
-        (self.engines[index],) = start_engine_actors(
-            r.backend, self.layout.engine_config(), r.num_engines, num_cpus=1.0,
-            num_gpus=float(r.tensor_parallel_size) if t.device == "cuda" else 0.0, start_timeout_s=t.timeout_s,
-            shared=self._engine_bundles, only=[index],
-        )
+        (self.engines[index],) = self._start_engines(only=[index])
         self.actor.call("setup_weight_sync", self.engines, r.weight_transport, r.bucket_bytes, t.timeout_s,
                         what=f"weight-sync set-up after restarting engine {index}")
         self.actor.call("sync_weights", version, what=f"weight sync to restarted engine {index} (version {version})")
