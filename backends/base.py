@@ -44,6 +44,12 @@ full weight sync before the next ``generate``. When the trainer shares the devic
         -> sleep() -> training states on -> train
 
 so weights, KV cache and training states are never on the device together.
+
+Partial rollout (async mode). A backend whose ``supports_abort`` is true can have a running ``generate`` cut
+short by :meth:`RolloutBackend.abort_generation`, called from another thread: the call returns what it has,
+each completion with the tokens sampled so far and ``finish_reason == "abort"``. The trainer syncs the new
+weights and sends ``prompt + tokens so far`` back with the remaining budget, so one long generation never holds
+a weight sync back. Without it, the trainer waits for a running generate to finish before it syncs.
 """
 
 from __future__ import annotations
@@ -136,7 +142,8 @@ class Completion:
 
     token_ids: the generated tokens (the stop token, when one ended the answer, is included).
     logprobs: one float per token in ``token_ids``, in the convention of this module's docstring.
-    finish_reason: ``"stop"`` (a stop token or EOS) or ``"length"`` (``max_new_tokens`` reached).
+    finish_reason: ``"stop"`` (a stop token or EOS), ``"length"`` (``max_new_tokens`` reached) or ``"abort"``
+        (cut short by :meth:`RolloutBackend.abort_generation`; the tokens so far).
     weight_version: the engine's weight version when the answer was sampled.
     prompt_index: index of the prompt in the ``generate`` call that produced it.
     """
@@ -272,12 +279,16 @@ class RolloutBackend(abc.ABC):
 
     Subclasses set ``name`` and implement the abstract methods. The weight-update methods a
     backend does not support raise :class:`BackendError` saying which transport to use instead.
-    Methods are called from one thread; a backend may run its own processes underneath.
+    Methods are called from one thread, except :meth:`abort_generation`, which comes from another while
+    ``generate`` runs; a backend may run its own processes underneath.
     """
 
     name: ClassVar[str] = ""
     #: transports this backend accepts, a subset of {"collective", "tensor", "disk"}
     transports: ClassVar[frozenset[str]] = frozenset()
+    #: whether :meth:`abort_generation` can cut a running ``generate`` short (partial rollout); without it
+    #: the trainer waits for a generate in flight to finish before a weight sync
+    supports_abort: ClassVar[bool] = False
 
     def __init__(self, config: BackendConfig):
         self.config = config
@@ -288,6 +299,13 @@ class RolloutBackend(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Sample ``params.n`` completions per prompt; prompt-major order, len = len(prompts) * n."""
+
+    def abort_generation(self) -> None:
+        """Called from another thread than the one running ``generate``: make the running ``generate`` return as
+        soon as it can, every completion holding the tokens sampled so far and their log-probs with
+        ``finish_reason="abort"`` (zero tokens is allowed). A no-op when no generate runs. Nothing but ``generate``
+        runs concurrently with it. Backends that set ``supports_abort`` implement it."""
+        raise BackendError(f"backend {self.name!r} cannot abort a running generate (supports_abort is False)")
 
     # ---- weights -------------------------------------------------------------------------
     @property

@@ -30,6 +30,7 @@ import datetime
 import glob
 import os
 import random
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -152,6 +153,7 @@ class EmbeddedBackend(RolloutBackend):
 
     name = "hf"
     transports = frozenset({"collective", "tensor", "disk"})
+    supports_abort = True
 
     def __init__(self, config: BackendConfig):
         super().__init__(config)
@@ -205,6 +207,9 @@ class EmbeddedBackend(RolloutBackend):
         self._asleep = False  # some memory tag is released (generate refused)
         self._released: set[str] = set()  # memory tags released by sleep, not yet woken
         self._closed = False
+        self._abort = threading.Event()  # set by abort_generation while a generate runs
+        self._abort_lock = threading.Lock()
+        self._generating = False
 
     # ---- rollout -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -217,11 +222,29 @@ class EmbeddedBackend(RolloutBackend):
         # Similar lengths share a batch, so little compute goes to padding.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         results: dict[int, list[Completion]] = {}
-        for start in range(0, len(order), per_chunk):
-            chunk = order[start : start + per_chunk]
-            for i, completions in zip(chunk, self._decode(prompts, chunk, params, seed, stop_ids)):
-                results[i] = completions
+        with self._abort_lock:
+            self._abort.clear()
+            self._generating = True
+        try:
+            for start in range(0, len(order), per_chunk):
+                chunk = order[start : start + per_chunk]
+                if self._abort.is_set():  # aborted: the chunks not started yet get no tokens
+                    for i in chunk:
+                        results[i] = [Completion([], [], "abort", self._weight_version, i) for _ in range(params.n)]
+                    continue
+                for i, completions in zip(chunk, self._decode(prompts, chunk, params, seed, stop_ids)):
+                    results[i] = completions
+        finally:
+            with self._abort_lock:
+                self._generating = False
+                self._abort.clear()
         return [c for i in range(len(prompts)) for c in results[i]]
+
+    def abort_generation(self) -> None:
+        """Stop the running ``generate`` before its next token (from another thread); a no-op when none runs."""
+        with self._abort_lock:
+            if self._generating:
+                self._abort.set()
 
     def _prefill(self, prompts: list[list[int]]):
         """Run the prompts (sorted by length) through the model; return their KV cache, the logits of
@@ -294,9 +317,14 @@ class EmbeddedBackend(RolloutBackend):
         logps = torch.zeros((num_rows, max_new), dtype=torch.float32, device=device)
         lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=device)
         stopped = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        aborted = torch.zeros(num_rows, dtype=torch.bool, device=device)
         rows = torch.arange(num_rows, device=device)  # original row of each live batch position
         done = torch.zeros(num_rows, dtype=torch.bool, device=device)
         for step in range(max_new):
+            if self._abort.is_set():  # abort_generation: the rows still running keep their tokens so far
+                lengths[rows[~done]] = step
+                aborted[rows[~done]] = True
+                break
             token, logp = sample_next_tokens(
                 logits, uniforms[rows, step], params.temperature, params.top_k, params.top_p
             )
@@ -327,7 +355,7 @@ class EmbeddedBackend(RolloutBackend):
             next_position = next_position + 1
 
         tokens_l, logps_l = tokens.tolist(), logps.tolist()
-        lengths_l, stopped_l = lengths.tolist(), stopped.tolist()
+        lengths_l, stopped_l, aborted_l = lengths.tolist(), stopped.tolist(), aborted.tolist()
         version = self._weight_version
         completions: list[list[Completion]] = []
         for r, i in enumerate(chunk):
@@ -338,7 +366,7 @@ class EmbeddedBackend(RolloutBackend):
                     Completion(
                         token_ids=tokens_l[row][:length],
                         logprobs=logps_l[row][:length],
-                        finish_reason="stop" if stopped_l[row] else "length",
+                        finish_reason="stop" if stopped_l[row] else "abort" if aborted_l[row] else "length",
                         weight_version=version,
                         prompt_index=i,
                     )

@@ -12,7 +12,10 @@ What it does, top to bottom:
    and a stacked bar of where each step's time went.
 
     python recipes/quickstart_cpu.py [--steps 40] [--algo gae|grpo|dr_grpo|rloo|reinforce|reinforce_baseline]
-                                     [--backend hf|sglang|vllm] [--out runs/quickstart]
+                                     [--backend hf|sglang|vllm] [--rollout-mode sync|async] [--out runs/quickstart]
+
+``--rollout-mode async`` generates the next step's batch while the trainer trains (one weight version stale at
+most, generations cut short at a weight sync continue with the new weights).
 """
 
 from __future__ import annotations
@@ -51,8 +54,10 @@ def prepare(out: str, warm_start_steps: int, seed: int = 0) -> tuple[str, str]:
     return policy, prompts
 
 
-def make_config(policy: str, prompts: str, out: str, steps: int, algo: str, backend: str) -> Config:
+def make_config(policy: str, prompts: str, out: str, steps: int, algo: str, backend: str,
+                rollout_mode: str = "sync") -> Config:
     cfg = Config()
+    cfg.rollout.mode = rollout_mode
     cfg.model.pretrain = policy
     cfg.data.prompt_data = prompts
     cfg.data.label_key = "answer"
@@ -82,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--algo", default="gae")
     parser.add_argument("--backend", default="hf")
+    parser.add_argument("--rollout-mode", default="sync", choices=["sync", "async"])
     parser.add_argument("--out", default="runs/quickstart")
     parser.add_argument("--warm-start-steps", type=int, default=30)
     args = parser.parse_args(argv)
@@ -90,13 +96,13 @@ def main(argv: list[str] | None = None) -> None:
 
     policy, prompts = prepare(args.out, args.warm_start_steps)
     run_dir = os.path.join(args.out, args.algo)
-    cfg = make_config(policy, prompts, run_dir, args.steps, args.algo, args.backend)
+    cfg = make_config(policy, prompts, run_dir, args.steps, args.algo, args.backend, args.rollout_mode)
     history = train(cfg, reward_fn=arith_task.addition_reward)
 
     first = sum(h["reward/mean"] for h in history[:5]) / min(5, len(history))
     last = sum(h["reward/mean"] for h in history[-5:]) / min(5, len(history))
     png = plot_run(os.path.join(run_dir, "metrics.jsonl"), os.path.join(args.out, f"quickstart_{args.algo}.png"),
-                   title=f"{args.algo} on single-digit addition, backend {args.backend}")
+                   title=f"{args.algo} on single-digit addition, backend {args.backend}, {args.rollout_mode} rollout")
     print(f"\nmean reward, first 5 steps: {first:.3f}   last 5 steps: {last:.3f}")
     print(f"metrics:      {os.path.join(run_dir, 'metrics.jsonl')}")
     print(f"tensorboard:  {os.path.join(run_dir, 'tensorboard')}")

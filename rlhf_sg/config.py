@@ -73,6 +73,15 @@ class RolloutConfig:
     max_engine_restarts: int = 3
     #: free engine memory while training (None: on with --train.colocate_all, else off)
     sleep_engines_while_training: bool | None = None
+    #: "sync": a step generates, then trains (on-policy); "async": the engines generate the batches of the next
+    #: steps while the trainer trains (off-policy by at most max_staleness weight versions; colocated
+    #: placement stays sync, the engines and the trainer sharing devices)
+    mode: str = "sync"
+    #: async: a batch is trained at most this many weight versions after the oldest weights that sampled it
+    max_staleness: int = 1
+    #: async: a weight sync cuts the generations in flight short, and they continue with the new weights
+    #: (engines that cannot abort a generate finish it first)
+    partial_rollout: bool = True
 
 
 @dataclass
@@ -125,7 +134,8 @@ class TrainConfig:
     loss_aggregation: str = "token_mean"
     #: clip each score to [-score_clip, score_clip] before any baseline or shaping (every estimator)
     score_clip: float | None = None
-    #: truncated importance sampling against the engine's log-probs (None = off)
+    #: truncated importance sampling against the engine's log-probs (None: off in sync rollout, 2.0 with
+    #: --rollout.mode async, where samples come from older weights)
     tis_cap: float | None = None
     #: drop groups whose scores are all equal (no signal for group estimators) and draw more prompts until
     #: the step's batch is full again (DAPO's dynamic sampling); needs n_samples_per_prompt >= 2
@@ -562,7 +572,40 @@ def validate(cfg: Config) -> Config:
               "with one update per batch (--train.ppo_epochs 1, --train.num_minibatches 1) and no KL penalty in "
               "the rewards (--train.kl_mode loss or --train.kl_coef 0)")
     _validate_colocation(cfg)
+    _validate_rollout_mode(cfg)
     return cfg
+
+
+def _validate_rollout_mode(cfg: Config) -> None:
+    r = cfg.rollout
+    _need(r.mode in ROLLOUT_MODES, f"--rollout.mode must be one of {list(ROLLOUT_MODES)}, got {r.mode!r}")
+    _need(r.max_staleness >= 1, f"--rollout.max_staleness must be >= 1 (weight versions a batch may lag the "
+                                f"trainer), got {r.max_staleness}; for on-policy training use --rollout.mode sync")
+    if r.mode == "async" and not cfg.train.colocate_all:
+        _need(r.sleep_engines_while_training is not True,
+              "--rollout.mode async generates while the trainer trains: the engines cannot sleep then; drop "
+              "--rollout.sleep_engines_while_training or use --rollout.mode sync")
+
+
+#: --rollout.mode values
+ROLLOUT_MODES = ("sync", "async")
+
+
+def rollout_is_async(cfg: Config) -> bool:
+    """Whether generation overlaps training: ``--rollout.mode async`` on separate placement (colocated engines
+    and trainer share the devices, so such a run stays sync; the trainer says so at start)."""
+    return cfg.rollout.mode == "async" and not cfg.train.colocate_all
+
+
+#: the truncated-importance-sampling cap of an async run that sets none
+ASYNC_TIS_CAP = 2.0
+
+
+def tis_cap(cfg: Config) -> float | None:
+    """The TIS cap in force: ``--train.tis_cap``, or :data:`ASYNC_TIS_CAP` in an async run that sets none."""
+    if cfg.train.tis_cap is None and rollout_is_async(cfg):
+        return ASYNC_TIS_CAP
+    return cfg.train.tis_cap
 
 
 def _validate_colocation(cfg: Config) -> None:

@@ -23,6 +23,7 @@ engine and the call in its errors.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -58,6 +59,12 @@ class EngineActor:
         self.backend = backends.create_backend(backend_name, dataclasses.replace(config, num_threads=threads))
         self._reference: dict[str, tuple[tuple[int, ...], str]] | None = None  # checkpoint: name -> (shape, dtype)
         self._checked_plans: set[int] = set()
+        # partial rollout: abort_generation (its own thread) against a running generate
+        self._abort_lock = threading.Lock()
+        self._aborting = False  # held from abort_generation to resume_generation
+        self._generating = False
+        self._generate_done = threading.Event()
+        self._generate_done.set()
 
     def describe(self) -> dict[str, Any]:
         """What the trainer needs to plan a sync: node, transports, group size, weight version."""
@@ -75,11 +82,59 @@ class EngineActor:
             # ranks this engine's workers take in a weight-update group
             "weight_group_size": self.backend.config.tensor_parallel_size,
             "weight_version": self.backend.weight_version,
+            "supports_abort": self.backend.supports_abort,
         }
 
     # ---- rollout -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        return self.backend.generate(prompts, params)
+        """The backend's ``generate``; while an abort holds (:meth:`abort_generation` until
+        :meth:`resume_generation`) every completion comes back at once, empty, with ``finish_reason="abort"``."""
+        with self._abort_lock:
+            if self._aborting:
+                version = self.backend.weight_version
+                return [Completion([], [], "abort", version, i) for i in range(len(prompts)) for _ in range(params.n)]
+            self._generating = True
+            self._generate_done.clear()
+        try:
+            return self.backend.generate(prompts, params)
+        finally:
+            with self._abort_lock:
+                self._generating = False
+                self._generate_done.set()
+
+    def abort_generation(self, timeout_s: float = 60.0) -> bool:
+        """Cut the running generate short (partial rollout) and hold the abort until :meth:`resume_generation`;
+        returns once no generate runs (True if one was cut short). Runs in the ``"abort"`` concurrency group, next
+        to a running ``generate``: the actor is started with ``abortable=True`` (:func:`start_engine_actors`).
+
+        The backend's abort reaches only a generate that has started inside the engine, so it is repeated until
+        the generate returns; one that starts later sees the held abort and returns at once."""
+        with self._abort_lock:
+            self._aborting = True
+            running = self._generating
+        if not running:
+            return False
+        if not self.backend.supports_abort:  # no way to cut it short: the generate runs to its end
+            self._wait_generate(timeout_s)
+            return False
+        deadline = time.monotonic() + timeout_s
+        while not self._generate_done.is_set():
+            self.backend.abort_generation()
+            if self._generate_done.wait(0.05):
+                break
+            if time.monotonic() > deadline:
+                raise BackendError(f"engine {self.engine_index}: generate still running {timeout_s:.0f} s after "
+                                   "abort_generation; the backend's abort did not reach it")
+        return True
+
+    def _wait_generate(self, timeout_s: float) -> None:
+        if not self._generate_done.wait(timeout_s):
+            raise BackendError(f"engine {self.engine_index}: generate still running after {timeout_s:.0f} s")
+
+    def resume_generation(self) -> None:
+        """End the abort :meth:`abort_generation` started: generate calls run again."""
+        with self._abort_lock:
+            self._aborting = False
 
     def weight_version(self) -> int:
         return self.backend.weight_version
@@ -293,6 +348,7 @@ def start_engine_actors(
     start_timeout_s: float = 600.0,
     shared: Any = None,
     only: list[int] | None = None,
+    abortable: bool = False,
 ) -> list[Any]:
     """Start ``num_engines`` :class:`EngineActor` s (or, with ``only``, those engine indices of them: a restart)
     and wait until each has built its backend.
@@ -300,7 +356,10 @@ def start_engine_actors(
     Engine ``i`` gets ``config`` with ``seed = config.seed + i`` (independent sampling streams) and,
     when ``config.num_threads`` is None, ``max(1, int(num_cpus))`` torch threads. With ``shared`` (a
     :class:`rlhf_sg.workers.SharedBundles`, colocated layouts) engine ``i`` goes on bundle ``i`` and
-    takes that bundle's share instead of ``num_cpus`` / ``num_gpus``. Returns the Ray actor handles,
+    takes that bundle's share instead of ``num_cpus`` / ``num_gpus``. With ``abortable`` (partial rollout) the
+    actors get an ``"abort"`` concurrency group, so :meth:`EngineActor.abort_generation` (called with
+    ``.options(concurrency_group="abort")``) runs next to a running ``generate``; every other call still runs one
+    at a time, in order. Returns the Ray actor handles,
     engine 0 first. Raises :class:`EngineCallError` naming the engine that failed.
     """
     import ray
@@ -314,7 +373,8 @@ def start_engine_actors(
     threads = config.num_threads or max(1, int(num_cpus))
     # The thread count must be in the environment before torch starts its OpenMP pool.
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    remote_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env})(EngineActor)
+    groups = {"concurrency_groups": {"abort": 1}} if abortable else {}
+    remote_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env}, **groups)(EngineActor)
     indices = list(range(num_engines)) if only is None else list(only)
     actors = [
         remote_cls.options(**({"scheduling_strategy": shared.strategy(i)} if shared is not None else {})).remote(

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from rlhf_sg.config import Config, offload_states, sleep_engines
+from rlhf_sg.config import Config, offload_states, rollout_is_async, sleep_engines
 from rlhf_sg.timing import StepTimer
 from rlhf_sg.trainer.layout import Layout
 
@@ -161,8 +161,23 @@ class Cluster:
         return start_engine_actors(
             r.backend, self.layout.engine_config(), r.num_engines, num_cpus=1.0,
             num_gpus=float(r.tensor_parallel_size) if t.device == "cuda" else 0.0, start_timeout_s=t.timeout_s,
-            shared=self._engine_bundles, only=only,
+            shared=self._engine_bundles, only=only, abortable=self.abortable_engines,
         )
+
+    @property
+    def abortable_engines(self) -> bool:
+        """Whether the engines take ``abort_generation`` next to a running generate (async partial rollout)."""
+        return rollout_is_async(self.cfg) and self.cfg.rollout.partial_rollout
+
+    def abort_generation(self) -> int:
+        """Cut every engine's running generate short and hold the abort (partial rollout); returns how many
+        generates were cut. Needs :attr:`abortable_engines`."""
+        from rlhf_sg.engine_actor import wait_engine_calls
+
+        timeout_s = self.cfg.train.timeout_s
+        calls = [(i, "abort_generation", e.abort_generation.options(concurrency_group="abort").remote(timeout_s))
+                 for i, e in enumerate(self.engines)]
+        return sum(wait_engine_calls(calls, timeout_s + 10))
 
     def shutdown(self) -> None:
         import ray

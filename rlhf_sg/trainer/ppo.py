@@ -27,14 +27,15 @@ import torch
 
 from rlhf_sg import algorithms as algo
 from rlhf_sg.advantages import AdvantageInputs, advantage_estimator
-from rlhf_sg.config import Config, TrainConfig, check_devices, offload_states, validate
+from rlhf_sg.config import Config, TrainConfig, check_devices, offload_states, rollout_is_async, tis_cap, validate
 from rlhf_sg.data import Prompt, PromptStream, load_prompts, load_tokenizer
 from rlhf_sg.experience import ActorUpdate, CriticUpdate, Experience, OptimizerStep
 from rlhf_sg.timing import StepTimer
 from rlhf_sg.trainer import checkpoint
+from rlhf_sg.trainer.async_rollout import AsyncRollout
 from rlhf_sg.trainer.cluster import Cluster
 from rlhf_sg.trainer.layout import Layout
-from rlhf_sg.trainer.rollout import EngineFailure, RolloutMaker
+from rlhf_sg.trainer.rollout import EngineFailure, RolloutMaker, check_staleness
 from rlhf_sg.trainer.run_log import RunLog
 from rlhf_sg.workers import wait_ranks
 
@@ -96,6 +97,8 @@ class PPOTrainer:
         self.prompts: list[Prompt] = []  # the prompts of the step in progress (for hooks)
         self.nonfinite_steps = 0  # steps in a row whose updates were all skipped for NaN / Inf
         self.reward_errors = 0  # completions of the step in progress the reward function failed on
+        self.async_rollout: AsyncRollout | None = None  # the producer of async rollout (--rollout.mode async)
+        self._errors_reported = 0  # async: reward errors already put in a step's metrics
 
     # ---- what the run does ---------------------------------------------------------------------------
     @property
@@ -138,6 +141,11 @@ class PPOTrainer:
                                     restart=lambda i: self.cluster.restart_engine(i, self.weight_version))
         if cfg.log.resume:
             self._resume()
+        if cfg.rollout.mode == "async" and not rollout_is_async(cfg):
+            log.warning("--rollout.mode async: with --train.colocate_all the engines and the trainer share the "
+                        "devices, so generation cannot overlap training; this run's rollout stays sync")
+        if rollout_is_async(cfg):
+            self._start_async_rollout()
 
     def load_data(self) -> None:
         """The tokenizer, the reward function and the prompt stream (no process is started)."""
@@ -166,7 +174,7 @@ class PPOTrainer:
         if profiling:
             self.cluster.actor.call("start_profile")
         self.cluster.offload_training_states(timer)  # with offloading: only the first step has any on the device
-        self.prompts, experience, metrics = self._rollout(timer)  # generate and score
+        self.prompts, experience, metrics = self._rollout(timer)  # generate and score (async: made meanwhile)
         reloaded = self.cluster.hand_device_to_trainer(timer)  # engines sleep, then training states come back
         if offload_states(self.cfg):
             metrics["offload/device_GB"] = reloaded / 1e9
@@ -181,7 +189,8 @@ class PPOTrainer:
 
         self.step += 1
         # states off, engine weights on, sync, KV cache on (colocated; otherwise the sync alone)
-        sync_stats = self.cluster.hand_device_to_engines(timer, self.step)
+        push = lambda: self.cluster.hand_device_to_engines(timer, self.step)  # noqa: E731
+        sync_stats = self.async_rollout.sync(push, self.step, timer) if self.async_rollout else push()
         self.weight_version = self.step
         if metrics.get("kl") is not None and math.isfinite(metrics["kl"]):
             self.kl_ctl.update(metrics["kl"], experience.batch_size)
@@ -199,6 +208,8 @@ class PPOTrainer:
     def _rollout(self, timer: StepTimer) -> tuple[list[Prompt], Experience, dict[str, float]]:
         """The step's samples, scored (with dynamic sampling, as many rounds as the batch needs). An engine that
         keeps dying stops the run with a checkpoint from which this step's prompts are drawn again."""
+        if self.async_rollout is not None:
+            return self._take_async(timer)
         data_state, self.reward_errors = self.stream.state(), 0
         try:
             prompts, experience, metrics = self.rollout.make(timer, self.step, self.weight_version)
@@ -207,6 +218,37 @@ class PPOTrainer:
             raise
         metrics["reward/errors"] = self.reward_errors
         return prompts, experience, metrics
+
+    def _take_async(self, timer: StepTimer) -> tuple[list[Prompt], Experience, dict[str, float]]:
+        """Async rollout: the batch the producer made for this step, its staleness checked and logged."""
+        try:
+            with timer.phase("wait_rollout"):
+                prompts, experience, metrics = self.async_rollout.take(self.step)
+        except EngineFailure:
+            self.save_checkpoint(self.async_rollout.data_state(self.step))
+            raise
+        staleness = check_staleness(experience.weight_version.tolist(), self.step, self.cfg.rollout.max_staleness)
+        # reward errors are counted by the producer as it scores; report those counted since the last step
+        errors, self._errors_reported = self.reward_errors - self._errors_reported, self.reward_errors
+        metrics.update({"rollout/staleness_mean": sum(staleness) / len(staleness),
+                        "rollout/staleness_max": max(staleness), "reward/errors": errors})
+        return prompts, experience, metrics
+
+    def _start_async_rollout(self) -> None:
+        """The producer thread of async rollout, from the current step on."""
+        cluster, r = self.cluster, self.cfg.rollout
+        abortable = cluster.abortable_engines
+        if abortable and not all(d["supports_abort"] for d in cluster.engines_call("describe")):
+            log.warning("--rollout.partial_rollout: backend %r cannot cut a running generate short; a weight sync "
+                        "waits for the generates in flight instead", r.backend)
+        self.rollout.on_policy = False
+        self.async_rollout = AsyncRollout(
+            self.rollout, self.step, self.cfg.train.max_steps, self.weight_version, r.max_staleness,
+            self.cfg.train.timeout_s, self.stream.state,
+            abort=cluster.abort_generation if abortable else None,
+            resume=(lambda: cluster.engines_call("resume_generation")) if abortable else None,
+        )
+        self.async_rollout.start()
 
     def score(self, experience: Experience, timer: StepTimer) -> dict[str, float]:
         """The scoring forwards, in eval mode: reference log-probs, critic values and (when the step needs them,
@@ -262,7 +304,7 @@ class PPOTrainer:
         kl_in_loss = self.uses_ref and t.kl_mode == "loss"
         return ActorUpdate(
             loss=algo.ActorLossConfig(
-                clip_low=t.clip_low, clip_high=t.clip_high, dual_clip=t.dual_clip, tis_cap=t.tis_cap,
+                clip_low=t.clip_low, clip_high=t.clip_high, dual_clip=t.dual_clip, tis_cap=tis_cap(self.cfg),
                 aggregation=t.loss_aggregation, kl_coef=self.kl_ctl.value if kl_in_loss else 0.0,
                 kl_estimator=t.kl_estimator, entropy_coef=t.entropy_coef,
             ),
@@ -394,7 +436,9 @@ class PPOTrainer:
     def save_checkpoint(self, data_state: dict | None = None) -> str:
         """Checkpoint the run as of the last finished step; ``data_state``: the prompt stream's position to
         record, when it has moved since (a step that failed after drawing its prompts)."""
-        state = {"data": data_state or self.stream.state(), "rng": self.rng.getstate(), "kl_coef": self.kl_ctl.value}
+        if data_state is None:  # async: the stream has moved on to batches not yet trained
+            data_state = self.async_rollout.data_state(self.step) if self.async_rollout else self.stream.state()
+        state = {"data": data_state, "rng": self.rng.getstate(), "kl_coef": self.kl_ctl.value}
         return checkpoint.save_checkpoint(checkpoint.checkpoint_root(self.cfg.log.output_dir), self.step,
                                           self._checkpointed_groups(), state)
 
@@ -421,6 +465,8 @@ class PPOTrainer:
         return path
 
     def shutdown(self) -> None:
+        if self.async_rollout is not None:
+            self.async_rollout.stop()
         self.cluster.shutdown()
         self.run_log.close()
 

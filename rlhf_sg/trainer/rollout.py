@@ -24,11 +24,13 @@ log = logging.getLogger("rlhf_sg")
 ScoreFn = Callable[[list[Prompt], list, Experience], torch.Tensor]
 
 
-def rollout_seed(run_seed: int, step: int, draw: int, engine_index: int) -> int:
+def rollout_seed(run_seed: int, step: int, draw: int, engine_index: int, segment: int = 0) -> int:
     """The sampling seed of one generate call: a 63-bit hash of (run seed, step, draw within the step,
-    engine). Engines, steps and draws get unrelated random streams (the k-th prompt of two engines does not
-    draw the same numbers), and a repeated run gets the same ones."""
-    key = f"{run_seed}/{step}/{draw}/{engine_index}".encode()
+    engine, and for the continuation of aborted completions in partial rollout, its segment). Engines, steps,
+    draws and segments get unrelated random streams (the k-th prompt of two engines does not draw the same
+    numbers), and a repeated run gets the same ones."""
+    key = f"{run_seed}/{step}/{draw}/{engine_index}" + (f"/{segment}" if segment else "")
+    key = key.encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
@@ -43,6 +45,34 @@ def check_weight_versions(versions: list[int], expected: int) -> None:
             f"{found}, but the trainer's policy is version {expected}; an engine missed a weight sync (check the "
             "engine logs, and that every wake after a sleep is followed by a sync)"
         )
+
+
+def check_staleness(versions: list[int], trainer_version: int, max_staleness: int) -> list[int]:
+    """Async rollout: every completion's weight version (the oldest weights that sampled any of its tokens) is at
+    most ``max_staleness`` versions behind the trainer's and never ahead of it. Returns each completion's
+    staleness; raises RuntimeError naming the completions otherwise."""
+    staleness = [trainer_version - v for v in versions]
+    bad = [i for i, s in enumerate(staleness) if not 0 <= s <= max_staleness]
+    if bad:
+        found = sorted({versions[i] for i in bad})
+        raise RuntimeError(
+            f"async step at weight version {trainer_version}: {len(bad)} completion(s) (e.g. {bad[:4]}) were sampled "
+            f"with weight version(s) {found}, outside the {max_staleness} version(s) --rollout.max_staleness allows"
+        )
+    return staleness
+
+
+def continue_completion(before, after, budget: int):
+    """One completion of partial rollout: ``before`` (cut short at a weight sync, ``finish_reason == "abort"``)
+    followed by ``after`` (generated from the prompt plus ``before``'s tokens), cut to ``budget`` new tokens in
+    all. Tokens and log-probs of both are kept; the weight version is the oldest that sampled a token."""
+    from backends.base import Completion
+
+    room = budget - len(before.token_ids)
+    tokens, logprobs = after.token_ids[:room], after.logprobs[:room]
+    finish = after.finish_reason if len(after.token_ids) <= room else "length"
+    version = before.weight_version if before.token_ids else after.weight_version
+    return Completion(before.token_ids + tokens, before.logprobs + logprobs, finish, version, before.prompt_index)
 
 
 def has_signal(group_scores: torch.Tensor) -> bool:
@@ -84,32 +114,68 @@ class RolloutMaker:
     After ``--rollout.max_engine_restarts`` restarts of one engine in a row, :class:`EngineFailure`."""
 
     def __init__(self, cfg: Config, engines: list, stream: PromptStream, eos_id: int, pad_id: int, score: ScoreFn,
-                 restart: RestartFn | None = None):
+                 restart: RestartFn | None = None, on_policy: bool = True):
         self.cfg, self.engines, self.stream, self.score = cfg, engines, stream, score
         self.eos_id, self.pad_id, self.restart = eos_id, pad_id, restart
+        self.on_policy = on_policy  # every completion must come from the trainer's weights (sync rollout)
         self.restarts = 0  # engine restarts so far
+        self.continued = 0  # completions cut short at a weight sync and continued after it (partial rollout)
         self._in_a_row = [0] * len(engines)
+        #: async rollout's hooks: before engine generate calls go out / after they all returned
+        self.before_generate: Callable[[], None] = lambda: None
+        self.after_generate: Callable[[], None] = lambda: None
 
-    def generate(self, prompts: list[Prompt], step: int, draw: int = 0) -> list:
-        """Completions for every prompt, n each, prompt-major; prompts are spread over the engines, each
-        call seeded by :func:`rollout_seed` (``draw``: the generation round within the step)."""
+    def sampling_params(self):
         from backends.base import SamplingParams
-        from rlhf_sg.engine_actor import EngineDied, wait_engine_calls_or_died
 
         r = self.cfg.rollout
-        params = SamplingParams(
+        return SamplingParams(
             n=r.n_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
             max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(r.stop_token_ids) + (self.eos_id,),
         )
+
+    def generate(self, prompts: list[Prompt], step: int, draw: int = 0) -> list:
+        """Completions for every prompt, n each, prompt-major; prompts are spread over the engines, each
+        call seeded by :func:`rollout_seed` (``draw``: the generation round within the step).
+
+        Partial rollout: completions a weight sync cut short (``finish_reason == "abort"``) are continued after
+        it, each from its prompt plus its tokens so far, until none is left (:func:`continue_completion`)."""
+        params = self.sampling_params()
+        completions = self._generate([p.token_ids for p in prompts], params, step, draw)
+        segment, spanning = 0, set()
+        while True:
+            cut = [k for k, c in enumerate(completions) if c.finish_reason == "abort"]
+            spanning.update(k for k in cut if completions[k].token_ids)  # tokens from two weight versions or more
+            if not cut:
+                self.continued += len(spanning)
+                return completions
+            segment += 1
+            n = params.n
+            heads = [prompts[k // n].token_ids + completions[k].token_ids for k in cut]
+            room = max(params.max_new_tokens - len(completions[k].token_ids) for k in cut)
+            tails = self._generate(heads, dataclasses.replace(params, n=1, max_new_tokens=room), step, draw, segment)
+            for k, tail in zip(cut, tails):
+                completions[k] = continue_completion(completions[k], tail, params.max_new_tokens)
+
+    def _generate(self, prompts: list[list[int]], params, step: int, draw: int, segment: int = 0) -> list:
+        """``params.n`` completions per token-id prompt, prompt-major, the prompts spread over the engines; an
+        engine that dies is restarted and its prompts generated again."""
+        from rlhf_sg.engine_actor import EngineDied, wait_engine_calls_or_died
+
         shards = {i: list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))}
         pending = {i: shard for i, shard in shards.items() if shard}
         by_prompt: dict[int, list] = {}
         while pending:
-            calls = [(i, "generate", self.engines[i].generate.remote(
-                [prompts[j].token_ids for j in shard],
-                dataclasses.replace(params, seed=rollout_seed(self.cfg.train.seed, step, draw, i)),
-            )) for i, shard in pending.items()]
-            for (i, _, _), result in zip(calls, wait_engine_calls_or_died(calls, self.cfg.train.timeout_s)):
+            self.before_generate()
+            try:
+                calls = [(i, "generate", self.engines[i].generate.remote(
+                    [prompts[j] for j in shard],
+                    dataclasses.replace(params, seed=rollout_seed(self.cfg.train.seed, step, draw, i, segment)),
+                )) for i, shard in pending.items()]
+                results = wait_engine_calls_or_died(calls, self.cfg.train.timeout_s)
+            finally:
+                self.after_generate()
+            for (i, _, _), result in zip(calls, results):
                 if isinstance(result, EngineDied):
                     self._restart(i, result)
                     continue
@@ -139,9 +205,11 @@ class RolloutMaker:
         and generated until ``prompts_per_step`` groups have signal, at most ``dynamic_filtering_max_draws``
         rounds; a batch still short is filled up with dropped groups. Every completion must come from
         ``weight_version``, the weights the trainer holds (:func:`check_weight_versions`)."""
-        restarts_before = self.restarts
+        restarts_before, continued_before = self.restarts, self.continued
         prompts, experience, metrics = self._make(timer, step, weight_version)
         metrics["rollout/engine_restarts"] = self.restarts - restarts_before
+        if not self.on_policy:
+            metrics["rollout/partial_samples"] = self.continued - continued_before
         return prompts, experience, metrics
 
     def _make(self, timer: StepTimer, step: int, weight_version: int) -> tuple[list[Prompt], Experience, dict]:
@@ -153,7 +221,8 @@ class RolloutMaker:
             with timer.phase("generate"):
                 completions = self.generate(prompts, step, draw=draws)
             draws += 1
-            check_weight_versions([c.weight_version for c in completions], weight_version)
+            if self.on_policy:
+                check_weight_versions([c.weight_version for c in completions], weight_version)
             experience = self._experience(prompts, completions)
             with timer.phase("reward"):
                 scores = self.score(prompts, completions, experience)

@@ -1,0 +1,178 @@
+"""Async rollout: the engines generate the batches of the next steps while the trainer trains.
+
+A thread of the driver (the producer) runs :meth:`RolloutMaker.make` for step after step and keeps the
+finished batches until the trainer takes them (:meth:`AsyncRollout.take`). Three rules hold it::
+
+    staleness   the producer starts the batch of step s only when the engines hold weights of version
+                s - max_staleness or newer; versions only grow, so every token of that batch comes from a
+                version at most max_staleness behind the trainer's when it trains step s
+    sync        the trainer's weight sync (:meth:`AsyncRollout.sync`) has the engines to itself: no generate
+                call goes out while it runs
+    partial     with partial rollout the sync first cuts the generates in flight short (the engines'
+                abort); the producer waits for the sync, then continues each cut completion from its tokens
+                so far with the new weights (:meth:`RolloutMaker.generate`); without it, the sync waits for
+                the generates in flight to finish
+
+Every completion carries the oldest weight version that sampled one of its tokens, and the trainer checks
+and logs the staleness of each batch (:func:`rlhf_sg.trainer.rollout.check_staleness`); the policy loss
+corrects for it with truncated importance sampling against the engines' log-probs.
+
+Engines that restart (one died while generating) are restarted under the same rule as a sync: no sync runs
+meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rlhf_sg.timing import StepTimer
+from rlhf_sg.trainer.rollout import RolloutMaker
+
+log = logging.getLogger("rlhf_sg")
+
+
+class AsyncRollout:
+    """The producer thread and what it shares with the trainer (under one condition variable).
+
+    ``maker``: the rollout maker the producer runs (its ``before_generate`` / ``after_generate`` / ``restart``
+    hooks are set here); ``first_step`` / ``last_step``: the steps to make batches for (``last_step``
+    excluded); ``engine_version``: the weight version the engines hold now; ``abort``: cuts every engine's
+    running generate short and holds the abort (None: no partial rollout); ``resume``: ends the held abort;
+    ``data_state``: the prompt stream's position (recorded before each batch draws its prompts, for
+    checkpoints)."""
+
+    def __init__(self, maker: RolloutMaker, first_step: int, last_step: int, engine_version: int,
+                 max_staleness: int, timeout_s: float, data_state: Callable[[], dict],
+                 abort: Callable[[], Any] | None = None, resume: Callable[[], Any] | None = None):
+        self.maker, self.max_staleness, self.timeout_s = maker, max_staleness, timeout_s
+        self._abort, self._resume, self._data_state = abort, resume, data_state
+        self._cond = threading.Condition()
+        self._engine_control = threading.Lock()  # held by a sync or an engine restart
+        self._next_step, self._last_step = first_step, last_step
+        self._engine_version = engine_version
+        self._ready: dict[int, tuple] = {}  # step -> (prompts, experience, metrics)
+        self._data_states: dict[int, dict] = {}  # step -> the stream's position before its prompts were drawn
+        self._syncing = False  # a sync wants (or has) the engines
+        self._generating = False  # generate calls of the producer are out
+        self._stopping = False
+        self._error: BaseException | None = None
+        restart = maker.restart
+        if restart is not None:
+            maker.restart = lambda i: self._exclusive(lambda: restart(i))
+        maker.before_generate, maker.after_generate = self._before_generate, self._after_generate
+        self._thread = threading.Thread(target=self._run, name="rlhf_sg-rollout", daemon=True)
+
+    # ---- the producer ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    # the staleness bound: the batch of step s needs weights of version s - max_staleness or newer
+                    self._cond.wait_for(lambda: self._stopping or (
+                        self._next_step < self._last_step
+                        and self._next_step - self._engine_version <= self.max_staleness))
+                    if self._stopping:
+                        return
+                    step = self._next_step
+                    self._data_states[step] = self._data_state()
+                    version = self._engine_version
+                timer = StepTimer(sync=lambda: None)
+                timer.start_step()
+                prompts, experience, metrics = self.maker.make(timer, step, version)
+                times = timer.end_step()
+                metrics.update({f"rollout_time/{k}": v for k, v in times.items()})
+                with self._cond:
+                    self._ready[step] = (prompts, experience, metrics)
+                    self._next_step = step + 1
+                    self._cond.notify_all()
+        except BaseException as exc:  # handed to the trainer at its next take
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def _before_generate(self) -> None:
+        """Before generate calls go out: wait while a sync has the engines, then mark them out."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._syncing or self._stopping)
+            self._generating = True
+
+    def _after_generate(self) -> None:
+        with self._cond:
+            self._generating = False
+            self._cond.notify_all()
+
+    def _exclusive(self, fn: Callable[[], Any]) -> Any:
+        with self._engine_control:
+            return fn()
+
+    # ---- the trainer's side --------------------------------------------------------------------------
+    def take(self, step: int) -> tuple[list, Any, dict[str, float]]:
+        """The batch of ``step`` (prompts, experience, metrics), waiting for the producer; re-raises a failure of
+        the producer (an engine failure, a reward error)."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while step not in self._ready:
+                if self._error is not None:
+                    raise self._error
+                if not self._thread.is_alive():
+                    raise RuntimeError(f"step {step + 1}: the rollout thread stopped without making its batch")
+                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())) and time.monotonic() > deadline:
+                    raise TimeoutError(f"step {step + 1}: no rollout batch within --train.timeout_s "
+                                       f"{self.timeout_s:.0f} s (engines or the reward function stuck?)")
+            self._data_states.pop(step, None)
+            return self._ready.pop(step)
+
+    def data_state(self, step: int) -> dict:
+        """The prompt stream's position for a checkpoint taken before ``step`` trains: where the batch of ``step``
+        started drawing, or, when the producer has not started it, where the stream is now."""
+        with self._cond:
+            state = self._data_states.get(step)
+            return state if state is not None else self._data_state()
+
+    def sync(self, push: Callable[[], Any], version: int, timer: StepTimer) -> Any:
+        """Run the weight sync ``push`` with the engines to itself and record ``version`` as theirs.
+
+        With partial rollout the generates in flight are cut short first (the producer continues them after);
+        otherwise they are waited for (phase ``wait_generate``)."""
+        with self._cond:
+            self._syncing = True
+        try:
+            with self._engine_control:
+                with timer.phase("wait_generate"):
+                    if self._abort is not None:
+                        self._abort()
+                    with self._cond:
+                        if not self._cond.wait_for(lambda: not self._generating or self._error is not None,
+                                                   timeout=self.timeout_s):
+                            raise TimeoutError(f"weight sync to version {version}: the engines' generate calls did "
+                                               f"not return within --train.timeout_s {self.timeout_s:.0f} s")
+                result = push()
+                with self._cond:
+                    self._engine_version = version
+                if self._resume is not None:
+                    with timer.phase("weight_sync"):
+                        self._resume()
+        finally:
+            with self._cond:
+                self._syncing = False
+                self._cond.notify_all()
+        return result
+
+    def stop(self) -> None:
+        """Stop the producer after its current batch (a batch in progress is dropped with the thread)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._abort is not None and self._thread.is_alive():
+            try:
+                self._abort()
+            except Exception:  # engines may be gone already; stopping must not fail
+                log.debug("abort at stop failed", exc_info=True)
+        self._thread.join(timeout=self.timeout_s)
