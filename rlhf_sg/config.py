@@ -585,6 +585,9 @@ def _validate_rollout_mode(cfg: Config) -> None:
         _need(r.sleep_engines_while_training is not True,
               "--rollout.mode async generates while the trainer trains: the engines cannot sleep then; drop "
               "--rollout.sleep_engines_while_training or use --rollout.mode sync")
+        _need(not cfg.train.offload_states_while_generating,
+              "--rollout.mode async trains while the engines generate: the training states cannot leave the "
+              "device then; drop --train.offload_states_while_generating or use --rollout.mode sync")
 
 
 #: --rollout.mode values

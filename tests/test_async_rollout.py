@@ -82,6 +82,10 @@ def test_async_mode_rules():
         _validate_rollout_mode(_cfg(mode="async", max_staleness=0))
     with pytest.raises(ConfigError, match="engines cannot sleep"):
         _validate_rollout_mode(_cfg(mode="async", sleep_engines_while_training=True))
+    offloading = _cfg(mode="async")
+    offloading.train.offload_states_while_generating = True
+    with pytest.raises(ConfigError, match="training states cannot leave the device"):
+        _validate_rollout_mode(offloading)
     _validate_rollout_mode(_cfg(mode="async", max_staleness=2))
     # colocated placement stays sync; TIS is on by default only where samples can be stale
     colocated = _cfg(mode="async")
