@@ -120,23 +120,59 @@ def _teacher_forced_logp(model, prompt: list[int], tokens: list[int]) -> tuple[t
     return logp.gather(1, torch.tensor(tokens)[:, None])[:, 0], logits.argmax(-1)
 
 
+def _two_models(backend: str):
+    """Models A and B of one architecture (different seeds) the engine runs, without an end-of-sequence id of
+    their own (only the maker's stop id ends a completion). vLLM's CPU attention needs heads of 32."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_sg.tiny import tiny_config
+
+    config = tiny_config("qwen2", "tiny")
+    if backend == "vllm":
+        config.num_attention_heads, config.num_key_value_heads = 2, 1
+    models = []
+    for seed in (0, 1):
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            m = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        m.config.eos_token_id = m.generation_config.eos_token_id = None
+        models.append(m)
+    return models
+
+
+def _engine_config(backend: str, path: str):
+    from backends.base import BackendConfig
+
+    extra = {"gpu_memory_utilization": 0.05} if backend == "vllm" else {}
+    return BackendConfig(model_path=path, dtype="float32", max_model_len=1024, seed=0, num_threads=1, extra=extra)
+
+
+ENGINE_BACKENDS = {"hf": None, "sglang": "bash recipes/install/sglang_cpu.sh",
+                   "vllm": "bash recipes/install/vllm_cpu.sh"}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", sorted(ENGINE_BACKENDS))
 def test_partial_rollout_continues_a_generation_across_a_weight_sync_keeping_the_tokens_before_and_after(
-        ray_cluster, tmp_path):
+        ray_cluster, tmp_path, backend):
     """One engine starts on model A and greedily generates 2 x 2 long completions; from another thread the test
     aborts it mid-generation, loads model B as version 1 and resumes. Every completion must be A's greedy tokens
     (with A's log-probs) up to the cut and B's greedy continuation of prompt + those tokens after it, carry
-    version 0 (its oldest tokens), and the cut must fall strictly inside it."""
-    from backends.base import BackendConfig
+    version 0 (its oldest tokens), and the cut must fall strictly inside it. SGLang and vLLM run in their venvs."""
+    import importlib.util
+
+    if ENGINE_BACKENDS[backend] and importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed here ({ENGINE_BACKENDS[backend]} builds its venv)")
+    import backends
     from rlhf_sg.engine_actor import start_engine_actors
-    from rlhf_sg.tiny import build_tiny_model, save_tiny_model
+    from rlhf_sg.tiny import save_tiny_model
     from rlhf_sg.trainer.rollout import RolloutMaker
 
-    a, b = build_tiny_model("qwen2", "tiny", seed=0), build_tiny_model("qwen2", "tiny", seed=1)
-    for m in (a, b):  # no end-of-sequence id of the model's own: only the maker's stop id ends a completion
-        m.config.eos_token_id = m.generation_config.eos_token_id = None
+    if not backends.get_backend_class(backend).supports_abort:
+        pytest.skip(f"backend {backend!r} cannot abort a running generate (supports_abort is False)")
+    a, b = _two_models(backend)
     path_a, path_b = save_tiny_model(str(tmp_path / "a"), model=a), save_tiny_model(str(tmp_path / "b"), model=b)
-    (engine,) = start_engine_actors("hf", BackendConfig(model_path=path_a, num_threads=1), 1, abortable=True)
+    (engine,) = start_engine_actors(backend, _engine_config(backend, path_a), 1, abortable=True)
 
     cfg = Config()
     cfg.rollout.n_samples_per_prompt, cfg.rollout.temperature, cfg.rollout.max_new_tokens = 2, 0.0, 600
@@ -147,16 +183,16 @@ def test_partial_rollout_continues_a_generation_across_a_weight_sync_keeping_the
     def before_generate():  # the second call (the continuation) waits for the sync, as async rollout's does
         calls.append(time.monotonic())
         if len(calls) > 1:
-            assert synced.wait(60)
+            assert synced.wait(120)
 
     maker.before_generate = before_generate
 
     def trainer():
-        time.sleep(0.4)  # generation well under way (600 tokens take seconds on one thread)
-        cut = ray.get(engine.abort_generation.options(concurrency_group="abort").remote(), timeout=60)
+        time.sleep(0.4 if backend == "hf" else 1.5)  # generation well under way (600 tokens take seconds)
+        cut = ray.get(engine.abort_generation.options(concurrency_group="abort").remote(), timeout=120)
         # while the abort holds, a generate returns at once with nothing
         held = ray.get(engine.generate.remote([[3, 4]], maker.sampling_params()), timeout=60)
-        ray.get(engine.update_weights_from_disk.remote(path_b), timeout=60)
+        ray.get(engine.update_weights_from_disk.remote(path_b), timeout=120)
         ray.get(engine.finish_weight_update.remote(1), timeout=60)
         ray.get(engine.resume_generation.remote(), timeout=60)
         results.update(cut=cut, held=held)
@@ -166,27 +202,30 @@ def test_partial_rollout_continues_a_generation_across_a_weight_sync_keeping_the
     prompts = [type("P", (), {"token_ids": [5, 6, 7]})(), type("P", (), {"token_ids": [8, 9]})()]
     thread = threading.Thread(target=trainer)
     thread.start()
-    completions = maker.generate(prompts, step=0)
-    thread.join(60)
-    assert results["cut"] is True
-    assert [(c.finish_reason, c.token_ids) for c in results["held"]] == [("abort", [])] * 2
-    assert maker.continued == 4 and len(calls) == 2
-    for k, c in enumerate(completions):
-        prompt = prompts[k // 2].token_ids
-        assert len(c.token_ids) == len(c.logprobs) and c.weight_version == 0
-        # to the budget, or to the stop token (the maker's end-of-sequence id), which is then the last token
-        assert (c.finish_reason, len(c.token_ids)) == ("length", 600) or (
-            c.finish_reason == "stop" and c.token_ids[-1] == vocab - 1 and len(c.token_ids) < 600)
-        logp_a, greedy_a = _teacher_forced_logp(a, prompt, c.token_ids)
-        logp_b, greedy_b = _teacher_forced_logp(b, prompt, c.token_ids)
-        engine_logp, tokens = torch.tensor(c.logprobs), torch.tensor(c.token_ids)
-        from_a = (engine_logp - logp_a).abs() < 1e-3
-        cut = int(from_a.logical_not().nonzero()[0]) if not from_a.all() else len(tokens)
-        assert 0 < cut < len(tokens), f"completion {k}: the cut at {cut} is not inside it"
-        assert torch.equal(tokens[:cut], greedy_a[:cut])  # A's tokens before the sync, kept
-        assert torch.equal(tokens[cut:], greedy_b[cut:])  # B's continuation after it
-        assert torch.allclose(engine_logp[cut:], logp_b[cut:], atol=1e-3)
-    ray.kill(engine)
+    try:
+        completions = maker.generate(prompts, step=0)
+        thread.join(120)
+        assert results["cut"] is True
+        assert [(c.finish_reason, c.token_ids) for c in results["held"]] == [("abort", [])] * 2
+        assert maker.continued == 4 and len(calls) == 2
+        for k, c in enumerate(completions):
+            prompt = prompts[k // 2].token_ids
+            assert len(c.token_ids) == len(c.logprobs) and c.weight_version == 0
+            # to the budget, or to the stop token (the maker's end-of-sequence id), which is then the last token
+            assert (c.finish_reason, len(c.token_ids)) == ("length", 600) or (
+                c.finish_reason == "stop" and c.token_ids[-1] == vocab - 1 and len(c.token_ids) < 600)
+            logp_a, greedy_a = _teacher_forced_logp(a, prompt, c.token_ids)
+            logp_b, greedy_b = _teacher_forced_logp(b, prompt, c.token_ids)
+            engine_logp, tokens = torch.tensor(c.logprobs), torch.tensor(c.token_ids)
+            from_a = (engine_logp - logp_a).abs() < 1e-2
+            cut = int(from_a.logical_not().nonzero()[0]) if not from_a.all() else len(tokens)
+            assert 0 < cut < len(tokens), f"completion {k}: the cut at {cut} is not inside it"
+            assert torch.equal(tokens[:cut], greedy_a[:cut])  # A's tokens before the sync, kept
+            assert torch.equal(tokens[cut:], greedy_b[cut:])  # B's continuation after it
+            assert torch.allclose(engine_logp[cut:], logp_b[cut:], atol=1e-2)
+    finally:
+        ray.get(engine.shutdown.remote(), timeout=120)
+        ray.kill(engine)
 
 
 @pytest.mark.slow
@@ -203,6 +242,60 @@ def test_abort_when_no_generate_runs_cuts_nothing_and_generate_runs_again_after_
     (c,) = ray.get(engine.generate.remote([[3, 4]], params), timeout=60)
     assert c.finish_reason != "abort" and len(c.token_ids) > 0
     ray.kill(engine)
+
+
+@pytest.mark.slow
+def test_the_producer_runs_ahead_by_the_staleness_bound_only_and_stops_mid_generation(ray_cluster, tmp_path):
+    """AsyncRollout on a real engine: with max_staleness 2 and the engines at version 0 it makes the batches of
+    steps 0, 1 and 2 and no more until a sync raises the engines' version; a sync cuts a long generate short and
+    the batch still comes out whole (continued); stop() during a long generate ends the thread at once."""
+    from rlhf_sg.data import Prompt, PromptStream
+    from rlhf_sg.engine_actor import start_engine_actors
+    from rlhf_sg.timing import StepTimer
+    from rlhf_sg.tiny import save_tiny_model
+    from rlhf_sg.trainer.async_rollout import AsyncRollout
+    from rlhf_sg.trainer.rollout import RolloutMaker
+
+    path = save_tiny_model(str(tmp_path / "m"))
+    (engine,) = start_engine_actors("hf", _engine_config("hf", path), 1, abortable=True)
+    cfg = Config()
+    cfg.rollout.n_samples_per_prompt, cfg.rollout.prompts_per_step, cfg.rollout.max_new_tokens = 2, 2, 4
+    stream = PromptStream([Prompt([5 + i, 6], f"p{i}") for i in range(8)], 2, seed=0)
+    maker = RolloutMaker(cfg, [engine], stream, eos_id=2, pad_id=0,
+                         score=lambda prompts, completions, exp: torch.zeros(len(completions)), on_policy=False)
+    abort = lambda: ray.get(engine.abort_generation.options(concurrency_group="abort").remote(), timeout=60)  # noqa: E731
+    resume = lambda: ray.get(engine.resume_generation.remote(), timeout=60)  # noqa: E731
+    producer = AsyncRollout(maker, first_step=0, last_step=10, engine_version=0, max_staleness=2, timeout_s=60,
+                            data_state=stream.state, abort=abort, resume=resume)
+    producer.start()
+    try:
+        for step in range(3):
+            producer.take(step)
+        time.sleep(1.0)  # step 3 needs version 1: nothing more may be made
+        assert producer._ready == {} and producer._next_step == 3
+        timer = StepTimer(sync=lambda: None)
+        timer.start_step()
+        synced = []
+        cfg.rollout.max_new_tokens = 800  # from step 3 on, batches are long: the second sync cuts one short
+        def push(version):  # a sync without new weights: the engine records the version
+            return lambda: synced.append(ray.get(engine.finish_weight_update.remote(version), timeout=60))
+
+        producer.sync(push(1), version=1, timer=timer)
+        time.sleep(0.5)
+        producer.sync(push(2), version=2, timer=timer)
+        prompts, experience, metrics = producer.take(3)
+        assert synced == [1, 2] and experience.batch_size == 4
+        # cut by the second sync: the samples keep the version of their first tokens
+        assert 1 in experience.weight_version.tolist() and maker.continued > 0
+        assert set(experience.weight_version.tolist()) <= {1, 2}
+        # the next batch (800 tokens) is under way: stop cuts it and the thread ends
+        time.sleep(0.5)
+        start = time.monotonic()
+        producer.stop()
+        assert not producer._thread.is_alive() and time.monotonic() - start < 30
+    finally:
+        producer.stop()
+        ray.kill(engine)
 
 
 # ---- the trainer in async mode ------------------------------------------------------------------------------
@@ -270,3 +363,37 @@ def test_async_run_learns_the_quickstart_task(ray_cluster, task, tmp_path):
     # the sync-mode test's margin (128 samples a step: the step mean's noise is ~0.04)
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.05, rewards
     assert all(h["rollout/staleness_max"] <= 1 for h in history)
+
+
+@pytest.mark.slow
+def test_async_resume_sees_the_prompts_an_uninterrupted_run_saw(ray_cluster, task, tmp_path):
+    """A checkpoint of an async run is taken while the producer has already drawn the prompts of later steps; it
+    must record where the first untrained batch started drawing, so a run resumed from it trains on the same
+    prompts as the run that went on."""
+    import arith_task
+
+    from rlhf_sg.trainer import PPOTrainer, train
+    from rlhf_sg.trainer.checkpoint import checkpoint_root
+
+    seen: dict[str, list] = {}
+
+    def recorder(name):
+        class Recording(PPOTrainer):
+            def on_step_end(self, step, metrics):
+                seen.setdefault(name, []).append((step, [p.text for p in self.prompts]))
+
+        return Recording
+
+    out = str(tmp_path / "run")
+    cfg = _async_cfg(task, out, 4, max_staleness=2)
+    cfg.log.save_steps = 2
+    train(cfg, trainer_cls=recorder("full"), reward_fn=arith_task.addition_reward)
+    root = checkpoint_root(out)
+    with open(os.path.join(root, "latest"), "w") as f:  # back to the checkpoint after step 2
+        f.write("step2")
+    os.remove(os.path.join(root, "step4.trainer.json"))
+    resumed = _async_cfg(task, out, 4, max_staleness=2)
+    resumed.log.save_steps, resumed.log.resume = 2, True
+    train(resumed, trainer_cls=recorder("resumed"), reward_fn=arith_task.addition_reward)
+    assert [s for s, _ in seen["resumed"]] == [3, 4]
+    assert seen["resumed"] == seen["full"][2:]

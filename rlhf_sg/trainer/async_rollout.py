@@ -35,6 +35,11 @@ from rlhf_sg.trainer.rollout import RolloutMaker
 log = logging.getLogger("rlhf_sg")
 
 
+class RolloutStopped(Exception):
+    """Raised in the producer thread at its next generate call once :meth:`AsyncRollout.stop` was called: it
+    unwinds a batch in progress (a continuation loop included), which is dropped."""
+
+
 class AsyncRollout:
     """The producer thread and what it shares with the trainer (under one condition variable).
 
@@ -92,15 +97,20 @@ class AsyncRollout:
                     self._ready[step] = (prompts, experience, metrics)
                     self._next_step = step + 1
                     self._cond.notify_all()
+        except RolloutStopped:
+            return
         except BaseException as exc:  # handed to the trainer at its next take
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
 
     def _before_generate(self) -> None:
-        """Before generate calls go out: wait while a sync has the engines, then mark them out."""
+        """Before generate calls go out: wait while a sync has the engines, then mark them out; after
+        :meth:`stop`, raise :class:`RolloutStopped` instead."""
         with self._cond:
             self._cond.wait_for(lambda: not self._syncing or self._stopping)
+            if self._stopping:
+                raise RolloutStopped
             self._generating = True
 
     def _after_generate(self) -> None:
@@ -166,7 +176,8 @@ class AsyncRollout:
         return result
 
     def stop(self) -> None:
-        """Stop the producer after its current batch (a batch in progress is dropped with the thread)."""
+        """Stop the producer: a running generate is cut short (partial rollout) or finishes, and the batch in
+        progress is dropped at its next generate call."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -176,3 +187,5 @@ class AsyncRollout:
             except Exception:  # engines may be gone already; stopping must not fail
                 log.debug("abort at stop failed", exc_info=True)
         self._thread.join(timeout=self.timeout_s)
+        if self._thread.is_alive():
+            log.warning("the rollout thread did not stop within %.0f s; leaving it (a daemon thread)", self.timeout_s)
