@@ -256,12 +256,14 @@ def test_the_producer_runs_ahead_by_the_staleness_bound_only_and_stops_mid_gener
     from rlhf_sg.trainer.async_rollout import AsyncRollout
     from rlhf_sg.trainer.rollout import RolloutMaker
 
-    path = save_tiny_model(str(tmp_path / "m"))
+    model, _ = _two_models("hf")
+    path = save_tiny_model(str(tmp_path / "m"), model=model)
     (engine,) = start_engine_actors("hf", _engine_config("hf", path), 1, abortable=True)
     cfg = Config()
     cfg.rollout.n_samples_per_prompt, cfg.rollout.prompts_per_step, cfg.rollout.max_new_tokens = 2, 2, 4
     stream = PromptStream([Prompt([5 + i, 6], f"p{i}") for i in range(8)], 2, seed=0)
-    maker = RolloutMaker(cfg, [engine], stream, eos_id=2, pad_id=0,
+    # a stop id past the vocabulary: no completion ends before its budget or a cut
+    maker = RolloutMaker(cfg, [engine], stream, eos_id=model.config.vocab_size + 1, pad_id=0,
                          score=lambda prompts, completions, exp: torch.zeros(len(completions)), on_policy=False)
     abort = lambda: ray.get(engine.abort_generation.options(concurrency_group="abort").remote(), timeout=60)  # noqa: E731
     resume = lambda: ray.get(engine.resume_generation.remote(), timeout=60)  # noqa: E731
