@@ -56,6 +56,15 @@ transport (2-5 ms). A disk reload flushes in its own update call. On GPU the ski
 when generation resumes, so the allocator's cached blocks are still handed back once per sync; the
 KV pool itself stays allocated either way (only ``sleep`` releases it).
 
+Partial rollout (``supports_abort``). :meth:`SGLangBackend.abort_generation`, called from another thread
+while ``generate`` runs, uses SGLang's own abort, ``abort_request(abort_all=True)``: queued onto the
+in-process engine's asyncio loop (``Engine.generate`` runs that loop on the engine thread; the abort is a
+thread-safe callback on it, never a second ``run_until_complete``), or ``POST /abort_request`` to every
+server (an admin endpoint) in http mode. SGLang ends a running request after its next decode step, keeping
+that token and its log-prob, and drops a queued one; ``generate`` then returns each completion with the tokens
+sampled so far and ``finish_reason="abort"``. An abort SGLang reports that ``abort_generation`` did not ask for
+is still an error.
+
 Sleep / wake call ``release_memory_occupation`` / ``resume_memory_occupation`` with SGLang's memory
 tags: our ``"weights"`` is SGLang's ``"weights"``, our ``"kv_cache"`` is its ``"kv_cache"`` and
 ``"cuda_graph"`` (graphs serve generation only, so they leave and come back with the KV cache). SGLang
@@ -113,6 +122,8 @@ import pickle
 import re
 import sys
 import tempfile
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -347,6 +358,17 @@ def open_weight_update_group(
 
 
 # ---- drivers: the two ways of talking to SGLang ---------------------------------------------------
+class _InFlight:
+    """One running ``generate``: whether :meth:`SGLangBackend.abort_generation` asked to cut it short, and
+    whether it has returned (set by the driver)."""
+
+    __slots__ = ("aborted", "done")
+
+    def __init__(self):
+        self.aborted = False
+        self.done = threading.Event()
+
+
 class _EngineDriver:
     """``sglang.Engine`` in this process. Every call runs on one dedicated thread, with a deadline.
 
@@ -396,13 +418,34 @@ class _EngineDriver:
             self._stuck = what
             raise BackendError(f"SGLang engine: {what} did not finish within {timeout_s} s") from None
 
-    def generate(self, input_ids: list[list[int]], sampling: list[dict]) -> list[dict]:
-        return self.run(
-            f"generate ({len(input_ids)} rows)",
-            lambda: self.engine.generate(
-                input_ids=input_ids, sampling_params=sampling, return_logprob=True, logprob_start_len=-1
-            ),
-        )
+    def generate(self, input_ids: list[list[int]], sampling: list[dict], inflight: _InFlight) -> list[dict]:
+        def generate():
+            try:
+                return self.engine.generate(
+                    input_ids=input_ids, sampling_params=sampling, return_logprob=True, logprob_start_len=-1
+                )
+            finally:
+                inflight.done.set()  # on the engine thread: abort callbacks queued after this see it
+
+        return self.run(f"generate ({len(input_ids)} rows)", generate)
+
+    def abort(self, inflight: _InFlight) -> None:
+        """From any thread: abort every request of the running ``generate`` (SGLang's ``abort_request(abort_all=
+        True)``), on the engine's own loop thread.
+
+        ``Engine.generate`` runs ``loop.run_until_complete`` on the engine thread, and the tokenizer manager's
+        socket to the scheduler belongs to that loop, so the abort is a callback queued onto the loop
+        (``call_soon_threadsafe``): it runs between the loop's steps while the generate waits for its outputs.
+        A callback that comes too late (the generate has returned) sends nothing; one left queued on the idle
+        loop would run first at its next run, before that run's requests are sent, so it could not reach them.
+        """
+        tm = self.engine.tokenizer_manager
+
+        def abort_on_loop():
+            if not inflight.done.is_set():
+                tm.abort_request(abort_all=True)
+
+        self.engine.loop.call_soon_threadsafe(abort_on_loop)
 
     def call(self, method: str, timeout_s: float | None = None, **kwargs) -> Any:
         """``Engine.<method>(**kwargs)``; SGLang's ``(success, message)`` answers are checked."""
@@ -595,7 +638,23 @@ class _HTTPDriver:
         futures = [self._pool.submit(self.request, url, endpoint, method, body, timeout_s) for url in self.server_urls]
         return [f.result() for f in futures]
 
-    def generate(self, input_ids: list[list[int]], sampling: list[dict]) -> list[dict]:
+    def generate(self, input_ids: list[list[int]], sampling: list[dict], inflight: _InFlight) -> list[dict]:
+        try:
+            return self._generate(input_ids, sampling)
+        finally:
+            inflight.done.set()
+
+    def abort(self, inflight: _InFlight) -> None:
+        """From any thread: ``POST /abort_request {"abort_all": true}`` to every server (an admin endpoint).
+
+        Sent from the calling thread, not through the pool the generate's requests may fill.
+        """
+        for url in self.server_urls:
+            if inflight.done.is_set():
+                return
+            self.request(url, "abort_request", "POST", {"abort_all": True}, timeout_s=min(self._timeout_s, 60.0))
+
+    def _generate(self, input_ids: list[list[int]], sampling: list[dict]) -> list[dict]:
         if self.router_url is not None:
             futures = [
                 self._pool.submit(
@@ -755,6 +814,7 @@ class SGLangBackend(RolloutBackend):
 
     name = "sglang"
     transports = frozenset({"collective", "tensor", "disk"})
+    supports_abort = True
 
     def __init__(self, config: BackendConfig):
         super().__init__(config)
@@ -779,6 +839,8 @@ class SGLangBackend(RolloutBackend):
         timeout_s = float(extra.get("request_timeout_s", 1800.0))
         if timeout_s <= 0:
             raise BackendError(f"BackendConfig.extra['request_timeout_s'] must be > 0, got {timeout_s}")
+        self._timeout_s = timeout_s
+        self._inflight: _InFlight | None = None  # the running generate, for abort_generation
         self._group_name: str | None = None
         self._group_timeout_s = timeout_s
         self._update_open = False  # inside begin_weight_update .. end_weight_update
@@ -850,30 +912,71 @@ class SGLangBackend(RolloutBackend):
                 "backends only); sampling uses the engine's own random stream"
             )
             self._warned_seed = True
-        sampling = []
-        call_seed = params.seed
-        if self._deterministic and call_seed is None:
-            call_seed = int(torch.randint(0, 2**62, (1,), generator=self._unseeded))
-        for i in range(len(prompts)):
-            for j in range(params.n):
-                # one seed per completion row, so the n samples of a prompt differ (SGLang takes int64)
-                seed = row_seed(call_seed, i, j) >> 1 if self._deterministic else None
-                sampling.append(sglang_sampling_params(params, seed))
+        rows = len(prompts) * params.n
+        if self._deterministic:
+            call_seed = params.seed
+            if call_seed is None:
+                call_seed = int(torch.randint(0, 2**62, (1,), generator=self._unseeded))
+            # one seed per completion row, so the n samples of a prompt differ (SGLang takes int64)
+            sampling = [
+                sglang_sampling_params(params, row_seed(call_seed, i, j) >> 1)
+                for i in range(len(prompts))
+                for j in range(params.n)
+            ]
+        else:
+            # one dict for every row, as SGLang itself expands a single sampling dict over a batch
+            sampling = [sglang_sampling_params(params)] * rows
         input_ids = [list(map(int, p)) for p in prompts for _ in range(params.n)]
-        outputs = self._driver.generate(input_ids, sampling)
+        inflight = _InFlight()
+        self._inflight = inflight
+        try:
+            outputs = self._driver.generate(input_ids, sampling, inflight)
+        finally:
+            inflight.done.set()
+            self._inflight = None
         if len(outputs) != len(input_ids):
             raise BackendError(f"SGLang returned {len(outputs)} outputs for {len(input_ids)} requests")
-        return [self._completion(out, row // params.n) for row, out in enumerate(outputs)]
+        return [self._completion(out, row // params.n, inflight.aborted) for row, out in enumerate(outputs)]
 
-    def _completion(self, out: dict, prompt_index: int) -> Completion:
+    def abort_generation(self) -> None:
+        """Cut the running ``generate`` short (from another thread; a no-op when none runs), and return once it
+        has returned.
+
+        SGLang's own abort: ``abort_request(abort_all=True)``, queued onto the in-process engine's event loop or
+        ``POST /abort_request`` to every server. The scheduler ends each running request after its next decode
+        step (that token is kept, with its log-prob) and drops queued ones; the generate then returns every
+        request with SGLang's finish reason ``"abort"`` and the tokens sampled so far. Requests still on their
+        way to the scheduler when the abort arrives are not in it yet, so the abort is sent again, at growing
+        intervals, until the generate has returned (at most ``request_timeout_s``).
+        """
+        inflight = self._inflight
+        if inflight is None or self._closed:
+            return
+        inflight.aborted = True
+        deadline = time.monotonic() + self._timeout_s
+        pause = 0.02
+        while not inflight.done.is_set():
+            self._driver.abort(inflight)
+            if inflight.done.wait(pause):
+                return
+            if time.monotonic() > deadline:
+                raise BackendError(
+                    f"abort_generation: the running generate did not return within request_timeout_s="
+                    f"{self._timeout_s} s of the abort"
+                )
+            pause = min(2 * pause, 0.5)
+
+    def _completion(self, out: dict, prompt_index: int, aborted: bool = False) -> Completion:
         meta = out["meta_info"]
         finish = meta.get("finish_reason") or {}
         kind = finish.get("type")
-        if kind not in ("stop", "length"):
+        # "abort" after abort_generation: the tokens so far (none when the request never left the queue); an
+        # abort nobody asked for is the engine's own (a bad request, a timeout) and an error
+        if kind not in ("stop", "length") and not (kind == "abort" and aborted):
             raise BackendError(f"SGLang aborted the completion of prompt {prompt_index}: {finish}")
         token_ids = [int(t) for t in out["output_ids"]]
-        entries = meta["output_token_logprobs"]
-        if len(entries) != len(token_ids) or any(int(e[1]) != t for e, t in zip(entries, token_ids)):
+        entries = meta.get("output_token_logprobs") or []  # (log-prob, token id, text) per token
+        if [e[1] for e in entries] != token_ids:
             raise BackendError(
                 f"SGLang's log-probs for prompt {prompt_index} do not line up with its tokens "
                 f"({len(entries)} log-probs, {len(token_ids)} tokens)"

@@ -15,6 +15,12 @@ samples share its cached prefix), seeded from ``(seed, prompt index, sample inde
 is ``SamplingParams.seed`` or, when that is None, the next draw of a stream seeded by
 ``BackendConfig.seed``. Same prompts, params and weights -> same tokens.
 
+Partial rollout (``supports_abort``): ``generate`` runs ``LLM.generate``'s own steps (``LLM.enqueue``, then
+``LLMEngine.step`` until no request is left) and checks between two steps whether
+:meth:`VLLMBackend.abort_generation` asked it to stop (vLLM's engine is not safe to call from another thread
+while its loop runs); if so it takes each request's tokens and log-probs so far from vLLM's request state
+(``FinishReason.ABORT``) and removes the requests with ``LLMEngine.abort_request``, in the generate's thread.
+
 Weights arrive through a worker extension (:class:`backends.vllm_worker.WeightSyncExtension`,
 called with ``LLM.collective_rpc``) over all three transports. Buckets of one sync are loaded with
 vLLM's layerwise reload, opened by the first bucket and closed by :meth:`VLLMBackend.finish_weight_update`,
@@ -68,6 +74,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
 from typing import Any
 
 import torch
@@ -108,6 +115,8 @@ _EXTRA_KEYS = {
 _CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 _EXTENSION = "backends.vllm_worker.WeightSyncExtension"
 _SEED_MASK = (1 << 63) - 1
+#: the longest abort_generation waits for the running generate to return (one engine step)
+_ABORT_WAIT_S = 600.0
 _LOADING_METHODS = {"rlhf_receive_bucket", "rlhf_load_tensor_bucket", "rlhf_reload_from_disk"}
 
 
@@ -159,6 +168,7 @@ class VLLMBackend(RolloutBackend):
 
     name = "vllm"
     transports = frozenset({"collective", "tensor", "disk"})
+    supports_abort = True
 
     def __init__(self, config: BackendConfig):
         super().__init__(config)
@@ -181,6 +191,8 @@ class VLLMBackend(RolloutBackend):
         self._asleep = False  # some memory tag is released (generate refused)
         self._released: set[str] = set()  # our memory tags released by sleep, not yet woken
         self._closed = False
+        self._abort_asked = threading.Event()  # abort_generation asked the running generate to stop
+        self._generate_done: threading.Event | None = None  # set when the running generate returns
         try:
             self.llm = vllm.LLM(**engine_kwargs)
         except Exception as exc:
@@ -218,18 +230,33 @@ class VLLMBackend(RolloutBackend):
                         detokenize=False,
                     )
                 )
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        done = threading.Event()
+        self._abort_asked.clear()
+        self._generate_done = done
+        try:
+            outputs, aborted = self._run(requests, sampling)
+        finally:
+            self._generate_done = None
+            done.set()
+        if len(outputs) != len(requests):
+            raise BackendError(f"generate: vLLM returned {len(outputs)} outputs for {len(requests)} requests")
         version = self._weight_version
         completions = []
         for k, out in enumerate(outputs):
             sample = out.outputs[0]
-            if sample.finish_reason not in ("stop", "length"):
+            if sample.finish_reason not in ("stop", "length") and not (aborted and sample.finish_reason == "abort"):
                 raise BackendError(
                     f"generate: vLLM ended prompt {k // n} sample {k % n} with finish_reason="
                     f"{sample.finish_reason!r} (expected 'stop' or 'length')"
                 )
             token_ids = list(sample.token_ids)
-            logprobs = [float(position[token].logprob) for position, token in zip(sample.logprobs, token_ids)]
+            positions = sample.logprobs if sample.logprobs is not None else []  # None: an abort before any token
+            if len(positions) != len(token_ids):
+                raise BackendError(
+                    f"generate: vLLM returned {len(positions)} log-probs for the {len(token_ids)} tokens of prompt "
+                    f"{k // n} sample {k % n}"
+                )
+            logprobs = [float(position[token].logprob) for position, token in zip(positions, token_ids)]
             completions.append(
                 Completion(
                     token_ids=token_ids,
@@ -240,6 +267,60 @@ class VLLMBackend(RolloutBackend):
                 )
             )
         return completions
+
+    def _run(self, requests: list, sampling: list) -> tuple[list, bool]:
+        """``LLM.generate`` (its ``enqueue`` then its engine loop, as ``LLM._run_engine`` steps it), checking
+        between steps whether :meth:`abort_generation` asked to stop; (outputs in request order, aborted).
+
+        On an abort, each unfinished request's output so far is made by vLLM's own request state with
+        ``FinishReason.ABORT`` (what ``OutputProcessor.abort_requests`` sends a streaming client), then
+        ``LLMEngine.abort_request`` removes the requests from the engine, in this thread, between two steps.
+        """
+        request_ids = self.llm.enqueue(requests, sampling, use_tqdm=False)
+        engine = self.llm.llm_engine
+        finished: dict[str, Any] = {}
+        aborted = False
+        while engine.has_unfinished_requests():
+            if self._abort_asked.is_set():
+                from vllm.v1.engine import FinishReason
+
+                aborted = True
+                states = engine.output_processor.request_states
+                for request_id in request_ids:
+                    state = states.get(request_id)
+                    if state is None:
+                        continue  # finished already
+                    out = state.make_request_output([], None, FinishReason.ABORT, None)
+                    if out is not None:
+                        finished[out.request_id] = out
+                engine.abort_request(request_ids, internal=True)
+                break
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        # vLLM numbers a call's requests in order (LLM._run_engine sorts by the same key)
+        return sorted(finished.values(), key=lambda out: int(out.request_id)), aborted
+
+    def abort_generation(self) -> None:
+        """Cut the running ``generate`` short (from another thread; a no-op when none runs), and return once it
+        has returned, each completion with its tokens so far and ``finish_reason="abort"``.
+
+        vLLM's ``LLM`` runs its engine loop in the caller's thread (``LLM.generate`` steps ``LLMEngine`` until no
+        request is left; with the engine core in process, ``step`` runs the scheduler and the model), and
+        ``LLMEngine.abort_request`` mutates the scheduler and the output processor that loop is using: it is
+        not safe from another thread. So this only raises a flag; the generate loop (:meth:`_run`) sees it
+        before its next step and aborts its requests there, through vLLM's own ``abort_request``. A request
+        is cut after the step it is in: no sampled token is lost.
+        """
+        done = self._generate_done
+        if done is None or self._closed:
+            return
+        self._abort_asked.set()
+        if not done.wait(_ABORT_WAIT_S):
+            raise BackendError(
+                f"abort_generation: the running generate did not return within {_ABORT_WAIT_S} s (a vLLM step "
+                "that long means the engine is stuck)"
+            )
 
     def init_weight_update_group(self, spec: WeightGroupSpec) -> None:
         """Join the trainer's side group: worker ``r`` of this engine takes rank ``rank_offset + r``."""

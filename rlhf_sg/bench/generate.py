@@ -6,8 +6,9 @@ Each row of the table runs the same work (the same prompts, sampling at temperat
 truncation, exactly ``max_new_tokens`` per completion) two ways and prints tokens/s of both and
 their ratio (candidate / baseline; >= 1.0 means ours is at least as fast). The two sides alternate
 round by round (A B, B A, ...) so drifting machine load hits both alike; one untimed warm-up run of
-each side comes first. The tiny model is saved with no EOS id so no row stops early and both
-sides generate the same number of tokens.
+each side comes first. The ratio printed is the median of the ratios of pairs of rounds (quartiles and
+the ratio of totals beside it), and the machine's load average is printed with it. The tiny model is
+saved with no EOS id so no row stops early and both sides generate the same number of tokens.
 
 Rows:
 
@@ -212,13 +213,19 @@ def run_row(row: BenchRow, rounds: int, min_seconds: float = 0.0) -> dict[str, f
     At least ``rounds`` rounds, and more until each side has run ``min_seconds`` in all: short work
     (a few tokens per completion) takes a fraction of a second per call, and a handful of such calls
     on a shared machine gives a ratio that swings by 10-20 % from run to run.
+
+    ``ratio`` is the median, over pairs of rounds (A B, B A: each side once after the other side and once
+    after itself, so neither gains from order), of the pair's ratio (candidate tokens/s over baseline
+    tokens/s), with its quartiles: a burst of load from other processes slows the one or two calls it
+    meets and moves a ratio of totals by its whole length, a median of paired ratios hardly. The rounds
+    are made even. ``total_ratio`` is the ratio of the totals.
     """
     row.baseline()
     row.candidate()
     seconds = {"baseline": [], "candidate": []}
     tokens = {"baseline": 0, "candidate": 0}
     r = 0
-    while r < rounds or min(sum(v) for v in seconds.values()) < min_seconds:
+    while r < rounds or r % 2 or min(sum(v) for v in seconds.values()) < min_seconds:
         order = ("baseline", "candidate") if r % 2 == 0 else ("candidate", "baseline")
         for side in order:
             fn = row.baseline if side == "baseline" else row.candidate
@@ -227,10 +234,17 @@ def run_row(row: BenchRow, rounds: int, min_seconds: float = 0.0) -> dict[str, f
             seconds[side].append(time.perf_counter() - start)
         r += 1
     rate = {side: tokens[side] / sum(seconds[side]) for side in seconds}
+    # Both sides make the same tokens each call, so a ratio is baseline time over candidate time. Rounds go in
+    # pairs (A B, B A): in each pair each side runs once right after the other side and once after itself.
+    b, c = seconds["baseline"], seconds["candidate"]
+    paired = sorted((b[i] + b[i + 1]) / (c[i] + c[i + 1]) for i in range(0, r - 1, 2))
     return {
         "baseline_tok_s": rate["baseline"],
         "candidate_tok_s": rate["candidate"],
-        "ratio": rate["candidate"] / rate["baseline"],
+        "ratio": statistics.median(paired),
+        "ratio_q1": paired[len(paired) // 4],
+        "ratio_q3": paired[(3 * len(paired)) // 4],
+        "total_ratio": rate["candidate"] / rate["baseline"],
         "baseline_median_s": statistics.median(seconds["baseline"]),
         "candidate_median_s": statistics.median(seconds["candidate"]),
         "rounds": r,
@@ -246,7 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default="25m", help="tiny model size from rlhf_sg.tiny.SIZES")
     parser.add_argument("--arch", default="qwen2")
     parser.add_argument("--rounds", type=int, default=3, help="timed runs of each side, at least")
-    parser.add_argument("--min-seconds", type=float, default=5.0, help="more rounds until each side ran this long")
+    parser.add_argument(
+        "--min-seconds", type=float, default=30.0, help="more rounds until each side ran this long (short work swings)"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for this process")
     parser.add_argument("--seed", type=int, default=0)
@@ -285,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{row.name:<10} {row.baseline_name:<24} {result['baseline_tok_s']:>9.1f} "
                 f"{row.candidate_name:<24} {result['candidate_tok_s']:>9.1f} {result['ratio']:>6.2f} "
-                f"({result['rounds']} rounds)"
+                f"(quartiles {result['ratio_q1']:.2f}-{result['ratio_q3']:.2f}, totals {result['total_ratio']:.2f}, "
+                f"{result['rounds']} rounds, load {os.getloadavg()[0]:.1f})"
             )
 
 

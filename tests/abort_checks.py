@@ -1,0 +1,69 @@
+"""Checks shared by the real-engine abort tests (``test_sglang_abort.py``, ``test_vllm_abort.py``): a long
+greedy generate in one thread, ``abort_generation`` from another, and the continuation that proves the
+tokens kept are the right ones."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from backends.base import SamplingParams
+
+
+def generate_and_abort(backend, prompts, params, delay_s: float):
+    """Run ``generate`` in a thread and abort it from this one after ``delay_s``; the completions. When
+    abort_generation raises, its error is raised once the generate has returned."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["out"] = backend.generate(prompts, params)
+        except BaseException as exc:  # re-raised below, in the test's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(delay_s)
+    try:
+        backend.abort_generation()
+    finally:
+        thread.join(timeout=300)
+    assert not thread.is_alive(), "generate did not return after abort_generation"
+    if "error" in result:
+        raise result["error"]
+    return result["out"]
+
+
+def full_greedy(backend, prompts, max_new: int, min_seconds: float = 1.5):
+    """The uninterrupted greedy generate: every row must run its whole length (no EOS on the way) and take
+    long enough to be aborted halfway."""
+    start = time.monotonic()
+    ref = backend.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new))
+    seconds = time.monotonic() - start
+    assert [c.finish_reason for c in ref] == ["length"] * len(prompts)
+    assert seconds > min_seconds, f"the full generate took {seconds:.2f} s: too short to abort halfway; raise max_new"
+    return ref
+
+
+def check_partial_rollout(backend, prompts, reference, max_new: int, delay_s: float = 0.5) -> None:
+    """Abort a long greedy generate, then continue every completion from where it stopped, as the trainer
+    does (``prompt + tokens so far``, the remaining budget, n=1): the joined tokens and log-probs are the
+    uninterrupted generate's."""
+    out = generate_and_abort(backend, prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new), delay_s)
+    assert len(out) == len(prompts)
+    assert [c.prompt_index for c in out] == list(range(len(prompts)))
+    assert [c.finish_reason for c in out] == ["abort"] * len(prompts)
+    assert all(len(c.token_ids) < max_new for c in out), [len(c.token_ids) for c in out]
+    assert any(len(c.token_ids) > 0 for c in out), "the abort came before any token: raise delay_s"
+    for i, (c, ref) in enumerate(zip(out, reference)):
+        k = len(c.token_ids)
+        assert len(c.logprobs) == k
+        assert c.token_ids == ref.token_ids[:k]
+        assert c.logprobs == pytest.approx(ref.logprobs[:k], abs=1e-4)
+        rest = backend.generate([prompts[i] + c.token_ids], SamplingParams(temperature=0.0, max_new_tokens=max_new - k))
+        (rest,) = rest
+        assert rest.finish_reason == "length"
+        assert c.token_ids + rest.token_ids == ref.token_ids
+        assert c.logprobs + rest.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
