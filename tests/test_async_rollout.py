@@ -330,7 +330,7 @@ def test_async_run_keeps_every_sample_within_the_staleness_bound(ray_cluster, ta
 
     from rlhf_sg.trainer import PPOTrainer
 
-    steps = 6
+    steps = 4
     cfg = _async_cfg(task, str(tmp_path / "run"), steps, max_staleness=max_staleness, partial_rollout=partial,
                      max_new_tokens=8)
     versions = []

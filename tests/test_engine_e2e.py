@@ -86,7 +86,7 @@ def test_async_rollout_with_engine_stays_within_the_staleness_bound(ray_cluster,
     _need(backend)
     from rlhf_sg.trainer import train
 
-    steps = 8
+    steps = 5
     cfg = make_cfg(task, str(tmp_path / f"{backend}-async"), steps=steps, algo="grpo", backend=backend,
                    rollout__mode="async", train__kl_coef=0.0)
     history = train(cfg, reward_fn=arith_task.addition_reward)
