@@ -67,7 +67,8 @@ class RolloutConfig:
     #: engine-specific keywords passed verbatim to the backend (YAML mapping); they win over the above
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     #: CPU threads per engine process (None: on CPU, the machine's cores shared among the engines, since
-    #: the step's phases take turns and nothing else computes while the engines generate; on GPU, 1)
+    #: the step's phases take turns and nothing else computes while the engines generate; with async rollout
+    #: shared with the trainer's ranks too; on GPU, 1)
     engine_threads: int | None = None
     #: restarts of one engine in a row (it died each time before finishing its prompts) before the run stops
     max_engine_restarts: int = 3
@@ -160,8 +161,9 @@ class TrainConfig:
     #: move actor/critic ZeRO-3 states (params, grads, Adam) to host memory while the engines generate
     #: (None: on with colocate_all; GPU only, a no-op on CPU where they already live in host memory)
     offload_states_while_generating: bool | None = None
-    #: CPU threads per model worker process (match the CPU share Ray gives it)
-    worker_threads: int = 1
+    #: torch threads per model-worker rank (None: on CPU the cores shared among the ranks that compute at the same
+    #: time, the engines too with async rollout (Layout.worker_threads); on GPU 1)
+    worker_threads: int | None = None
     #: seconds any remote call / collective may take before the run stops with a message
     timeout_s: float = 900.0
 
@@ -479,11 +481,13 @@ def validate(cfg: Config) -> Config:
                     ("--train.ref_num_ranks", t.ref_num_ranks), ("--rollout.num_engines", r.num_engines),
                     ("--rollout.prompts_per_step", r.prompts_per_step), ("--train.max_steps", t.max_steps),
                     ("--train.ppo_epochs", t.ppo_epochs), ("--train.num_minibatches", t.num_minibatches),
-                    ("--rollout.max_new_tokens", r.max_new_tokens), ("--train.worker_threads", t.worker_threads),
+                    ("--rollout.max_new_tokens", r.max_new_tokens),
                     ("--rollout.tensor_parallel_size", r.tensor_parallel_size),
                     ("--rollout.n_samples_per_prompt", r.n_samples_per_prompt),
                     ("--data.max_prompt_len", d.max_prompt_len), ("--train.kl_horizon", t.kl_horizon)):
         _need(v >= 1, f"{flag} must be >= 1, got {v}")
+    _need(t.worker_threads is None or t.worker_threads >= 1,
+          f"--train.worker_threads must be >= 1, got {t.worker_threads}")
     for flag, v, ok, allowed in (
         ("--train.actor_lr", t.actor_lr, t.actor_lr >= 0 and math.isfinite(t.actor_lr), ">= 0"),
         ("--train.critic_lr", t.critic_lr, t.critic_lr >= 0 and math.isfinite(t.critic_lr), ">= 0"),

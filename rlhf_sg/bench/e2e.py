@@ -1,7 +1,9 @@
-"""End-to-end step throughput on CPU: our trainer (GRPO and PPO) against TRL's GRPOTrainer on the same work.
+"""End-to-end step throughput on CPU: our trainer (GRPO, sync and async, and PPO) against TRL's GRPOTrainer at
+its fastest setting, on the same work.
 
 ``python -m rlhf_sg.bench e2e [--steps 3] [--warmup 1] [--sides trl,grpo,ppo] [--rounds 1] [--backend hf]
-[--actor-ranks 2] [--worker-threads N] [--engine-threads N]``
+[--placement shared|split] [--actor-ranks N] [--worker-threads N] [--engine-threads N]
+[--trl-search/--no-trl-search] [--trl-setting MB,ACCUM,on|off]``
 
 Every side trains the same ~25M-parameter Qwen2-style model (random weights: this measures
 throughput, not learning) on the same prompt file with the same rule reward (the fraction of digits
@@ -14,34 +16,49 @@ Sides:
 
 * ``grpo`` (candidate): :class:`rlhf_sg.trainer.PPOTrainer` with ``advantage_estimator="grpo"`` and
   ``kl_coef=0`` (no reference model, like TRL's default ``beta=0``): the rollout engine in a Ray actor,
-  a ``--actor-ranks`` DeepSpeed ZeRO-3 actor, packed forwards, the weight sync into the engine after
-  every step. ``train_step()`` is called directly; its ``time/<phase>`` metrics give the phase shares.
+  the DeepSpeed ZeRO-3 actor (``--actor-ranks``, default the config's), packed forwards, the weight sync
+  into the engine after every step. ``train_step()`` is called directly; its ``time/<phase>`` metrics
+  give the phase shares.
+* ``grpo-async``: the same with ``--rollout.mode async`` (``max_staleness=1``, partial rollout): the engine
+  generates the next step's batch while the trainer trains. Compare it with ``grpo`` on ``--placement
+  split``, where engine and trainer compute on separate cores.
 * ``ppo`` (for information): the same with ``advantage_estimator="gae"``: a critic and a reference
   model (``kl_coef=0.01``) as well, so it does more work than either GRPO side.
 * ``trl`` (baseline): ``trl.GRPOTrainer`` in its own Python process (so Ray is not involved and the
-  two sides' threads never meet) with ``num_generations=8``, ``per_device_train_batch_size=64`` and
-  ``gradient_accumulation_steps=1``: the generation batch is 64 completions (8 prompts x 8) and one
-  training step is one generation round, one forward/backward over all 64 and one optimizer step,
-  as on our side. ``use_vllm=False`` (transformers' ``generate``), ``beta=0``, ``bf16=False`` and
-  ``gradient_checkpointing=False`` (GRPOConfig turns it on by default; our trainer does not
-  recompute activations, so leaving it on would charge TRL work we do not do). Its step time runs
-  from ``on_step_begin`` to ``on_step_end`` of a TrainerCallback; ``generate`` is the time inside
-  the model's ``generate``, ``reward`` inside the reward function, ``other`` the rest of TRL's
-  rollout preparation (tokenising, decoding, padding, advantages) and ``train`` everything after it
-  (log-prob forward, backward, optimizer step).
+  two sides' threads never meet) with ``num_generations=8``, ``use_vllm=False`` (transformers'
+  ``generate``), ``beta=0``, ``bf16=False``, at the fastest of TRL's own batch knobs: before the rounds,
+  ``--trl-search`` (on by default) tries ``per_device_train_batch_size`` 8, 16, 32 and 64 with
+  ``gradient_accumulation_steps`` = 64 / that (one optimizer step over the step's 64 samples) and
+  ``gradient_checkpointing`` off and on, each for ``--trl-probe-steps`` timed steps, all in one process
+  after ``--warmup`` steps of the first (every setting generates the same batch), and keeps the fastest
+  (it prints every setting's time and the one kept; ``--trl-setting 8,8,off`` pins one and skips the
+  search). TRL's ``steps_per_generation`` defaults to the accumulation, so its generation batch is
+  micro-batch x accumulation = 64 completions in every setting: one ``generate`` over 64, then the
+  accumulated micro-batches, then one optimizer step, and no separate old-log-prob forward
+  (``num_iterations=1``), as on our side. Its step time runs from ``on_step_begin`` to ``on_step_end`` of
+  a TrainerCallback (one optimizer step); ``generate`` is the time inside the model's ``generate``,
+  ``reward`` inside the reward function, ``other`` the rest of TRL's rollout preparation (tokenising,
+  decoding, padding, advantages) and ``train`` everything after it (forwards, backwards, optimizer step).
 
-Threads: each of our model-worker ranks runs ``--train.worker_threads`` (default 1) torch threads on
-the one Ray CPU it holds and the engine ``--rollout.engine_threads`` (default on CPU: the machine's
-cores, since phases take turns), as the product sets them: the 2 actor ranks use both cores while
-training and the engine both while generating. ``--actor-ranks 1 --worker-threads 2`` runs the actor
-as one rank on both cores, and ``--engine-threads N`` sets the engine's count.
-TRL runs one process with ``--trl-threads`` (default: every core) torch threads. The thread counts
-each side actually runs with are printed. Each of our runs starts its own Ray instance
-(``RAY_ADDRESS=local``) and shuts it down before the next side starts.
+Placement (our sides): ``shared`` (default): the CPU is one device, so the actor is one ZeRO-3 rank, and as
+a sync step's phases take turns, the engine and the actor rank each compute with every core (what
+``Layout.worker_threads`` / ``engine_threads`` give a run that sets no thread counts); ``split`` puts the
+engine on one Ray CPU with one thread and the actor on one rank with one thread, so generation and
+training compute on separate cores (the placement async rollout is for). ``--actor-ranks``, ``--worker-threads`` and
+``--engine-threads`` override either. TRL runs one process with ``--trl-threads`` (default: every core)
+torch threads. The thread counts each side actually runs with are printed. Each of our runs starts its
+own Ray instance (``RAY_ADDRESS=local``) and shuts it down before the next side starts.
 
 Reading the table: samples/s is samples per step over the mean measured step time (``--warmup``
-steps of each side are not measured); the phase columns are each phase's share of the mean step.
-The ratio ours-grpo / trl >= 1.0 means our GRPO step is at least as fast as TRL's on this machine.
+steps of each side are not measured). A step's time is wall-clock on every side: for ours, around each
+``train_step()`` call, so an async step, whose generation overlaps the previous step's training and is
+not inside its ``time/step``, is charged the time it really holds the loop. The phase columns are each
+phase's share of the mean step (an async run's ``generate`` runs beside training: its share is of time
+that overlaps; ``wait_roll`` is the trainer waiting for a batch). ``reward`` is the mean reward of the
+measured steps; the per-step rewards of every side (warm-up steps included, averaged over rounds) are
+printed below the table, step k having trained on k x 64 samples, so the sides' reward trajectories are
+compared at equal samples. The ratio ours-grpo / trl-grpo >= 1.0 means our GRPO step is at least as
+fast as TRL's fastest setting on this machine; ours-grpo-async / ours-grpo is async over sync.
 Each side is a separate run with its own start-up, so sides cannot alternate step by step; instead
 ``--rounds`` repeats the whole set, round r in the order of ``--sides`` when r is even and reversed
 when odd (A B C, C B A, ...), and each side's measured steps are pooled across rounds, so drifting
@@ -68,9 +85,18 @@ from typing import Any
 
 import torch
 
-#: phase columns of the table, in step order (TRL's side fills generate, reward, train and other)
-PHASE_COLUMNS = ("generate", "reward", "reference", "critic", "actor_logprob", "train", "weight_sync", "other")
-SIDES = ("trl", "grpo", "ppo")
+#: phase columns of the table, in step order (TRL's side fills generate, reward, train and other; an async
+#: run's trainer waits for its batch in wait_rollout)
+PHASE_COLUMNS = ("generate", "wait_rollout", "reward", "reference", "critic", "actor_logprob", "train", "weight_sync",
+                 "other")
+SIDES = ("trl", "grpo", "grpo-async", "ppo")
+#: our sides: result name, advantage estimator, --rollout.mode
+OURS = {"grpo": ("ours-grpo", "grpo", "sync"), "grpo-async": ("ours-grpo-async", "grpo", "async"),
+        "ppo": ("ours-ppo", "gae", "sync")}
+#: the table's row order
+ROW_ORDER = ("ours-grpo", "ours-grpo-async", "ours-ppo", "trl-grpo")
+#: TRL's ``per_device_train_batch_size`` values the search tries (those that divide the step's samples)
+TRL_MICRO_BATCHES = (8, 16, 32, 64)
 #: the line prefix the TRL process puts before its JSON result (the rest of its stdout is TRL's)
 RESULT_MARKER = "E2E_TRL_RESULT "
 #: this module's import name (``__name__`` is ``__main__`` when it runs as a script)
@@ -144,21 +170,34 @@ def prepare(tmp: str, args: argparse.Namespace) -> tuple[str, str, int]:
 
 @dataclass
 class SideResult:
-    """The measured steps of one side: seconds per step, seconds per phase per step, response lengths."""
+    """The measured steps of one side: seconds per step, seconds per phase per step, response lengths and mean
+    rewards; ``trajectories``: each run's mean reward per step, warm-up steps included (one list per round)."""
 
     name: str
     samples_per_step: int
     step_s: list[float] = field(default_factory=list)
     phase_s: dict[str, list[float]] = field(default_factory=dict)
     response_len: list[float] = field(default_factory=list)
+    reward: list[float] = field(default_factory=list)
+    trajectories: list[list[float]] = field(default_factory=list)
     threads: str = ""
     wall_s: float = 0.0
 
-    def add_step(self, seconds: float, phases: dict[str, float], response_len: float) -> None:
+    def add_step(self, seconds: float, phases: dict[str, float], response_len: float,
+                 reward: float = float("nan")) -> None:
         self.step_s.append(seconds)
         for name, value in phases.items():
             self.phase_s.setdefault(name, []).append(value)
         self.response_len.append(response_len)
+        self.reward.append(reward)
+
+    def merge(self, other: SideResult) -> None:
+        """Pool ``other``'s measured steps and reward trajectories (another round of the same side) into these."""
+        for i, seconds in enumerate(other.step_s):
+            self.add_step(seconds, {p: v[i] for p, v in other.phase_s.items()}, other.response_len[i],
+                          other.reward[i])
+        self.trajectories += other.trajectories
+        self.wall_s += other.wall_s
 
     @property
     def mean_step_s(self) -> float:
@@ -174,6 +213,111 @@ class SideResult:
             return None
         return sum(self.phase_s[phase]) / sum(self.step_s)
 
+    def mean_trajectory(self) -> list[float]:
+        """Mean reward per step over the runs (rounds), as far as every run went."""
+        if not self.trajectories:
+            return []
+        steps = min(len(t) for t in self.trajectories)
+        return [statistics.mean(t[k] for t in self.trajectories) for k in range(steps)]
+
+
+def ratio_line(numerator: SideResult, denominator: SideResult, note: str) -> str:
+    """The printed ratio of two sides' samples/s (above 1: the numerator's side is faster)."""
+    ratio = numerator.samples_per_s / denominator.samples_per_s
+    return f"ratio {numerator.name} / {denominator.name} samples/s: {ratio:.2f} ({note})"
+
+
+def reward_lines(results: list[SideResult]) -> list[str]:
+    """Each side's mean reward per step (warm-up steps included, averaged over rounds): step k has trained on k
+    batches, so the columns compare the sides at equal samples."""
+    lines = []
+    for r in results:
+        trajectory = r.mean_trajectory()
+        if trajectory:
+            cells = " ".join(f"{x:.4f}" for x in trajectory)
+            lines.append(f"  {r.name:<16} {cells}")
+    if not lines:
+        return []
+    samples = results[0].samples_per_step
+    return [f"reward per step (mean over the step's samples; step k after k x {samples} samples):"] + lines
+
+
+# ---- TRL's settings ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrlSetting:
+    """One setting of TRL's batch knobs: ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
+    ``gradient_checkpointing``. TRL's ``steps_per_generation`` defaults to the accumulation, so the generation
+    batch is ``micro_batch x accumulation`` completions, generated at once, and one optimizer step trains on
+    all of them: every setting with the same product does the same work."""
+
+    micro_batch: int
+    accumulation: int
+    checkpointing: bool
+
+    @property
+    def samples(self) -> int:
+        return self.micro_batch * self.accumulation
+
+    @property
+    def flag(self) -> str:
+        """The setting as ``--trl-setting`` takes it."""
+        return f"{self.micro_batch},{self.accumulation},{'on' if self.checkpointing else 'off'}"
+
+    def describe(self) -> str:
+        return (f"per_device_train_batch_size {self.micro_batch} x gradient_accumulation_steps {self.accumulation}, "
+                f"gradient_checkpointing {'on' if self.checkpointing else 'off'}")
+
+
+def trl_settings(samples: int, micro_batches: tuple[int, ...] = TRL_MICRO_BATCHES) -> list[TrlSetting]:
+    """The settings the search tries for ``samples`` samples an optimizer step: every micro-batch size of
+    ``micro_batches`` that divides ``samples`` (none does: the whole batch as one), with the accumulation that
+    makes up ``samples``, checkpointing off, then the same with it on."""
+    sizes = [mb for mb in micro_batches if 0 < mb <= samples and samples % mb == 0] or [samples]
+    return [TrlSetting(mb, samples // mb, checkpointing) for checkpointing in (False, True) for mb in sizes]
+
+
+_SWITCH = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+
+
+def parse_trl_setting(text: str, samples: int) -> TrlSetting:
+    """``--trl-setting MB,ACCUM,on|off`` as a :class:`TrlSetting`; ``MB x ACCUM`` must be the step's samples."""
+    parts = [p.strip().lower() for p in text.split(",")]
+    usage = "give micro_batch,accumulation,checkpointing, e.g. --trl-setting 8,8,off"
+    if len(parts) != 3 or parts[2] not in _SWITCH:
+        raise ValueError(f"--trl-setting {text!r}: {usage}")
+    try:
+        micro_batch, accumulation = int(parts[0]), int(parts[1])
+    except ValueError:
+        raise ValueError(f"--trl-setting {text!r}: micro_batch and accumulation must be integers; {usage}") from None
+    if micro_batch < 1 or accumulation < 1 or micro_batch * accumulation != samples:
+        raise ValueError(
+            f"--trl-setting {text!r}: {micro_batch} x {accumulation} samples an optimizer step, but a step has "
+            f"{samples} (--prompts x --samples); choose the two so their product is {samples}"
+        )
+    return TrlSetting(micro_batch, accumulation, _SWITCH[parts[2]])
+
+
+def fastest_setting(probes: list[tuple[TrlSetting, float | None]]) -> TrlSetting:
+    """The setting with the least seconds a step (None: it failed); the earlier one of a tie."""
+    finished = [(setting, seconds) for setting, seconds in probes if seconds is not None]
+    if not finished:
+        tried = ", ".join(setting.flag for setting, _ in probes) or "none"
+        raise RuntimeError(f"trl search: no setting finished a step (tried {tried}); see the TRL output above, or "
+                           "pin one with --trl-setting")
+    return min(finished, key=lambda pair: pair[1])[0]
+
+
+def search_lines(probes: list[tuple[TrlSetting, float | None]], kept: TrlSetting) -> list[str]:
+    """The search's report: every setting's seconds a step, the one kept marked."""
+    lines = []
+    for setting, seconds in probes:
+        time_s = "failed" if seconds is None else f"{seconds:6.2f} s/step"
+        mark = "  <- kept" if setting == kept else ""
+        lines.append(f"  trl {setting.flag:<10} {time_s}{mark}")
+    return lines
+
 
 # ---- our trainer --------------------------------------------------------------------------------------------
 
@@ -183,7 +327,8 @@ def _torch_threads(_actor_instance: Any) -> int:
     return torch.get_num_threads()
 
 
-def make_config(algo: str, args: argparse.Namespace, model_path: str, prompt_file: str, out: str):
+def make_config(algo: str, args: argparse.Namespace, model_path: str, prompt_file: str, out: str,
+                mode: str = "sync"):
     from rlhf_sg.config import Config
 
     cfg = Config()
@@ -195,8 +340,16 @@ def make_config(algo: str, args: argparse.Namespace, model_path: str, prompt_fil
     cfg.rollout.n_samples_per_prompt = args.samples
     cfg.rollout.max_new_tokens = args.max_new_tokens
     cfg.rollout.temperature = 1.0
+    if mode != "sync":
+        if not hasattr(cfg.rollout, "mode"):
+            raise RuntimeError("grpo-async: this rlhf_sg has no --rollout.mode (RolloutConfig.mode); drop the "
+                               "side from --sides")
+        cfg.rollout.mode = mode
+        cfg.rollout.partial_rollout = True
+        cfg.rollout.max_staleness = 1
     cfg.train.advantage_estimator = algo
-    cfg.train.actor_num_ranks = args.actor_ranks
+    if args.actor_ranks is not None:
+        cfg.train.actor_num_ranks = args.actor_ranks
     cfg.train.kl_coef = 0.0 if algo == "grpo" else 0.01
     cfg.train.actor_lr = args.lr
     cfg.train.critic_lr = args.critic_lr
@@ -214,30 +367,55 @@ def make_config(algo: str, args: argparse.Namespace, model_path: str, prompt_fil
     return cfg
 
 
-def run_ours(algo: str, args: argparse.Namespace, model_path: str, prompt_file: str, out: str) -> SideResult:
-    """Set up our trainer, run the warm-up steps, time the measured ones, shut everything down."""
+def apply_placement(args: argparse.Namespace, cores: int) -> None:
+    """Our sides' ranks and threads (a flag given explicitly wins). ``split``: the engine on one Ray CPU with one
+    thread, the actor one rank with one thread. ``shared``: the CPU is one device, so the actor is one ZeRO-3 rank
+    (no collectives between ranks) and, as the step's phases take turns, its rank and the engine each compute
+    with every core (the engine's count is the product's default)."""
+    if args.placement == "split":
+        for name in ("actor_ranks", "worker_threads", "engine_threads"):
+            if getattr(args, name) is None:
+                setattr(args, name, 1)
+        return
+    if args.actor_ranks is None:
+        args.actor_ranks = 1
+    if args.worker_threads is None:
+        args.worker_threads = max(1, cores // args.actor_ranks)
+
+
+def run_ours(side: str, args: argparse.Namespace, model_path: str, prompt_file: str, out: str) -> SideResult:
+    """Set up our trainer, run the warm-up steps, time the measured ones, shut everything down. A step's time is
+    the wall clock around its ``train_step()`` call (async rollout overlaps generation with the step before,
+    outside the trainer's ``time/step``)."""
     import ray
 
     from rlhf_sg.trainer import PPOTrainer
 
-    name = f"ours-{algo}"
-    estimator = "grpo" if algo == "grpo" else "gae"
-    cfg = make_config(estimator, args, model_path, prompt_file, os.path.join(out, name))
+    name, estimator, mode = OURS[side]
+    cfg = make_config(estimator, args, model_path, prompt_file, os.path.join(out, name), mode=mode)
     result = SideResult(name, args.prompts * args.samples)
+    trajectory: list[float] = []
     start = time.perf_counter()
     trainer = PPOTrainer(cfg, reward_fn=digit_reward)
     try:
         trainer.setup()
         result.threads = _describe_ours_threads(trainer)
         for _ in range(args.warmup):
-            trainer.train_step()
+            trajectory.append(trainer.train_step()["reward/mean"])
         for _ in range(args.steps):
+            t0 = time.perf_counter()
             metrics = trainer.train_step()
-            phases = {p: metrics[f"time/{p}"] for p in PHASE_COLUMNS}
-            result.add_step(metrics["time/step"], phases, metrics["rollout/response_len"])
+            seconds = time.perf_counter() - t0
+            phases = {k[len("time/"):]: v for k, v in metrics.items() if k.startswith("time/") and k != "time/step"}
+            if "generate" not in phases and "rollout_time/generate" in metrics:
+                # async: the batch was generated beside the step before; its generation time overlaps training
+                phases["generate"] = metrics["rollout_time/generate"]
+            result.add_step(seconds, phases, metrics["rollout/response_len"], metrics["reward/mean"])
+            trajectory.append(metrics["reward/mean"])
     finally:
         trainer.shutdown()
         ray.shutdown()
+    result.trajectories.append(trajectory)
     result.wall_s = time.perf_counter() - start
     return result
 
@@ -260,12 +438,17 @@ def _describe_ours_threads(trainer) -> str:
 # ---- TRL's GRPOTrainer, in its own process ------------------------------------------------------------------
 
 
-def run_trl(args: argparse.Namespace, model_path: str, prompt_file: str, out: str) -> SideResult | None:
-    """Run :func:`_trl_child` in a fresh Python process; None (with the reason printed) if it failed."""
+def run_trl(args: argparse.Namespace, model_path: str, prompt_file: str, out: str, settings: list[TrlSetting],
+            steps: int, warm_once: bool = False) -> list[tuple[TrlSetting, SideResult | None]]:
+    """Run :func:`_trl_child` in a fresh Python process: each of ``settings`` in turn, a fresh model and trainer
+    each, ``args.warmup`` untimed (``warm_once``: before the first setting only) and ``steps`` timed steps.
+    Returns each setting's result, None for one that failed (the reason printed); all None if the process
+    failed."""
     spec = {
         "model_path": model_path, "prompt_file": prompt_file, "output_dir": os.path.join(out, "trl"),
         "prompts": args.prompts, "samples": args.samples, "max_new_tokens": args.max_new_tokens,
-        "lr": args.lr, "warmup": args.warmup, "steps": args.steps, "threads": args.trl_threads, "seed": args.seed,
+        "lr": args.lr, "warmup": args.warmup, "steps": steps, "threads": args.trl_threads, "seed": args.seed,
+        "settings": [[s.micro_batch, s.accumulation, s.checkpointing] for s in settings], "warm_once": warm_once,
     }
     env = dict(os.environ, OMP_NUM_THREADS=str(args.trl_threads), TOKENIZERS_PARALLELISM="false",
                CUDA_VISIBLE_DEVICES="")
@@ -279,12 +462,38 @@ def run_trl(args: argparse.Namespace, model_path: str, prompt_file: str, out: st
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
         print(f"trl: the TRL process failed (exit {proc.returncode}); its last lines:\n{tail}", flush=True)
-        return None
+        return [(setting, None) for setting in settings]
     payload = json.loads(lines[-1][len(RESULT_MARKER):])
-    result = SideResult("trl-grpo", args.prompts * args.samples, threads=payload["threads"], wall_s=wall)
-    for step in payload["steps"]:
-        result.add_step(step["seconds"], step["phases"], step["response_len"])
-    return result
+    results: list[tuple[TrlSetting, SideResult | None]] = []
+    for setting, run in zip(settings, payload["runs"]):
+        if run.get("error"):
+            print(f"trl {setting.flag}: failed: {run['error']}", flush=True)
+            results.append((setting, None))
+            continue
+        result = SideResult("trl-grpo", args.prompts * args.samples, threads=payload["threads"],
+                            wall_s=wall / len(settings))
+        for step in run["steps"]:
+            result.add_step(step["seconds"], step["phases"], step["response_len"], step["reward"])
+        result.trajectories.append(run["rewards"])
+        results.append((setting, result))
+    return results
+
+
+def search_trl(args: argparse.Namespace, model_path: str, prompt_file: str, out: str) -> TrlSetting:
+    """TRL's fastest setting for this work: every :func:`trl_settings` setting for ``--trl-probe-steps`` timed steps
+    after the warm-up, in one process; prints each one's time and the one kept."""
+    settings = trl_settings(args.prompts * args.samples)
+    print(f"trl search: {len(settings)} settings, {args.trl_probe_steps} timed step(s) each, in one process after "
+          f"{args.warmup} warm-up step(s); load average {_load()}", flush=True)
+    start = time.perf_counter()
+    runs = run_trl(args, model_path, prompt_file, os.path.join(out, "trl-search"), settings, args.trl_probe_steps,
+                   warm_once=True)
+    probes = [(setting, None if r is None else r.mean_step_s) for setting, r in runs]
+    kept = fastest_setting(probes)
+    for line in search_lines(probes, kept):
+        print(line, flush=True)
+    print(f"trl search: keeps {kept.describe()} ({time.perf_counter() - start:.0f} s)", flush=True)
+    return kept
 
 
 class _Clock:
@@ -309,8 +518,23 @@ class _Clock:
 
 
 def _trl_child(spec: dict[str, Any]) -> None:
-    """The TRL side: GRPOTrainer on ``spec``'s model and prompts; prints one result line as JSON."""
+    """The TRL side: GRPOTrainer on ``spec``'s model and prompts, once per setting of ``spec["settings"]``
+    (micro-batch, accumulation, checkpointing), each with a fresh model; prints one result line as JSON."""
     torch.set_num_threads(spec["threads"])
+    runs = []
+    for i, (micro_batch, accumulation, checkpointing) in enumerate(spec["settings"]):
+        # a search warms the process up once: every setting generates the same batch on the same model
+        warmup = spec["warmup"] if i == 0 or not spec.get("warm_once") else 0
+        try:
+            runs.append(_trl_run(spec, micro_batch, accumulation, checkpointing, warmup))
+        except Exception as e:  # one setting failing (e.g. out of memory) leaves the others to compare
+            runs.append({"error": f"{type(e).__name__}: {e}"})
+    threads = f"1 process x {torch.get_num_threads()} thread(s)"
+    print(RESULT_MARKER + json.dumps({"runs": runs, "threads": threads}), flush=True)
+
+
+def _trl_run(spec: dict[str, Any], micro_batch: int, accumulation: int, checkpointing: bool,
+             warmup: int) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -325,12 +549,13 @@ def _trl_child(spec: dict[str, Any]) -> None:
     clock = _Clock()
     model.generate = clock.wrap("generate", model.generate)
     reward = clock.wrap("reward", trl_digit_reward)
-    samples = spec["prompts"] * spec["samples"]
     config = GRPOConfig(
         output_dir=spec["output_dir"],
-        # one step = one generation round of `samples` completions, one forward/backward, one optimizer step
-        per_device_train_batch_size=samples,
-        gradient_accumulation_steps=1,
+        # steps_per_generation defaults to the accumulation: one generation round of micro_batch x accumulation
+        # completions, then that many micro-batches, then one optimizer step
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=accumulation,
+        gradient_checkpointing=checkpointing,
         num_generations=spec["samples"],
         max_completion_length=spec["max_new_tokens"],
         temperature=1.0,
@@ -341,9 +566,8 @@ def _trl_child(spec: dict[str, Any]) -> None:
         learning_rate=spec["lr"],
         bf16=False,
         fp16=False,
-        gradient_checkpointing=False,
         use_cpu=True,
-        max_steps=spec["warmup"] + spec["steps"],
+        max_steps=warmup + spec["steps"],
         logging_steps=1,
         report_to="none",
         save_strategy="no",
@@ -351,8 +575,11 @@ def _trl_child(spec: dict[str, Any]) -> None:
         dataloader_num_workers=0,
         seed=spec["seed"],
     )
+    if config.generation_batch_size != spec["prompts"] * spec["samples"]:
+        raise RuntimeError(f"TRL's generation batch is {config.generation_batch_size} completions, not "
+                           f"{spec['prompts'] * spec['samples']}: the setting does not do the bench's work")
     steps: list[dict[str, Any]] = []
-    lengths: dict[int, float] = {}
+    logged: dict[int, dict[str, float]] = {}
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -369,8 +596,9 @@ def _trl_child(spec: dict[str, Any]) -> None:
             steps.append({"step": state.global_step, "seconds": seconds, "phases": phases})
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "completions/mean_length" in logs:
-                lengths[state.global_step] = float(logs["completions/mean_length"])
+            if logs and "reward" in logs:
+                logged[state.global_step] = {"reward": float(logs["reward"]),
+                                             "response_len": float(logs.get("completions/mean_length", "nan"))}
 
     trainer = GRPOTrainer(
         model=model, reward_funcs=[reward], args=config, train_dataset=dataset, processing_class=tokenizer,
@@ -380,25 +608,35 @@ def _trl_child(spec: dict[str, Any]) -> None:
     trainer.remove_callback(ProgressCallback)
     trainer._generate_and_score_completions = clock.wrap("rollout", trainer._generate_and_score_completions)
     trainer.train()
-    measured = steps[spec["warmup"]:]
-    for step in measured:
-        step["response_len"] = lengths.get(step["step"], float("nan"))
-    threads = f"1 process x {torch.get_num_threads()} thread(s)"
-    print(RESULT_MARKER + json.dumps({"steps": measured, "threads": threads}), flush=True)
+    nan = {"reward": float("nan"), "response_len": float("nan")}
+    for step in steps:
+        step.update(logged.get(step["step"], nan))
+    return {"steps": steps[warmup:], "rewards": [step["reward"] for step in steps]}
 
 
 # ---- the table ----------------------------------------------------------------------------------------------
 
 
+def table_phases(results: list[SideResult]) -> list[str]:
+    """The phase columns: :data:`PHASE_COLUMNS`, then any other phase a side reported, in first-seen order."""
+    extra = [p for r in results for p in r.phase_s if p not in PHASE_COLUMNS]
+    return list(PHASE_COLUMNS) + list(dict.fromkeys(extra))
+
+
 def print_table(results: list[SideResult]) -> None:
-    short = {"actor_logprob": "act_logp", "weight_sync": "w_sync", "reference": "ref"}
-    head = f"{'side':<10} {'samples/s':>9} {'s/step':>7} {'resp_len':>8}  "
-    head += " ".join(f"{short.get(p, p):>8}" for p in PHASE_COLUMNS)
+    short = {"actor_logprob": "act_logp", "weight_sync": "w_sync", "reference": "ref", "wait_rollout": "wait_rol",
+             "wait_generate": "wait_gen"}
+    phases = [p for p in table_phases(results) if any(r.share(p) is not None for r in results)]
+    head = f"{'side':<16} {'samples/s':>9} {'s/step':>7} {'resp_len':>8} {'reward':>7}  "
+    head += " ".join(f"{short.get(p, p)[:8]:>8}" for p in phases)
     print(head)
     for r in results:
-        row = f"{r.name:<10} {r.samples_per_s:>9.3f} {r.mean_step_s:>7.2f} {statistics.mean(r.response_len):>8.1f}  "
+        rewards = [x for x in r.reward if x == x]
+        reward = f"{statistics.mean(rewards):>7.4f}" if rewards else f"{'-':>7}"
+        row = (f"{r.name:<16} {r.samples_per_s:>9.3f} {r.mean_step_s:>7.2f} {statistics.mean(r.response_len):>8.1f} "
+               f"{reward}  ")
         cells = []
-        for p in PHASE_COLUMNS:
+        for p in phases:
             share = r.share(p)
             cells.append(f"{'-':>8}" if share is None else f"{100 * share:>7.1f}%")
         print(row + " ".join(cells))
@@ -419,7 +657,7 @@ def _trl_missing_hint() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rlhf_sg.bench e2e", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {list(SIDES)}, in run order")
+    parser.add_argument("--sides", default="trl,grpo,ppo", help=f"comma-separated, of {list(SIDES)}, in run order")
     parser.add_argument("--steps", type=int, default=3, help="measured steps of each side (per round)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each side before the measured ones")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the sides, order reversed every other round")
@@ -430,12 +668,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default="25m", help="tiny model size from rlhf_sg.tiny.SIZES")
     parser.add_argument("--arch", default="qwen2")
     parser.add_argument("--backend", default="hf", help="our rollout backend")
-    parser.add_argument("--actor-ranks", type=int, default=2, help="our ZeRO-3 actor ranks")
+    parser.add_argument("--placement", choices=("shared", "split"), default="shared",
+                        help="our sides: shared (1 actor rank; engine and actor each on every core, by turns) or split "
+                             "(engine 1 CPU x 1 thread, actor 1 rank x 1 thread: generation and training on separate "
+                             "cores)")
+    parser.add_argument("--actor-ranks", type=int, default=None,
+                        help="our --train.actor_num_ranks (default: the placement's, else the config's)")
     parser.add_argument("--worker-threads", type=int, default=None,
-                        help="our --train.worker_threads: torch threads per model-worker rank (default: the config's)")
+                        help="our --train.worker_threads: torch threads per model-worker rank (default: the "
+                             "placement's, else the config's)")
     parser.add_argument("--engine-threads", type=int, default=None,
-                        help="our --rollout.engine_threads (default: the product's, the cores on CPU)")
+                        help="our --rollout.engine_threads (default: the placement's, else the product's)")
     parser.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1, help="torch threads of TRL's process")
+    parser.add_argument("--trl-search", action=argparse.BooleanOptionalAction, default=True,
+                        help="try TRL's micro-batch / accumulation / gradient-checkpointing settings first and keep "
+                             "the fastest (--no-trl-search: the whole batch in one micro-batch, checkpointing off)")
+    parser.add_argument("--trl-setting", default=None, metavar="MB,ACCUM,on|off",
+                        help="pin TRL's per_device_train_batch_size, gradient_accumulation_steps and "
+                             "gradient_checkpointing (MB x ACCUM = the step's samples); skips the search")
+    parser.add_argument("--trl-probe-steps", type=int, default=1, help="timed steps per setting in the TRL search")
     parser.add_argument("--lr", type=float, default=1e-6, help="actor learning rate, both trainers")
     parser.add_argument("--critic-lr", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
@@ -450,11 +701,19 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [s for s in sides if s not in SIDES]
     if unknown or not sides:
         parser.error(f"--sides: unknown or no side(s) {unknown}; choose from {list(SIDES)}")
+    samples = args.prompts * args.samples
+    pinned = None
+    if args.trl_setting is not None:
+        try:
+            pinned = parse_trl_setting(args.trl_setting, samples)
+        except ValueError as e:
+            parser.error(str(e))
     if "trl" in sides and importlib.util.find_spec("trl") is None:
         print(_trl_missing_hint(), flush=True)
         sides = [s for s in sides if s != "trl"]
         if not sides:
             return
+    apply_placement(args, os.cpu_count() or 1)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Ray starts its workers at nice 15 by default; TRL's process runs at nice 0.
@@ -465,48 +724,68 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
         model_path, prompt_file, num_params = prepare(tmp, args)
-        samples = args.prompts * args.samples
+        ours = ", ".join(f"{k} {v}" for k, v in (("actor ranks", args.actor_ranks), ("worker threads",
+                         args.worker_threads), ("engine threads", args.engine_threads)) if v is not None)
         print(
             f"e2e: {args.arch}/{args.size} ({num_params / 1e6:.1f}M parameters), {args.prompts} prompts x "
             f"{args.samples} samples x {args.max_new_tokens} new tokens = {samples} samples a step, CPU "
-            f"({os.cpu_count()} cores), ours: backend {args.backend}, {args.actor_ranks} actor rank(s); "
-            f"{args.warmup} warm-up + {args.steps} measured step(s) per side, {args.rounds} round(s); "
-            f"load average {_load()} (other work on the machine slows whichever side it overlaps)",
+            f"({os.cpu_count()} cores), ours: backend {args.backend}, placement {args.placement}"
+            f"{' (' + ours + ')' if ours else ''}; {args.warmup} warm-up + {args.steps} measured step(s) per side, "
+            f"{args.rounds} round(s); load average {_load()} (other work on the machine slows whichever side it "
+            "overlaps)",
             flush=True,
         )
+        trl_setting = None
+        if "trl" in sides:
+            if pinned is not None:
+                trl_setting = pinned
+            elif args.trl_search:
+                trl_setting = search_trl(args, model_path, prompt_file, tmp)
+            else:
+                trl_setting = TrlSetting(samples, 1, False)
+            print(f"trl: {trl_setting.describe()}" + (" (pinned)" if pinned is not None else ""), flush=True)
         results: dict[str, SideResult] = {}
         for r in range(args.rounds):
             order = sides if r % 2 == 0 else sides[::-1]
             print(f"round {r + 1}: {' -> '.join(order)}", flush=True)
             for side in order:
                 out = os.path.join(tmp, f"round{r}")
-                got = run_trl(args, model_path, prompt_file, out) if side == "trl" else run_ours(
-                    side, args, model_path, prompt_file, out)
+                if side == "trl":
+                    got = run_trl(args, model_path, prompt_file, out, [trl_setting], args.steps)[0][1]
+                else:
+                    got = run_ours(side, args, model_path, prompt_file, out)
                 if got is None:
                     continue
-                print(f"  {got.name}: steps {', '.join(f'{s:.2f}' for s in got.step_s)} s; {got.threads}; "
-                      f"{got.wall_s:.0f} s with start-up", flush=True)
-                merged = results.setdefault(got.name, SideResult(got.name, got.samples_per_step, threads=got.threads))
-                for i, seconds in enumerate(got.step_s):
-                    merged.add_step(seconds, {p: v[i] for p, v in got.phase_s.items()}, got.response_len[i])
-                merged.wall_s += got.wall_s
+                rewards = " ".join(f"{x:.4f}" for x in got.trajectories[-1])
+                print(f"  {got.name}: steps {', '.join(f'{s:.2f}' for s in got.step_s)} s; reward per step "
+                      f"(warm-up first) {rewards}; {got.threads}; {got.wall_s:.0f} s with start-up", flush=True)
+                results.setdefault(got.name, SideResult(got.name, got.samples_per_step, threads=got.threads)).merge(got)
 
     print()
-    table = [results[n] for n in ("ours-grpo", "ours-ppo", "trl-grpo") if n in results]
+    table = [results[n] for n in ROW_ORDER if n in results]
+    if not table:
+        print("no side finished")
+        return
     print_table(table)
+    for line in reward_lines(table):
+        print(line)
     for r in table:
         if not all(abs(length - args.max_new_tokens) < 1e-6 for length in r.response_len):
             print(f"warning: {r.name} mean response length {statistics.mean(r.response_len):.1f}, "
                   f"not {args.max_new_tokens}: the sides did not generate the same work")
     trl = results.get("trl-grpo")
     if trl is not None:
-        for name, note in (("ours-grpo", ">= 1.0: ours at least as fast"),
+        kept = f"TRL at {trl_setting.flag}" + (", the fastest it tried" if pinned is None and args.trl_search else "")
+        for name, note in (("ours-grpo", f">= 1.0: ours at least as fast; {kept}"),
+                           ("ours-grpo-async", f"async rollout against {kept}"),
                            ("ours-ppo", "for information: PPO also runs a critic and a reference model")):
             if name in results:
-                print(f"ratio {name} / trl-grpo samples/s: {results[name].samples_per_s / trl.samples_per_s:.2f} "
-                      f"({note})")
+                print(ratio_line(results[name], trl, note))
     elif "trl" in args.sides:
-        print("no TRL baseline in this run, so no ratio")
+        print("no TRL baseline in this run, so no ratio against it")
+    if "ours-grpo" in results and "ours-grpo-async" in results:
+        print(ratio_line(results["ours-grpo-async"], results["ours-grpo"],
+                         f"async over sync rollout, placement {args.placement}; wall-clock steps on both"))
     print(f"total wall time {time.perf_counter() - t_start:.0f} s; load average now {_load()}")
 
 

@@ -132,8 +132,8 @@ class Cluster:
 
         t = self.cfg.train
         # On CPU every rank asks for one Ray CPU (a colocated one a share of one); Ray is started with at
-        # least as many CPUs as bundles, and each worker runs `worker_threads` OpenMP threads, so phases
-        # never oversubscribe the cores.
+        # least as many CPUs as bundles, and each worker runs Layout.worker_threads OpenMP threads (the cores
+        # shared among the ranks that compute at the same time), so phases never oversubscribe the cores.
         return ModelGroup(self.layout.worker_spec(role), num_cpus=1.0, num_gpus=1.0 if t.device == "cuda" else 0.0,
                           strategy=t.placement_strategy, shared=shared)
 

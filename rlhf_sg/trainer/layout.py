@@ -6,7 +6,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from rlhf_sg.config import Config, lr_warmup_steps, optimizer_steps, sleep_engines, uses_critic_model
+from rlhf_sg.config import (
+    Config,
+    lr_warmup_steps,
+    optimizer_steps,
+    rollout_is_async,
+    sleep_engines,
+    uses_critic_model,
+)
 
 
 @dataclass(frozen=True)
@@ -55,16 +62,50 @@ class Layout:
         alone = sum(n for g, n in sizes.items() if not any(g in s for s in shared))
         return alone + sum(max(sizes[g] for g in s) for s in shared)
 
+    def overlaps_rollout(self) -> bool:
+        """Whether the engines generate while the trainer trains (async rollout on separate placement)."""
+        return rollout_is_async(self.cfg)
+
+    def _cpu_share(self, processes: int) -> int:
+        """Threads for each of ``processes`` processes that compute at the same time on this machine's cores."""
+        return max(1, (os.cpu_count() or 1) // max(processes, 1))
+
     def engine_threads(self) -> int:
-        """Torch threads per engine. The step is synchronous: while the engines generate, every model rank
+        """Torch threads per engine. A sync step takes turns: while the engines generate, every model rank
         waits, so on CPU the engines may share all the cores (one thread each left them idle: measured with
-        ``python -m rlhf_sg.bench e2e``, generation took 1.3x longer than with the cores shared)."""
+        ``python -m rlhf_sg.bench e2e``, generation took 1.3x longer than with the cores shared). With async
+        rollout the engines generate while the actor (and critic) train: the cores are split among them all."""
         r = self.cfg.rollout
         if r.engine_threads is not None:
             return r.engine_threads
         if self.cfg.train.device != "cpu":
             return 1
-        return max(1, (os.cpu_count() or 1) // r.num_engines)
+        if self.overlaps_rollout():
+            return self._cpu_share(r.num_engines + self._training_ranks())
+        return self._cpu_share(r.num_engines)
+
+    def _training_ranks(self) -> int:
+        """The ranks that train at the same time: the actor's and, with a critic, the critic's (their updates run
+        together)."""
+        t = self.cfg.train
+        return t.actor_num_ranks + (t.critic_num_ranks if self.uses_critic else 0)
+
+    def worker_threads(self, role: str) -> int:
+        """Torch threads per rank of ``role``: ``--train.worker_threads`` when set; on GPU 1 (the device
+        computes); on CPU the cores shared among the ranks that compute at the same time. A sync step's phases
+        take turns (generate, score, train, sync), so the actor and critic ranks, which train together, share
+        every core, and a reference or reward-model group, whose forwards run alone, has every core to itself;
+        with async rollout the engines generate during training and scoring, so every rank shares the cores
+        with them."""
+        t = self.cfg.train
+        if t.worker_threads is not None:
+            return t.worker_threads
+        if t.device != "cpu":
+            return 1
+        engines = self.cfg.rollout.num_engines if self.overlaps_rollout() else 0
+        if role in ("actor", "critic"):
+            return self._cpu_share(self._training_ranks() + engines)
+        return self._cpu_share(self.group_sizes()[role] + engines)
 
     def model_path(self, role: str) -> str:
         """The directory ``role``'s model starts from (the critic from the critic's, else the reward model's,
@@ -93,7 +134,7 @@ class Layout:
             lr_total_steps=optimizer_steps(cfg, role),
             weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, offload=(role == "ref" and t.ref_offload),
             gradient_checkpointing=train and t.gradient_checkpointing, disable_dropout=t.disable_dropout,
-            seed=t.seed, threads=t.worker_threads, device=t.device, timeout_s=t.timeout_s,
+            seed=t.seed, threads=self.worker_threads(role), device=t.device, timeout_s=t.timeout_s,
         )
 
     def engine_config(self):

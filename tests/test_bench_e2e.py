@@ -1,0 +1,146 @@
+"""The e2e bench's own logic, on hand-written inputs: which TRL settings it tries, how it reads a pinned one, which
+it keeps, how it times our steps (wall clock around ``train_step``, so an async step is charged the time it holds
+the loop), and the ratio and reward lines it prints."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import pytest
+
+from rlhf_sg.bench import e2e
+from rlhf_sg.bench.e2e import (
+    SideResult,
+    TrlSetting,
+    apply_placement,
+    fastest_setting,
+    parse_trl_setting,
+    ratio_line,
+    reward_lines,
+    search_lines,
+    table_phases,
+    trl_settings,
+)
+
+
+def test_trl_settings_cover_every_micro_batch_that_divides_the_step_with_and_without_checkpointing():
+    got = [(s.micro_batch, s.accumulation, s.checkpointing) for s in trl_settings(64)]
+    assert got == [(8, 8, False), (16, 4, False), (32, 2, False), (64, 1, False),
+                   (8, 8, True), (16, 4, True), (32, 2, True), (64, 1, True)]
+    # 48 samples: 32 does not divide it and 64 is more than the step holds
+    assert [(s.micro_batch, s.accumulation) for s in trl_settings(48)] == [(8, 6), (16, 3), (8, 6), (16, 3)]
+    # no listed size divides 12: the whole batch as one micro-batch
+    assert [(s.micro_batch, s.accumulation, s.checkpointing) for s in trl_settings(12)] == [(12, 1, False),
+                                                                                           (12, 1, True)]
+    assert all(s.samples == 48 for s in trl_settings(48))
+
+
+def test_a_pinned_setting_reads_back_from_its_flag_and_must_make_up_the_step():
+    assert parse_trl_setting("8,8,off", 64) == TrlSetting(8, 8, False)
+    assert parse_trl_setting(" 16, 4, ON", 64) == TrlSetting(16, 4, True)
+    for setting in trl_settings(64):
+        assert parse_trl_setting(setting.flag, 64) == setting
+    with pytest.raises(ValueError, match=r"--trl-setting '8,4,off'.*8 x 4.*64"):
+        parse_trl_setting("8,4,off", 64)
+    for bad in ("8,8", "8,8,maybe", "a,8,off", "0,64,off"):
+        with pytest.raises(ValueError, match="--trl-setting"):
+            parse_trl_setting(bad, 64)
+
+
+def test_the_search_keeps_the_fastest_setting_that_finished_and_the_first_of_a_tie():
+    a, b, c, d = TrlSetting(64, 1, False), TrlSetting(8, 8, True), TrlSetting(8, 8, False), TrlSetting(16, 4, False)
+    assert fastest_setting([(a, 12.9), (b, None), (c, 11.1), (d, 11.1)]) == c
+    assert fastest_setting([(b, None), (a, 12.9)]) == a
+    with pytest.raises(RuntimeError, match="--trl-setting"):
+        fastest_setting([(a, None), (b, None)])
+    lines = search_lines([(a, 12.9), (b, None), (c, 11.1)], kept=c)
+    assert [line.endswith("<- kept") for line in lines] == [False, False, True]
+    assert "failed" in lines[1] and "12.90 s/step" in lines[0]
+
+
+def _side(name: str, step_s: list[float], samples: int = 64) -> SideResult:
+    side = SideResult(name, samples)
+    for seconds in step_s:
+        side.add_step(seconds, {"train": seconds / 2}, 64.0, 0.5)
+    return side
+
+
+def test_the_ratio_is_samples_per_second_of_the_numerator_over_the_denominator():
+    ours, trl = _side("ours-grpo", [2.0, 4.0]), _side("trl-grpo", [6.0])  # 64 / 3 s against 64 / 6 s
+    assert ours.samples_per_s == pytest.approx(64 / 3)
+    assert ratio_line(ours, trl, "note") == "ratio ours-grpo / trl-grpo samples/s: 2.00 (note)"
+    assert ratio_line(trl, ours, "x") == "ratio trl-grpo / ours-grpo samples/s: 0.50 (x)"
+
+
+def test_rounds_pool_their_steps_and_rewards_are_averaged_step_by_step():
+    merged = SideResult("ours-grpo", 64)
+    first, second = _side("ours-grpo", [1.0, 3.0]), _side("ours-grpo", [5.0])
+    first.trajectories.append([0.1, 0.2, 0.3])
+    second.trajectories.append([0.3, 0.4])
+    merged.merge(first)
+    merged.merge(second)
+    assert merged.step_s == [1.0, 3.0, 5.0] and merged.phase_s["train"] == [0.5, 1.5, 2.5]
+    assert merged.mean_step_s == pytest.approx(3.0)
+    assert merged.mean_trajectory() == pytest.approx([0.2, 0.3])  # as far as both rounds went
+    header, row = reward_lines([merged])
+    assert "k x 64 samples" in header
+    assert row.split() == ["ours-grpo", "0.2000", "0.3000"]
+
+
+def test_split_placement_gives_engine_and_actor_one_thread_each_unless_a_flag_says_otherwise():
+    args = argparse.Namespace(placement="split", actor_ranks=None, worker_threads=2, engine_threads=None)
+    apply_placement(args, cores=8)
+    assert (args.actor_ranks, args.worker_threads, args.engine_threads) == (1, 2, 1)
+
+
+def test_shared_placement_runs_one_actor_rank_on_every_core():
+    shared = argparse.Namespace(placement="shared", actor_ranks=None, worker_threads=None, engine_threads=None)
+    apply_placement(shared, cores=8)
+    assert (shared.actor_ranks, shared.worker_threads, shared.engine_threads) == (1, 8, None)
+    two_ranks = argparse.Namespace(placement="shared", actor_ranks=2, worker_threads=None, engine_threads=3)
+    apply_placement(two_ranks, cores=8)
+    assert (two_ranks.actor_ranks, two_ranks.worker_threads, two_ranks.engine_threads) == (2, 4, 3)
+
+
+def test_phases_a_side_reports_beyond_the_standard_columns_get_a_column():
+    side = _side("ours-grpo-async", [1.0])
+    side.phase_s["wait_generate"] = [0.2]
+    assert table_phases([side]) == [*e2e.PHASE_COLUMNS, "wait_generate"]
+
+
+class _OverlappingTrainer:
+    """A trainer whose steps take longer than the ``time/step`` they report, as an async step does (its generation
+    overlaps the step before and is outside its own timer)."""
+
+    STEP_S = 0.05
+
+    def __init__(self, cfg, reward_fn=None):
+        self.cfg, self.rewards = cfg, iter([0.1, 0.2, 0.3])
+
+    def setup(self):
+        pass
+
+    def train_step(self):
+        time.sleep(self.STEP_S)
+        return {"time/step": 0.001, "time/train": 0.001, "time/wait_rollout": 0.0, "rollout/response_len": 64.0,
+                "reward/mean": next(self.rewards), "rollout_time/generate": 0.04}
+
+    def shutdown(self):
+        pass
+
+
+def test_our_steps_are_timed_by_the_wall_clock_not_by_the_trainers_own_step_timer(monkeypatch, tmp_path):
+    import rlhf_sg.trainer
+
+    monkeypatch.setattr(rlhf_sg.trainer, "PPOTrainer", _OverlappingTrainer)
+    monkeypatch.setattr(e2e, "_describe_ours_threads", lambda trainer: "")
+    args = argparse.Namespace(backend="hf", prompts=8, samples=8, max_new_tokens=64, actor_ranks=1, lr=1e-6,
+                              critic_lr=1e-5, warmup=1, steps=2, seed=0, worker_threads=None, engine_threads=None)
+    got = e2e.run_ours("grpo-async", args, "model", "prompts.jsonl", str(tmp_path))
+    assert got.name == "ours-grpo-async"
+    assert len(got.step_s) == 2 and min(got.step_s) >= _OverlappingTrainer.STEP_S
+    assert got.samples_per_s <= 64 / _OverlappingTrainer.STEP_S
+    assert got.reward == [0.2, 0.3] and got.trajectories == [[0.1, 0.2, 0.3]]  # the warm-up step's reward first
+    assert got.phase_s["wait_rollout"] == [0.0, 0.0]
+    assert got.phase_s["generate"] == [0.04, 0.04]  # the batch's own generation, beside the step before
