@@ -570,3 +570,212 @@ def test_to_dict_is_every_section():
     d = Config().to_dict()
     assert list(d) == ["model", "rollout", "train", "data", "reward", "log"]
     assert d["train"]["clip_low"] == 0.2 and d["rollout"]["stop_token_ids"] == []
+
+
+# ---- more rules with their exact messages and boundaries; reading flags, files and model directories --------
+
+
+SMALL = {'rollout.prompts_per_step': 1, 'rollout.n_samples_per_prompt': 2}
+MORE_RULES = [
+    ({**SMALL, 'train.ref_num_ranks': 3},
+     '--train.ref_num_ranks 3: a step has 2 samples (prompts_per_step x n_samples_per_prompt), fewer than the '
+     'ranks that must each score one; lower it or raise --rollout.prompts_per_step'),
+    ({**SMALL, 'reward.kind': 'model', 'model.reward_pretrain': 'MODEL', 'reward.num_ranks': 3},
+     '--reward.num_ranks 3: a step has 2 samples (prompts_per_step x n_samples_per_prompt), fewer than the '
+     'ranks that must each score one; lower it or raise --rollout.prompts_per_step'),
+    ({'train.max_nonfinite_steps': 0},
+     '--train.max_nonfinite_steps must be >= 1, got 0'),
+]
+
+
+@pytest.mark.parametrize("overrides, message", MORE_RULES, ids=[",".join(o) for o, _ in MORE_RULES])
+def test_more_rules_refuse_their_input_with_the_exact_message(base, overrides, message):
+    with pytest.raises(ConfigError) as info:
+        validate(base(overrides))
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("overrides", [
+    {**SMALL, 'train.ref_num_ranks': 2},  # exactly one sample per reference rank
+    {**SMALL, 'train.ref_num_ranks': 3, 'train.kl_coef': 0.0},  # no KL: the reference does not score
+    {**SMALL, 'reward.num_ranks': 3},  # a reward function: the reward ranks do not score
+    {**SMALL, 'reward.kind': 'model', 'model.reward_pretrain': 'MODEL', 'reward.num_ranks': 2},
+    {'train.max_nonfinite_steps': 1},
+    {'model.attn_implementation': 'flash_attention_2'},
+    {'model.attn_implementation': 'eager'},
+])
+def test_more_rules_let_their_boundary_through(base, overrides):
+    validate(base(overrides))
+
+
+def test_a_model_directory_needs_a_json_object_and_weights_beside_it(base, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # an empty working directory: the weights are looked for in the model directory
+    model = tmp_path / "critic"
+    model.mkdir()
+    for text in ("[1, 2]", "{not json"):
+        (model / "config.json").write_text(text)
+        with pytest.raises(ConfigError) as info:
+            validate(base({"model.critic_pretrain": str(model)}))
+        assert str(info.value) == (f"--model.critic_pretrain: {str(model / 'config.json')!r} is not a JSON object; "
+                                   "re-save the model with save_pretrained")
+    (model / "config.json").write_text("{}")
+    with pytest.raises(ConfigError) as info:
+        validate(base({"model.critic_pretrain": str(model)}))
+    assert str(info.value) == (f"--model.critic_pretrain: {str(model)!r} has a config.json but no weights "
+                               "(*.safetensors or *.bin); save the model with save_pretrained or point at the "
+                               "directory that holds them")
+    for weights in ("pytorch_model.bin", "model.safetensors"):
+        (model / weights).write_bytes(b"")
+        validate(base({"model.critic_pretrain": str(model)}))
+        (model / weights).unlink()
+
+
+def test_settings_with_two_dots_or_a_misspelled_section_are_named():
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(Config(), {"train.max_steps.x": 1}, "run.yaml")
+    assert str(info.value).startswith("run.yaml: unknown setting 'train.max_steps.x'") and "; train has [" in str(
+        info.value)
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(Config(), {"trian.max_steps": 1}, "run.yaml")
+    assert str(info.value) == ("run.yaml: unknown setting 'trian.max_steps' (did you mean 'train.max_steps'?); "
+                               "sections are ['data', 'log', 'model', 'reward', 'rollout', 'train']")
+
+
+def test_yaml_errors_quote_the_parsers_problem(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  max_steps: 3\n  lr: [1, 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_yaml(str(bad))
+    assert str(info.value) == (f"{bad} line 4: not valid YAML (expected ',' or ']', but got '<stream end>'); "
+                               "sections of `key: value` lines are expected")
+    control = tmp_path / "control.yaml"  # an error without a line mark: the whole error is quoted
+    control.write_text("a: \x07\n")
+    with pytest.raises(ConfigError) as info:
+        load_yaml(str(control))
+    text = str(info.value)
+    assert text.startswith(f"{control}: not valid YAML (unacceptable character #x0007: special characters are not "
+                           "allowed")
+    assert text.endswith("); sections of `key: value` lines are expected")
+
+
+def test_flag_values_name_the_flag_and_unknown_flags_keep_their_whole_name(tmp_path):
+    from rlhf_sg.config import parse_args
+
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--train.max_steps", "many"])
+    assert str(info.value) == "--train.max_steps: cannot read 'many' as int"
+    with pytest.raises(ConfigError) as info:  # the name ends at the first '='
+        parse_args(["--train.max_stepz=a=b"])
+    assert str(info.value).startswith("unknown flag --train.max_stepz (did you mean --train.max_steps?); ")
+
+
+def test_device_check_messages_say_what_to_do(base):
+    from rlhf_sg.config import check_devices
+
+    cfg = base({"train.device": "cuda"})
+    for visible, message in [
+        (0, "--train.device cuda: no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver), or run on "
+            "CPU with --train.device cpu"),
+        (4, "the layout needs 5 GPUs (2 actor, 1 engines x tensor_parallel_size 1, 1 critic, 1 ref) but 4 are "
+            "visible; lower --train.*_num_ranks / --rollout.num_engines / --rollout.tensor_parallel_size, or share "
+            "devices (--train.colocate_all, --train.colocate_actor_ref, --train.colocate_critic_reward), or join a "
+            "larger Ray cluster (RAY_ADDRESS)"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            check_devices(cfg, visible=visible)
+        assert str(info.value) == message
+
+
+COLOCATED = {'train.colocate_all': True, 'train.critic_num_ranks': 2, 'train.ref_num_ranks': 2,
+             'rollout.num_engines': 2}
+ROLLOUT_MODE_RULES = [
+    ({'rollout.mode': 'eager'}, "--rollout.mode must be one of ['sync', 'async'], got 'eager'"),
+    ({'rollout.max_staleness': 0},
+     '--rollout.max_staleness must be >= 1 (weight versions a batch may lag the trainer), got 0; for on-policy '
+     'training use --rollout.mode sync'),
+    ({'rollout.mode': 'async', 'rollout.sleep_engines_while_training': True},
+     '--rollout.mode async generates while the trainer trains: the engines cannot sleep then; drop '
+     '--rollout.sleep_engines_while_training or use --rollout.mode sync'),
+    ({'rollout.mode': 'async', 'train.offload_states_while_generating': True},
+     '--rollout.mode async trains while the engines generate: the training states cannot leave the device then; '
+     'drop --train.offload_states_while_generating or use --rollout.mode sync'),
+]
+
+
+@pytest.mark.parametrize("overrides, message", ROLLOUT_MODE_RULES, ids=[",".join(o) for o, _ in ROLLOUT_MODE_RULES])
+def test_rollout_mode_rules_refuse_their_input_with_the_exact_message(base, overrides, message):
+    with pytest.raises(ConfigError) as info:
+        validate(base(overrides))
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("overrides", [
+    {'rollout.mode': 'async', 'rollout.max_staleness': 1},
+    {'rollout.mode': 'async', 'rollout.sleep_engines_while_training': False},
+    {'rollout.mode': 'sync', 'rollout.sleep_engines_while_training': True},  # sync: engines may sleep
+    {'rollout.mode': 'sync', 'train.offload_states_while_generating': True,
+     'rollout.sleep_engines_while_training': True},
+    # colocated engines and trainer share the devices: such a run stays sync, sleeping and offloading as usual
+    {**COLOCATED, 'rollout.mode': 'async', 'rollout.sleep_engines_while_training': True,
+     'train.offload_states_while_generating': True},
+])
+def test_rollout_mode_rules_let_their_boundary_through(base, overrides):
+    validate(base(overrides))
+
+
+def test_misspelled_names_are_matched_by_their_key_first():
+    from rlhf_sg.config import parse_args
+
+    # a key alone, or in the wrong section, or under a wrong sub-key: the setting with that key
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--lam", "0.9"])
+    assert str(info.value).startswith("unknown flag --lam (did you mean --train.lam?); ")
+    with pytest.raises(ConfigError) as info:  # an alias's name under a section: the alias
+        parse_args(["--train.algo", "rloo"])
+    assert str(info.value).startswith("unknown flag --train.algo (did you mean --algo?); ")
+    for dotted in ("model.lam", "train.x.lam"):
+        with pytest.raises(ConfigError) as info:
+            apply_overrides(Config(), {dotted: 1}, "run.yaml")
+        assert f"unknown setting {dotted!r} (did you mean 'train.lam'?)" in str(info.value)
+
+
+SETTING_RULES = [
+    ({'rollout.max_engine_restarts': -1}, '--rollout.max_engine_restarts must be >= 0, got -1'),
+    ({'reward.on_error': 'skip'}, "--reward.on_error must be raise or zero, got 'skip'"),
+    ({'reward.timeout_s': 0}, '--reward.timeout_s must be > 0, got 0'),
+    ({'reward.retries': -1}, '--reward.retries must be >= 0, got -1'),
+    ({'rollout.engine_kwargs': {'api_key': 'k'}},
+     "--rollout.engine_kwargs['api_key']: keys never go in the config (it is saved to <output_dir>/config.json); put "
+     "the key in an environment variable and set engine_kwargs['api_key_env'] to its name"),
+    ({'rollout.engine_kwargs': {'admin_api_key': 'k'}},
+     "--rollout.engine_kwargs['admin_api_key']: keys never go in the config (it is saved to <output_dir>/config.json); "
+     "put the key in an environment variable and set engine_kwargs['admin_api_key_env'] to its name"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", SETTING_RULES, ids=[",".join(o) for o, _ in SETTING_RULES])
+def test_setting_rules_refuse_their_input_with_the_exact_message(base, overrides, message):
+    with pytest.raises(ConfigError) as info:
+        validate(base(overrides))
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("overrides", [
+    {'rollout.max_engine_restarts': 0}, {'reward.on_error': 'zero'}, {'reward.on_error': 'raise'},
+    {'reward.timeout_s': 0.5}, {'reward.retries': 0}, {'rollout.engine_kwargs': {'api_key_env': 'KEY'}},
+    {'train.placement_strategy': 'SPREAD'}, {'train.placement_strategy': 'STRICT_PACK'},
+])
+def test_setting_rules_let_their_boundary_through(base, overrides):
+    validate(base(overrides))
+
+
+def test_async_runs_and_their_tis_cap(base):
+    from rlhf_sg.config import ASYNC_TIS_CAP, rollout_is_async, tis_cap
+
+    assert ASYNC_TIS_CAP == 2.0
+    separate, colocated = base({'rollout.mode': 'async'}), base({**COLOCATED, 'rollout.mode': 'async'})
+    assert (rollout_is_async(separate), rollout_is_async(colocated), rollout_is_async(base({}))) == (True, False, False)
+    # the cap in force: the one set, else 2.0 in an async run, else none
+    assert (tis_cap(separate), tis_cap(colocated), tis_cap(base({}))) == (2.0, None, None)
+    assert tis_cap(base({'rollout.mode': 'async', 'train.tis_cap': 5.0})) == 5.0
+    assert tis_cap(base({'train.tis_cap': 3.0})) == 3.0

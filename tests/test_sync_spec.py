@@ -438,6 +438,64 @@ def test_gather_rebuilds_every_partitioned_parameter_exactly(monkeypatch, world,
         assert 0 < first["exchange_s"] < 1.0 and 100.0 < timings["exchange_s"] < 101.0
 
 
+class _ThreadNccl(_ThreadDist):
+    """The same group as NCCL presents it to the gather: one synchronous all-gather of every rank's row into
+    the whole [W, S] buffer, no broadcasts."""
+
+    def get_backend(self, group):
+        self._mine(group)
+        return "nccl"
+
+    def broadcast(self, *args, **kwargs):
+        raise AssertionError("on NCCL the shards are exchanged with one all-gather, not broadcasts")
+
+    def all_gather_into_tensor(self, output, input, group):
+        local = self._mine(group).local
+        local.calls = getattr(local, "calls", 0) + 1
+        assert output.numel() == group.world * input.numel(), "the output holds one row per rank"
+        group.published[(local.calls, local.rank)] = input.clone()
+        group.barrier.wait()
+        output.view(group.world, -1).copy_(torch.stack([group.published[(local.calls, r)]
+                                                        for r in range(group.world)]))
+        group.barrier.wait()  # every rank has read the rows before a later call publishes more
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gather_on_nccl_stages_on_the_current_cuda_device_and_all_gathers_the_rows(monkeypatch, world):
+    # the NCCL branch's logic, on CPU: the staging buffer is requested on the rank's current CUDA device (served
+    # from CPU memory here) and the rows go through one all-gather; the parameters come out exactly
+    from rlhf_sg.sync import gather as gather_module
+    from rlhf_sg.sync.gather import GatherStaging, gather_bucket
+
+    full = {"a": torch.arange(12.0).view(3, 4), "b": torch.arange(100.0, 107.0), "c": torch.tensor([5.5])}
+    (manifest,) = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in full.items()], 1 << 20)
+    group = _ThreadGroup(world)
+    monkeypatch.setattr(gather_module, "dist", _ThreadNccl(group))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    expected = torch.cat([full[t.name].reshape(-1) for t in manifest.tensors])
+
+    class CpuStaging(GatherStaging):
+        def __init__(self):
+            super().__init__()
+            self.devices = []
+
+        def get(self, numel, dtype, device):
+            self.devices.append(device)
+            return super().get(numel, dtype, torch.device("cpu"))
+
+    def rank_gathers(rank):
+        group.local.rank = rank
+        params = [_zero3_param(full[t.name], rank, world, group, i) for i, t in enumerate(manifest.tensors)]
+        out = torch.full((manifest.numel,), float("nan"))
+        staging = CpuStaging()
+        gather_bucket(params, manifest, out, staging)
+        return out, staging.devices
+
+    for rank, (out, devices) in enumerate(_on_ranks(rank_gathers, world)):
+        assert torch.equal(out, expected), f"rank {rank}"
+        assert devices == [torch.device("cuda", 3)]
+
+
 def test_shards_are_exchanged_directly_only_when_every_one_is_a_plain_local_partition():
     from rlhf_sg.sync.gather import _exchangeable
 
@@ -488,6 +546,48 @@ class OtherGroupBackend(EmbeddedBackend):
     @classmethod
     def open_sender_group(cls, spec, store):
         return super().open_sender_group(spec, store)
+
+
+class RecordingBackend(EmbeddedBackend):
+    """The embedded engine's backend, recording what the tensor transport asks it to pack (sender side)."""
+
+    name = "hf-recording"
+    packed: list[tuple[int, int, bool]] = []  # (bucket numel, TP ranks, buffer in shared memory)
+
+    @classmethod
+    def pack_tensor_bucket(cls, manifest, flat, num_tp_ranks):
+        cls.packed.append((manifest.numel, num_tp_ranks, flat.is_shared()))
+        return super().pack_tensor_bucket(manifest, flat, num_tp_ranks)
+
+
+def test_tensor_transport_packs_each_bucket_per_engine_from_shared_memory_and_times_each_phase(
+    fake_ray, engine_model_dir, tmp_path, monkeypatch
+):
+    engines = _engines(2, engine_model_dir, fake_ray)
+    describe = engines[0].actor.describe()
+    # engine 0 is of a backend whose engines have 2 tensor-parallel ranks (it packs each bucket first, so it sees
+    # the buffer before anything else could move it to shared memory); both engines time nothing
+    monkeypatch.setattr(engines[0].actor, "describe", lambda: {**describe, "weight_group_size": 2})
+    by_info = transports_module.backend_class
+    monkeypatch.setattr(transports_module, "backend_class",
+                        lambda info: RecordingBackend if info.get("weight_group_size") == 2 else by_info(info))
+    for handle in engines:
+        load = handle.actor.update_weights_from_tensor
+        monkeypatch.setattr(handle.actor, "update_weights_from_tensor", lambda m, p, load=load: load(m, p) and None)
+    monkeypatch.setattr(RecordingBackend, "packed", [])
+    (syncer,) = _syncers(1, engines, "tensor", tmp_path)
+    syncer.setup()
+    model = _trainer_model(seed=2)
+    plan = plan_buckets([(n, tuple(p.shape), p.dtype) for n, p in named_weights(model)], BUCKET_BYTES)
+    stats = syncer.sync(model, 1)
+    _assert_engines_hold(engines, model, 1)
+    # the bucket's own manifest, engine 0's TP size, from a buffer the engine process can open without a copy
+    assert RecordingBackend.packed == [(m.numel, 2, True) for m in plan]
+    for k, times in enumerate(syncer.bucket_times):
+        assert 0 < times["pack_s"] < 60 and 0 <= times["send_wait_s"] < 60, k
+        assert times["engine_s"] == 0.0, k  # engines that report no seconds count 0
+    assert stats["engine_seconds"] == 0.0
+    syncer.close()
 
 
 def test_weight_syncer_names_each_bad_argument():
@@ -554,6 +654,139 @@ def test_an_engine_failing_mid_collective_sync_breaks_the_syncer_until_set_up_ag
     syncer.sync(model, 1)
     _assert_engines_hold(engines, model, 1)
     syncer.close()
+
+
+class _PendingWork:
+    """A broadcast's work handle that stays pending (``error``: completes, and its wait raises that)."""
+
+    def __init__(self, error: Exception | None = None):
+        self.error = error
+
+    def is_completed(self):
+        return self.error is not None
+
+    def wait(self):
+        raise self.error
+
+
+@pytest.mark.parametrize("outcome", ["engine_fails", "send_fails", "send_times_out", "engine_fails_after_the_send",
+                                     "engine_fails_after_the_timeout"])
+def test_a_collective_send_that_does_not_complete_is_reported_with_the_engines_error_first(
+    fake_ray, engine_model_dir, tmp_path, monkeypatch, outcome
+):
+    # the engine's receive call failing is raised while the broadcast is still pending (not after timeout_s);
+    # a send that fails or times out while the engine says nothing names the bucket and the engine
+    engines = _engines(2, engine_model_dir, fake_ray)
+    # long enough for the engines to join on a busy machine
+    timeout_s = 5.0 if outcome in ("send_times_out", "engine_fails_after_the_timeout") else 30.0
+    (syncer,) = [WeightSyncer(0, 1, engines, transport="collective", bucket_bytes=BUCKET_BYTES, timeout_s=timeout_s,
+                              device="cpu", group_name="pending")]
+    syncer.setup()
+    release = threading.Event()
+    if outcome == "engine_fails":
+        engines[0].actor.destroy_weight_update_group()  # its receive fails at once
+    else:
+        for handle in engines:  # receive nothing, report nothing
+            monkeypatch.setattr(handle.actor, "update_weights_from_collective",
+                                lambda plan, src: release.wait(60) and [])
+    if outcome.startswith("engine_fails_after"):  # within the few seconds the sender gives it to say why
+        delay = 1.0 if outcome == "engine_fails_after_the_send" else timeout_s + 1.5
+
+        def late_failure(plan, src):
+            time.sleep(delay)
+            raise RuntimeError("receive failed late")
+
+        monkeypatch.setattr(engines[1].actor, "update_weights_from_collective", late_failure)
+    error = RuntimeError("connection reset") if outcome in ("send_fails", "engine_fails_after_the_send") else None
+    monkeypatch.setattr(transports_module, "side_broadcast", lambda group, flat, src, timeout_s: _PendingWork(error))
+    where = "weight-update group 'pending-rank0-setup1': trainer rank 0 (group rank 0)"
+    start = time.monotonic()
+    try:
+        if outcome == "engine_fails":
+            with pytest.raises(EngineCallError, match="^engine 0: update_weights_from_collective failed: "):
+                syncer.sync(_trainer_model(2), 1)
+            assert time.monotonic() - start < timeout_s / 2, "the engine's failure waited for the send's timeout"
+        elif outcome.startswith("engine_fails_after"):
+            with pytest.raises(EngineCallError, match="^engine 1: update_weights_from_collective failed: "
+                                                      "RuntimeError: receive failed late"):
+                syncer.sync(_trainer_model(2), 1)
+        elif outcome == "send_fails":
+            with pytest.raises(RuntimeError) as info:
+                syncer.sync(_trainer_model(2), 1)
+            assert str(info.value) == (f"{where}: sending bucket 0 to engine 0 (group rank 1), engine 1 (group rank 2) "
+                                       "failed: connection reset")
+        else:
+            with pytest.raises(TimeoutError) as info:
+                syncer.sync(_trainer_model(2), 1)
+            assert str(info.value) == (f"{where} could not send bucket 0 to engine 0 (group rank 1), engine 1 (group "
+                                       "rank 2) within timeout_s=5.0")
+    finally:
+        release.set()
+        syncer.close()
+
+
+def test_collective_sync_times_each_bucket_and_keeps_the_slowest_engine(fake_ray, engine_model_dir, tmp_path,
+                                                                        monkeypatch):
+    engines = _engines(3, engine_model_dir, fake_ray)
+    reported = {0: lambda n: [0.5] * n, 1: lambda n: [2.0] + [0.25] * (n - 1), 2: lambda n: None}
+    for e, handle in enumerate(engines):
+        receive = handle.actor.update_weights_from_collective
+        monkeypatch.setattr(handle.actor, "update_weights_from_collective",
+                            lambda plan, src, receive=receive, e=e: receive(plan, src) and reported[e](len(plan)))
+    (syncer,) = _syncers(1, engines, "collective", tmp_path)
+    syncer.setup()
+    model = _trainer_model(seed=2)
+    stats = syncer.sync(model, 1)
+    _assert_engines_hold(engines, model, 1)
+    n = len(syncer.bucket_times)
+    # engine seconds per bucket: the slowest engine's; an engine that reports none counts for nothing
+    assert [t["engine_s"] for t in syncer.bucket_times] == [2.0] + [0.5] * (n - 1)
+    assert stats["engine_seconds"] == pytest.approx(2.0 + 0.5 * (n - 1))
+    assert all(0 <= t["send_wait_s"] < 60 for t in syncer.bucket_times)
+    assert stats["send_wait_seconds"] == pytest.approx(sum(t["send_wait_s"] for t in syncer.bucket_times))
+    syncer.close()
+
+
+def test_collective_engines_are_told_the_group_their_ranks_and_its_backend(fake_ray, engine_model_dir, tmp_path,
+                                                                          monkeypatch):
+    engines = _engines(2, engine_model_dir, fake_ray)
+    specs = {}
+    for e, handle in enumerate(engines):
+        join = handle.actor.init_weight_update_group
+        monkeypatch.setattr(handle.actor, "init_weight_update_group",
+                            lambda spec, join=join, e=e: specs.setdefault(e, spec) and join(spec))
+    (syncer,) = _syncers(1, engines, "collective", tmp_path)
+    syncer.setup()
+    # one group: the sender is rank 0, each engine (one rank each here) the next ranks, in order
+    assert [(s.rank_offset, s.world_size, s.group_name, s.backend, s.timeout_s) for s in (specs[0], specs[1])] == [
+        (1, 3, "spec-collective-rank0-setup1", "gloo", TIMEOUT_S), (2, 3, "spec-collective-rank0-setup1", "gloo",
+                                                                    TIMEOUT_S)]
+    assert specs[0].master_port == specs[1].master_port
+    syncer.close()
+    # an engine that cannot join is named with the call that failed
+    monkeypatch.setattr(engines[1].actor, "init_weight_update_group", lambda spec: 1 / 0)
+    syncer = WeightSyncer(0, 1, engines, transport="collective", timeout_s=3.0, device="cpu", group_name="joins")
+    with pytest.raises(EngineCallError, match="^engine 1: init_weight_update_group failed: ZeroDivisionError"):
+        syncer.setup()
+    syncer.close()
+    # engines that answer but never join: both named; a group that cannot be built: the builder's error
+    for handle in engines:
+        monkeypatch.setattr(handle.actor, "init_weight_update_group", lambda spec: None)
+    syncer = WeightSyncer(0, 1, engines, transport="collective", timeout_s=2.0, device="cpu", group_name="late")
+    with pytest.raises(TimeoutError, match=r"^weight-update group 'late-rank0-setup1' \(gloo, world_size 3\) at "
+                                           r"\S+: trainer rank 0 \(group rank 0\) waited timeout_s=2.0 for engine 0 "
+                                           r"\(group rank 1\), engine 1 \(group rank 2\) to join; one did not"):
+        syncer.setup()
+
+    def bad_builder(spec, store):
+        raise ValueError("no such interface")
+
+    syncer = WeightSyncer(0, 1, engines, transport="collective", timeout_s=2.0, device="cpu", group_name="bad",
+                          open_group=bad_builder)
+    with pytest.raises(RuntimeError, match=r"^weight-update group 'bad-rank0-setup1' \(gloo, world_size 3\) at \S+: "
+                                           r"trainer rank 0 \(group rank 0\): building the group failed: ValueError: "
+                                           r"no such interface$"):
+        syncer.setup()
 
 
 def test_engines_whose_groups_are_built_differently_cannot_share_one(fake_ray, engine_model_dir, tmp_path,
