@@ -81,7 +81,7 @@ def http_routes() -> dict[str, str | None]:
         for arg in node.args.args:
             annotation = ast.unparse(arg.annotation) if arg.annotation else ""
             for word in annotation.replace("[", " ").replace(",", " ").replace("]", " ").split():
-                if word.endswith("ReqInput"):
+                if word.endswith(("ReqInput", "Req")):
                     body_struct = word
         for deco in node.decorator_list:
             if isinstance(deco, ast.Call) and deco.args and isinstance(deco.args[0], ast.Constant):
