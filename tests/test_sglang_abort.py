@@ -13,14 +13,9 @@ Runs in the SGLang venv (``recipes/install/sglang_cpu.sh``); skipped elsewhere. 
 from __future__ import annotations
 
 import importlib.util
-import os
 import secrets
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 from abort_checks import check_partial_rollout, full_greedy, generate_and_abort  # tests/ is on the path
@@ -32,7 +27,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang not installed (sglang_cpu.sh)"),
     pytest.mark.slow,
 ]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: prompts whose greedy answers on this model run MAX_NEW tokens without an EOS
 PROMPTS = [[BOS_ID, 40, 41, 42, 43], [BOS_ID, 60, 61, 62], [BOS_ID, 5, 6, 7, 8, 9]]
 #: long enough that the generate is still running when the abort comes (a few ms a step on CPU)
@@ -130,47 +124,14 @@ def test_engine_abort_nobody_asked_for_is_an_error(engine):
 
 
 # ---- http mode ----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
     """(url, api key, admin key) of a running SGLang server started with both keys."""
-    api_key, admin_key = "api-" + secrets.token_hex(12), "admin-" + secrets.token_hex(12)
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{API_VAR: api_key, ADMIN_VAR: admin_key})
-    cmd = [
-        sys.executable, "-m", "backends.sglang_cpu.serve", "--api-key-env", API_VAR, "--admin-api-key-env", ADMIN_VAR,
-        "--model-path", model_path, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-        "--dtype", "float32", "--attention-backend", "torch_native", "--skip-tokenizer-init", "--disable-cuda-graph",
-        "--sleep-on-idle", "--max-total-tokens", "8192", "--context-length", "1024", "--log-level", "error",
-        "--random-seed", "0",
-    ]  # fmt: skip
-    log_path = tmp_path_factory.mktemp("sglang-abort-log") / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:  # /health takes no key
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"SGLang server did not come up:\n{log_path.read_text()[-3000:]}")
-            time.sleep(2)
-        yield url, api_key, admin_key
-    finally:
-        from test_sglang_http import _kill_group  # tests/ is on the path
+    from test_sglang_http import keyed_server  # tests/ is on the path
 
-        _kill_group(proc)
-        log.close()
+    with keyed_server(model_path, tmp_path_factory.mktemp("sglang-abort-log"), "--max-total-tokens", "8192",
+                      "--context-length", "1024", "--random-seed", "0", api_var=API_VAR, admin_var=ADMIN_VAR) as keys:
+        yield keys
 
 
 def test_http_abort_keeps_the_tokens_so_far(server, model_path, monkeypatch, reference):

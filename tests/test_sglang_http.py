@@ -11,6 +11,7 @@ Runs in the SGLang venv (``recipes/install/sglang_cpu.sh``); skipped elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -45,20 +46,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """(url, model_path, api_key, admin_key) of a server started with both keys."""
-    model_path = save_tiny_model(str(tmp_path_factory.mktemp("sglang-http-keys")), arch="qwen2", size="tiny", seed=2)
+@contextlib.contextmanager
+def keyed_server(model_path: str, log_dir, *server_args: str, api_var: str = API_VAR, admin_var: str = ADMIN_VAR):
+    """(url, api key, admin key) of SGLang's own server (``backends.sglang_cpu.serve``) on a free port, started
+    with fresh API and admin keys read from ``api_var`` / ``admin_var``, and ``server_args``; stopped on exit."""
     api_key, admin_key = "api-" + secrets.token_hex(12), "admin-" + secrets.token_hex(12)
     port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{API_VAR: api_key, ADMIN_VAR: admin_key})
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{api_var: api_key, admin_var: admin_key})
     cmd = [
-        sys.executable, "-m", "backends.sglang_cpu.serve", "--api-key-env", API_VAR, "--admin-api-key-env", ADMIN_VAR,
+        sys.executable, "-m", "backends.sglang_cpu.serve", "--api-key-env", api_var, "--admin-api-key-env", admin_var,
         "--model-path", model_path, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
         "--dtype", "float32", "--attention-backend", "torch_native", "--skip-tokenizer-init", "--disable-cuda-graph",
-        "--sleep-on-idle", "--max-total-tokens", "4096", "--context-length", "256", "--log-level", "error",
+        "--sleep-on-idle", "--log-level", "error", *server_args,
     ]  # fmt: skip
-    log_path = tmp_path_factory.mktemp("sglang-http-keys-log") / "server.log"
+    log_path = log_dir / "server.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -74,10 +75,19 @@ def server(tmp_path_factory):
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"SGLang server did not come up:\n{log_path.read_text()[-3000:]}")
             time.sleep(2)
-        yield url, model_path, api_key, admin_key
+        yield url, api_key, admin_key
     finally:
         _kill_group(proc)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(url, model_path, api_key, admin_key) of a server started with both keys."""
+    model_path = save_tiny_model(str(tmp_path_factory.mktemp("sglang-http-keys")), arch="qwen2", size="tiny", seed=2)
+    with keyed_server(model_path, tmp_path_factory.mktemp("sglang-http-keys-log"),
+                      "--max-total-tokens", "4096", "--context-length", "256") as (url, api_key, admin_key):
+        yield url, model_path, api_key, admin_key
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
