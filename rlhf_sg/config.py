@@ -99,6 +99,11 @@ class TrainConfig:
     #: optimizer steps per rollout batch (the batch is split evenly)
     num_minibatches: int = 1
     max_tokens_per_microbatch: int = 4096
+    #: the rows of one prompt (a GRPO group) compute the prompt once in the log-prob and value forwards and
+    #: their backward: one packed segment [prompt | response_1 | response_2 | ...] whose responses attend to the
+    #: prompt and to themselves only (same results up to rounding). Needs an attention that takes a mask
+    #: (sdpa, eager); with flash_attention_2 (varlen, no tree mask) every row computes its own prompt
+    share_prompts: bool = True
     #: the actor's separate old-log-prob forward each step (None: only when needed, i.e. ppo_epochs or
     #: num_minibatches > 1, or the KL penalty in the rewards; otherwise the single update's forward gives them)
     recompute_old_logp: bool | None = None
@@ -606,6 +611,12 @@ def rollout_is_async(cfg: Config) -> bool:
 
 #: the truncated-importance-sampling cap of an async run that sets none
 ASYNC_TIS_CAP = 2.0
+
+
+def shares_prompts(cfg: Config) -> bool:
+    """Whether the trainer's forwards share prompts (``--train.share_prompts``): only with an attention that
+    takes the tree mask (``sdpa``, ``eager``); flash-attn varlen kernels cannot keep sibling responses apart."""
+    return cfg.train.share_prompts and cfg.model.attn_implementation in ("sdpa", "eager")
 
 
 def tis_cap(cfg: Config) -> float | None:

@@ -93,18 +93,22 @@ class ActorUpdate:
     loss: the surrogate's clip, TIS, aggregation, and the KL / entropy terms in the loss; temperature: the
     sampling temperature, which the log-probs are computed at; old_logp_from_update: the batch gets a single
     update on fresh samples, so the policy that sampled is the one being trained and the old log-probs are the
-    update's own forward (detached) instead of :attr:`Experience.old_logp` (which is then not computed)."""
+    update's own forward (detached) instead of :attr:`Experience.old_logp` (which is then not computed);
+    share_prompts: rows with one prompt compute it once (:func:`rlhf_sg.packing.pack_shared_prompts`)."""
 
     loss: ActorLossConfig
     temperature: float = 1.0
     old_logp_from_update: bool = False
+    share_prompts: bool = False
 
 
 @dataclass(frozen=True)
 class CriticUpdate:
-    """The settings of one step's value updates: ``value_clip`` (None: no clipping)."""
+    """The settings of one step's value updates: ``value_clip`` (None: no clipping); ``share_prompts`` as in
+    :class:`ActorUpdate`."""
 
     value_clip: float | None = None
+    share_prompts: bool = False
 
 
 def build_rollout_batch(

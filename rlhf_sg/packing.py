@@ -253,6 +253,186 @@ def _rows_to_tokens(row_values: torch.Tensor, batch: PackedBatch) -> torch.Tenso
     return row_values.reshape(-1, *row_values.shape[2:])[batch.slots.to(row_values.device)]
 
 
+# ---- shared prompts ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class SharedPromptRows:
+    """Rollout rows packed so that rows with the same prompt compute it once.
+
+    The samples of one prompt (GRPO's group, or any rows whose prompt tokens are equal) form a *segment*:
+    the prompt once, then each sample's response, ``[prompt | response_1 | response_2 | ...]``. A response
+    attends to the prompt before it and causally to itself, never to a sibling response; its position ids
+    continue from the prompt's length, so every token sees exactly what it saw in its own padded row and the
+    results are those of :func:`pack` up to float rounding. A group too long for one segment
+    (``segment_tokens``) is split, each part with its own copy of the prompt. Segments are bin-packed
+    (first-fit decreasing) into rows as long as the longest segment.
+
+    Packed rows (model input):
+        input_ids, position_ids: [R, L] long; pad slots hold 0.
+        segment_start, prompt_end, branch_start: [R, L] long, per slot the columns where its segment starts,
+            where the segment's prompt ends, and where the slot's own response starts (the segment start for a
+            prompt slot). A pad slot has all three at its own column: it attends to itself only.
+    Response tokens (the n real response tokens, row after row):
+        predictor_slots: [n] long; flat slot ``r * L + c`` of the hidden state that predicts the token (the
+            prompt's last slot for a response's first token, shared by the segment's responses).
+        block_positions: [n] long; flat index ``b * T + j`` of the token in the [B, T] response block.
+        labels: [n] long; the token.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    segment_start: torch.Tensor
+    prompt_end: torch.Tensor
+    branch_start: torch.Tensor
+    predictor_slots: torch.Tensor
+    block_positions: torch.Tensor
+    labels: torch.Tensor
+    num_segments: int
+    response_shape: tuple[int, int]
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.input_ids.numel())
+
+    def attention_mask(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[R, 1, L, L]: query q sees key k iff k <= q, both in one segment, and k is in the prompt or in q's
+        own response. ``dtype=None``: bool (True = attend, for sdpa); else additive (0 or the dtype's minimum,
+        for eager)."""
+        columns = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
+        key, query = columns[None, None, :], columns[None, :, None]
+        allowed = (
+            (key <= query)
+            & (key >= self.segment_start[:, :, None])
+            & ((key < self.prompt_end[:, :, None]) | (key >= self.branch_start[:, :, None]))
+        )[:, None]
+        if dtype is None:
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min
+        )
+
+
+def prompt_groups(sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int) -> list[list[int]]:
+    """The rows of a rollout batch grouped by equal prompt tokens, each group in row order, groups in the order
+    of their first row."""
+    prompt_width = sequences.shape[1] - response_width
+    ids, mask = sequences[:, :prompt_width].cpu(), attention_mask[:, :prompt_width].bool().cpu()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for b in range(ids.shape[0]):
+        groups.setdefault(tuple(ids[b][mask[b]].tolist()), []).append(b)
+    return list(groups.values())
+
+
+def pack_shared_prompts(
+    sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int, segment_tokens: int = 2048
+) -> SharedPromptRows:
+    """Pack a rollout batch (the layout of :func:`response_logprobs`) with each distinct prompt computed once
+    per segment (:class:`SharedPromptRows`). ``segment_tokens``: a segment's most tokens (a longer group is
+    split; never below the longest single sequence, which always fits alone)."""
+    if segment_tokens < 1:
+        raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
+    _check_rollout(sequences, attention_mask, response_width)
+    device = sequences.device
+    batch_size, seq = sequences.shape
+    prompt_width = seq - response_width
+    ids, mask = sequences.cpu(), attention_mask.bool().cpu()
+    prompt_len = mask[:, :prompt_width].sum(dim=1).tolist()
+    response_len = mask[:, prompt_width:].sum(dim=1).tolist()
+    capacity = max(segment_tokens, max(p + r for p, r in zip(prompt_len, response_len)))
+
+    segments: list[list[int]] = []
+    for members in prompt_groups(sequences, attention_mask, response_width):
+        # as few segments as the capacity allows, each with about the same response tokens
+        p, total = prompt_len[members[0]], sum(response_len[b] for b in members)
+        target = total / min(len(members), max(1, math.ceil(total / max(capacity - p, 1))))
+        current, load = [], 0
+        for b in members:
+            n = response_len[b]
+            if current and (p + load + n > capacity or load + n / 2 > target):
+                segments.append(current)
+                current, load = [], 0
+            current.append(b)
+            load += n
+        segments.append(current)
+    lengths = [prompt_len[s[0]] + sum(response_len[b] for b in s) for s in segments]
+    rows = _first_fit_decreasing(lengths, max(lengths))
+    row_len = max(sum(lengths[i] for i in row) for row in rows)
+
+    num_slots = len(rows) * row_len
+    columns = torch.arange(row_len).repeat(len(rows))
+    input_ids = torch.zeros(num_slots, dtype=ids.dtype)
+    position_ids = torch.zeros(num_slots, dtype=torch.long)
+    segment_start, prompt_end, branch_start = columns.clone(), columns.clone(), columns.clone()
+    predictors, positions, labels = [], [], []
+    for r, row in enumerate(rows):
+        base, offset = r * row_len, 0
+        for i in row:
+            members = segments[i]
+            p = prompt_len[members[0]]
+            start, end = base + offset, base + offset + p
+            input_ids[start:end] = ids[members[0], prompt_width - p : prompt_width]
+            position_ids[start:end] = torch.arange(p)
+            prompt_end[start:end] = offset + p
+            branch_start[start:end] = offset
+            cursor = end
+            for b in members:
+                n = response_len[b]
+                response = ids[b, prompt_width : prompt_width + n]
+                input_ids[cursor : cursor + n] = response
+                position_ids[cursor : cursor + n] = torch.arange(p, p + n)
+                prompt_end[cursor : cursor + n] = offset + p
+                branch_start[cursor : cursor + n] = cursor - base
+                # token j is predicted by the slot before it: the prompt's last for j = 0
+                predictors.append(torch.cat([torch.tensor([end - 1]), torch.arange(cursor, cursor + n - 1)]))
+                positions.append(b * response_width + torch.arange(n))
+                labels.append(response)
+                cursor += n
+            segment_start[start:cursor] = offset
+            offset = cursor - base
+    view = lambda t: t.view(len(rows), row_len).to(device)  # noqa: E731
+    return SharedPromptRows(
+        input_ids=view(input_ids), position_ids=view(position_ids), segment_start=view(segment_start),
+        prompt_end=view(prompt_end), branch_start=view(branch_start),
+        predictor_slots=torch.cat(predictors).to(device), block_positions=torch.cat(positions).to(device),
+        labels=torch.cat(labels).to(device), num_segments=len(segments), response_shape=(batch_size, response_width),
+    )
+
+
+def _shared_forward(model: nn.Module, rows: SharedPromptRows, impl: str, **forward_kwargs):
+    """Call ``model`` on shared-prompt rows with their tree mask (``sdpa``: bool; ``eager``: additive)."""
+    if impl not in _MASKED_IMPLEMENTATIONS:
+        raise ValueError(
+            f"shared prompts need an attention that takes a mask ({_MASKED_IMPLEMENTATIONS}); {impl} (varlen) "
+            "cannot keep sibling responses apart: pass share_prompts=False"
+        )
+    module = _unwrap(model)
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()) and rows.input_ids.shape[1] > window:
+        raise ValueError(
+            f"this model has sliding-window layers (window {window}) and shared-prompt rows of "
+            f"{rows.input_ids.shape[1]} tokens: the tree mask has no window; pass share_prompts=False"
+        )
+    mask = rows.attention_mask(None if impl == "sdpa" else _model_dtype(module))
+    return model(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=mask, use_cache=False,
+                 **forward_kwargs)
+
+
+def default_segment_tokens(module: nn.Module) -> int:
+    """A shared-prompt segment's default size: the model's hidden size d (2048 without one). The masked kernels
+    compute every pair of a row, so a token in a row of L costs about 4 L d FLOPs of attention against about
+    24 d^2 of projections and MLP (a layer's 12 d^2 weights, forward): at L = d attention adds ~1/6, while a
+    longer segment saves only the prompt copies it merges."""
+    config = getattr(module, "config", None)
+    hidden = getattr(config, "hidden_size", None)
+    return int(hidden) if isinstance(hidden, int) and hidden > 0 else 2048
+
+
+def _has_shared_prompt(sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int) -> bool:
+    return any(len(g) > 1 for g in prompt_groups(sequences, attention_mask, response_width))
+
+
 # ---- forward on packed rows ------------------------------------------------------------------------------
 
 
@@ -419,15 +599,21 @@ def _response_predictors(attention_mask: torch.Tensor, response_width: int) -> t
     return predicts
 
 
-def _to_response_block(
-    token_values: torch.Tensor, flat_positions: torch.Tensor, batch: PackedBatch, response_width: int
-) -> torch.Tensor:
-    """Values at predicting positions (padded flat index b*S+s, s = P-1+j) -> [B, T], 0 elsewhere."""
-    batch_size, seq = batch.padded_shape
+def _block_positions(flat_positions: torch.Tensor, batch: PackedBatch, response_width: int) -> torch.Tensor:
+    """Predicting positions (padded flat index b*S+s, s = P-1+j) -> the predicted token's flat index b*T+j in
+    the [B, T] response block."""
+    seq = batch.padded_shape[1]
     row = flat_positions // seq
     column = flat_positions % seq - (seq - response_width - 1)
-    out = token_values.new_zeros(batch_size * response_width)
-    return out.index_copy(0, row * response_width + column, token_values).view(batch_size, response_width)
+    return row * response_width + column
+
+
+def _to_response_block(
+    token_values: torch.Tensor, block_positions: torch.Tensor, shape: tuple[int, int]
+) -> torch.Tensor:
+    """Values of response tokens at flat ``b * T + j`` -> [B, T], 0 elsewhere."""
+    out = token_values.new_zeros(shape[0] * shape[1])
+    return out.index_copy(0, block_positions, token_values).view(shape)
 
 
 def _logprob_chunk(
@@ -466,6 +652,8 @@ def response_logprobs(
     with_entropy: bool = False,
     chunk_tokens: int = 1024,
     attn_implementation: str | None = None,
+    share_prompts: bool = False,
+    segment_tokens: int | None = None,
 ):
     """Log-probs (and entropy) of the response tokens under a causal LM, computed on packed rows.
 
@@ -481,6 +669,10 @@ def response_logprobs(
     that predict a response token, ``chunk_tokens`` at a time, log-softmax in fp32. Under autograd each
     chunk is checkpointed, so neither forward nor backward holds more than one chunk's [chunk, vocab]
     logits.
+
+    ``share_prompts``: where rows repeat a prompt, compute it once per segment of ``segment_tokens``
+    (:func:`pack_shared_prompts`; masked attention only); the results equal the unshared ones up to rounding.
+    ``segment_tokens=None``: the model's hidden size (see :func:`default_segment_tokens`).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -495,21 +687,32 @@ def response_logprobs(
     sequences, attention_mask = sequences.to(device), attention_mask.to(device)
     _check_rollout(sequences, attention_mask, response_width)
     impl = _attn_implementation(module, attn_implementation)
-    batch = pack(sequences, attention_mask, row_tokens=_row_tokens(impl, attention_mask))
-
+    shared = share_prompts and _has_shared_prompt(sequences, attention_mask, response_width)
     captured: dict[str, torch.Tensor] = {}
 
     def keep_hidden(_module, _args, output):
         captured["hidden"] = output[0]
 
+    no_logits = torch.empty(0, dtype=torch.long, device=device)
     hook = module.base_model.register_forward_hook(keep_hidden)
     try:
-        packed_forward(model, batch, impl, logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
+        if shared:
+            rows = pack_shared_prompts(sequences, attention_mask, response_width,
+                                       segment_tokens or default_segment_tokens(module))
+            _shared_forward(model, rows, impl, logits_to_keep=no_logits)
+        else:
+            batch = pack(sequences, attention_mask, row_tokens=_row_tokens(impl, attention_mask))
+            packed_forward(model, batch, impl, logits_to_keep=no_logits)
     finally:
         hook.remove()
-    hidden = _rows_to_tokens(captured["hidden"], batch)
-    predicts = pack_values(_response_predictors(attention_mask, response_width), batch)
-    hidden, labels = hidden[predicts], batch.labels[predicts]
+    if shared:
+        hidden = captured["hidden"].reshape(-1, captured["hidden"].shape[-1])[rows.predictor_slots]
+        labels, positions = rows.labels, rows.block_positions
+    else:
+        hidden = _rows_to_tokens(captured["hidden"], batch)
+        predicts = pack_values(_response_predictors(attention_mask, response_width), batch)
+        hidden, labels = hidden[predicts], batch.labels[predicts]
+        positions = _block_positions(batch.indices[predicts], batch, response_width)
 
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters())
@@ -528,11 +731,11 @@ def response_logprobs(
         )
         logps.append(logp)
         entropies.append(entropy)
-    positions = batch.indices[predicts]
-    logp = _to_response_block(torch.cat(logps), positions, batch, response_width)
+    shape = (sequences.shape[0], response_width)
+    logp = _to_response_block(torch.cat(logps), positions, shape)
     if not with_entropy:
         return logp
-    return logp, _to_response_block(torch.cat(entropies), positions, batch, response_width)
+    return logp, _to_response_block(torch.cat(entropies), positions, shape)
 
 
 def _value_model(model: nn.Module, caller: str) -> nn.Module:
@@ -553,22 +756,32 @@ def critic_values(
     attention_mask: torch.Tensor,
     response_width: int,
     attn_implementation: str | None = None,
+    share_prompts: bool = False,
+    segment_tokens: int | None = None,
 ) -> torch.Tensor:
     """Critic values of the response states, computed on packed rows.
 
     ``values[b, j]`` [B, T] float32 is the value head's output at position P + j - 1: the state is the
     prefix BEFORE response token j is emitted (PPO's convention). 0 where the response is padding.
     ``critic``: a :class:`rlhf_sg.models.ValueHeadModel` (or a DeepSpeedEngine around one).
+    ``share_prompts``, ``segment_tokens``: as in :func:`response_logprobs`.
     """
     module = _value_model(critic, "critic_values")
     device = _model_device(critic)
     sequences, attention_mask = sequences.to(device), attention_mask.to(device)
     _check_rollout(sequences, attention_mask, response_width)
     impl = _attn_implementation(module, attn_implementation)
+    shape = (sequences.shape[0], response_width)
+    if share_prompts and _has_shared_prompt(sequences, attention_mask, response_width):
+        rows = pack_shared_prompts(sequences, attention_mask, response_width,
+                                   segment_tokens or default_segment_tokens(module))
+        values = _shared_forward(critic, rows, impl).reshape(-1)[rows.predictor_slots]
+        return _to_response_block(values, rows.block_positions, shape)
     batch = pack(sequences, attention_mask, row_tokens=_row_tokens(impl, attention_mask))
     values = _rows_to_tokens(packed_forward(critic, batch, impl), batch)
     predicts = pack_values(_response_predictors(attention_mask, response_width), batch)
-    return _to_response_block(values[predicts], batch.indices[predicts], batch, response_width)
+    return _to_response_block(values[predicts], _block_positions(batch.indices[predicts], batch, response_width),
+                              shape)
 
 
 def reward_scores(
@@ -655,6 +868,34 @@ def token_budget_microbatches(
         plan[rank].append(sorted(micro[k]))
         rank_loads[rank] += loads[k]
     return plan
+
+
+def shared_prompt_microbatches(
+    groups: list[list[int]], prompt_lengths: list[int], lengths: list[int], max_tokens_per_microbatch: int,
+    dp_size: int,
+) -> list[list[list[int]]]:
+    """:func:`token_budget_microbatches` for shared-prompt forwards (:func:`pack_shared_prompts`): the samples of
+    a group (``groups``: sample indices with one prompt) go into one micro-batch where they can, so the prompt is
+    computed once for all of them, and a micro-batch's tokens are counted as computed (each group's prompt once).
+
+    ``prompt_lengths[i]``, ``lengths[i]``: sample i's prompt and prompt + response tokens. Groups are split in
+    halves, quarters, ... only as far as the budget and ``dp_size`` x M non-empty micro-batches need; split down
+    to single samples it is :func:`token_budget_microbatches` itself, with its errors. Same return as that."""
+    largest = max((len(g) for g in groups), default=1)
+    pieces = 1
+    while pieces < largest:
+        units = []
+        for group in groups:
+            size = math.ceil(len(group) / pieces)
+            units += [group[k : k + size] for k in range(0, len(group), size)]
+        costs = [prompt_lengths[u[0]] + sum(lengths[i] - prompt_lengths[i] for i in u) for u in units]
+        try:
+            plan = token_budget_microbatches(costs, max_tokens_per_microbatch, dp_size)
+        except ValueError:
+            pieces *= 2
+            continue
+        return [[sorted(i for k in micro for i in units[k]) for micro in rank] for rank in plan]
+    return token_budget_microbatches(lengths, max_tokens_per_microbatch, dp_size)
 
 
 def _least_loaded_bins(

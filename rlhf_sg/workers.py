@@ -115,7 +115,7 @@ def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate,
     from rlhf_sg.packing import response_logprobs
 
     logp, entropy = response_logprobs(model, mb.sequences, mb.attention_mask, mb.response_width,
-                                      update.temperature, with_entropy=True)
+                                      update.temperature, with_entropy=True, share_prompts=update.share_prompts)
     # a single update on fresh samples: the policy that sampled is the one being trained, so the old
     # log-probs are this forward's own
     old_logp = logp.detach() if update.old_logp_from_update else mb.old_logp
@@ -132,7 +132,8 @@ def critic_microbatch_loss(model, mb: Experience, update: CriticUpdate,
     from rlhf_sg.algorithms import value_loss
     from rlhf_sg.packing import critic_values
 
-    values = critic_values(model, mb.sequences, mb.attention_mask, mb.response_width)
+    values = critic_values(model, mb.sequences, mb.attention_mask, mb.response_width,
+                           share_prompts=update.share_prompts)
     loss, metrics = value_loss(values, mb.values, mb.returns, mb.action_mask, clip=update.value_clip,
                                aggregation="token_mean", normalizer=normalizer)
     metrics["loss"] = loss.detach() * normalizer / mb.action_mask.sum()
@@ -247,8 +248,10 @@ class ModelWorker:
 
     # ---- forwards ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, experience: Experience, plan: list[list[int]], temperature: float = 1.0):
-        """Run this role's forward over the rows of ``plan`` (micro-batches of global row indices).
+    def forward(self, experience: Experience, plan: list[list[int]], temperature: float = 1.0,
+                share_prompts: bool = False):
+        """Run this role's forward over the rows of ``plan`` (micro-batches of global row indices); with
+        ``share_prompts`` rows with one prompt compute it once (log-probs and values).
 
         Returns (row indices, result): log-probs [n, T] (actor, ref), values [n, T] (critic) or
         scores [n] (reward), rows in the order of the flattened plan. Runs in eval mode: scoring forwards
@@ -262,9 +265,10 @@ class ModelWorker:
         for micro in plan:
             mb = experience.rows(micro)
             if self.spec.role in ("actor", "ref"):
-                out = response_logprobs(self.module, mb.sequences, mb.attention_mask, width, temperature)
+                out = response_logprobs(self.module, mb.sequences, mb.attention_mask, width, temperature,
+                                        share_prompts=share_prompts)
             elif self.spec.role == "critic":
-                out = critic_values(self.module, mb.sequences, mb.attention_mask, width)
+                out = critic_values(self.module, mb.sequences, mb.attention_mask, width, share_prompts=share_prompts)
             else:
                 out = reward_scores(self.module, mb.sequences, mb.attention_mask)
             outputs.append(out.float().cpu())
@@ -566,9 +570,11 @@ class ModelGroup:
             refs.append(getattr(w, method).remote(*a, **kwargs))
         return self._get(refs, what or method)
 
-    def forward(self, batch_ref, plans: list[list[list[int]]], batch_size: int, temperature: float = 1.0):
+    def forward(self, batch_ref, plans: list[list[list[int]]], batch_size: int, temperature: float = 1.0,
+                share_prompts: bool = False):
         """Results of every rank reassembled in global row order: [B, T] or [B]."""
-        results = self.call("forward", per_rank=[(batch_ref, plans[i], temperature) for i in range(len(plans))])
+        results = self.call("forward", per_rank=[(batch_ref, plans[i], temperature, share_prompts)
+                                                 for i in range(len(plans))])
         out = None
         for order, tensor in results:
             if not order:

@@ -136,7 +136,8 @@ def test_our_steps_are_timed_by_the_wall_clock_not_by_the_trainers_own_step_time
     monkeypatch.setattr(rlhf_sg.trainer, "PPOTrainer", _OverlappingTrainer)
     monkeypatch.setattr(e2e, "_describe_ours_threads", lambda trainer: "")
     args = argparse.Namespace(backend="hf", prompts=8, samples=8, max_new_tokens=64, actor_ranks=1, lr=1e-6,
-                              critic_lr=1e-5, warmup=1, steps=2, seed=0, worker_threads=None, engine_threads=None)
+                              critic_lr=1e-5, warmup=1, steps=2, seed=0, worker_threads=None, engine_threads=None,
+                              share_prompts=True)
     got = e2e.run_ours("grpo-async", args, "model", "prompts.jsonl", str(tmp_path))
     assert got.name == "ours-grpo-async"
     assert len(got.step_s) == 2 and min(got.step_s) >= _OverlappingTrainer.STEP_S

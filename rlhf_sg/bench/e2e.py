@@ -2,7 +2,7 @@
 its fastest setting, on the same work.
 
 ``python -m rlhf_sg.bench e2e [--steps 3] [--warmup 1] [--sides trl,grpo,ppo] [--rounds 1] [--backend hf]
-[--placement shared|split] [--actor-ranks N] [--worker-threads N] [--engine-threads N]
+[--placement shared|split] [--actor-ranks N] [--worker-threads N] [--engine-threads N] [--no-share-prompts]
 [--trl-search/--no-trl-search] [--trl-setting MB,ACCUM,on|off]``
 
 Every side trains the same ~25M-parameter Qwen2-style model (random weights: this measures
@@ -16,8 +16,10 @@ Sides:
 
 * ``grpo`` (candidate): :class:`rlhf_sg.trainer.PPOTrainer` with ``advantage_estimator="grpo"`` and
   ``kl_coef=0`` (no reference model, like TRL's default ``beta=0``): the rollout engine in a Ray actor,
-  the DeepSpeed ZeRO-3 actor (``--actor-ranks``, default the config's), packed forwards, the weight sync
-  into the engine after every step. ``train_step()`` is called directly; its ``time/<phase>`` metrics
+  the DeepSpeed ZeRO-3 actor (``--actor-ranks``, default the config's), packed forwards in which the 8 samples
+  of a prompt compute it once (``--train.share_prompts``, the default; ``--no-share-prompts`` turns it off:
+  the same loss and gradients up to float rounding, more tokens), the weight sync into the engine after every
+  step. ``train_step()`` is called directly; its ``time/<phase>`` metrics
   give the phase shares.
 * ``grpo-async``: the same with ``--rollout.mode async`` (``max_staleness=1``, partial rollout): the engine
   generates the next step's batch while the trainer trains. Compare it with ``grpo`` on ``--placement
@@ -357,6 +359,7 @@ def make_config(algo: str, args: argparse.Namespace, model_path: str, prompt_fil
     cfg.train.seed = args.seed
     if args.worker_threads is not None:
         cfg.train.worker_threads = args.worker_threads
+    cfg.train.share_prompts = args.share_prompts
     cfg.rollout.engine_threads = args.engine_threads
     cfg.reward.kind = "function"
     cfg.reward.function = f"{MODULE}:digit_reward"
@@ -679,6 +682,8 @@ def main(argv: list[str] | None = None) -> None:
                              "placement's, else the config's)")
     parser.add_argument("--engine-threads", type=int, default=None,
                         help="our --rollout.engine_threads (default: the placement's, else the product's)")
+    parser.add_argument("--share-prompts", action=argparse.BooleanOptionalAction, default=True,
+                        help="our sides: the samples of a prompt compute it once in the training forwards")
     parser.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1, help="torch threads of TRL's process")
     parser.add_argument("--trl-search", action=argparse.BooleanOptionalAction, default=True,
                         help="try TRL's micro-batch / accumulation / gradient-checkpointing settings first and keep "
@@ -730,7 +735,8 @@ def main(argv: list[str] | None = None) -> None:
             f"e2e: {args.arch}/{args.size} ({num_params / 1e6:.1f}M parameters), {args.prompts} prompts x "
             f"{args.samples} samples x {args.max_new_tokens} new tokens = {samples} samples a step, CPU "
             f"({os.cpu_count()} cores), ours: backend {args.backend}, placement {args.placement}"
-            f"{' (' + ours + ')' if ours else ''}; {args.warmup} warm-up + {args.steps} measured step(s) per side, "
+            f"{' (' + ours + ')' if ours else ''}, shared prompts {'on' if args.share_prompts else 'off'}; "
+            f"{args.warmup} warm-up + {args.steps} measured step(s) per side, "
             f"{args.rounds} round(s); load average {_load()} (other work on the machine slows whichever side it "
             "overlaps)",
             flush=True,

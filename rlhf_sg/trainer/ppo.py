@@ -27,7 +27,16 @@ import torch
 
 from rlhf_sg import algorithms as algo
 from rlhf_sg.advantages import AdvantageInputs, advantage_estimator
-from rlhf_sg.config import Config, TrainConfig, check_devices, offload_states, rollout_is_async, tis_cap, validate
+from rlhf_sg.config import (
+    Config,
+    TrainConfig,
+    check_devices,
+    offload_states,
+    rollout_is_async,
+    shares_prompts,
+    tis_cap,
+    validate,
+)
 from rlhf_sg.data import Prompt, PromptStream, load_prompts, load_tokenizer
 from rlhf_sg.experience import ActorUpdate, CriticUpdate, Experience, OptimizerStep
 from rlhf_sg.timing import StepTimer
@@ -43,22 +52,32 @@ log = logging.getLogger("rlhf_sg")
 
 
 def microbatch_plans(experience: Experience, world: int, max_tokens: int,
-                     rows: list[int] | None = None) -> list[list[list[int]]]:
+                     rows: list[int] | None = None, share_prompts: bool = False) -> list[list[list[int]]]:
     """``rows`` (default: all) split over ``world`` ranks into token-budget micro-batches of global row indices,
-    the same number on every rank (:func:`rlhf_sg.packing.token_budget_microbatches`)."""
-    from rlhf_sg.packing import token_budget_microbatches
+    the same number on every rank (:func:`rlhf_sg.packing.token_budget_microbatches`); with ``share_prompts``
+    the rows of one prompt kept together where the budget allows and its tokens counted once
+    (:func:`rlhf_sg.packing.shared_prompt_microbatches`)."""
+    from rlhf_sg.packing import prompt_groups, shared_prompt_microbatches, token_budget_microbatches
 
     rows = list(range(experience.batch_size)) if rows is None else rows
-    lengths = experience.attention_mask[rows].sum(dim=1).tolist()
-    local = token_budget_microbatches(lengths, max_tokens, world)
+    mask = experience.attention_mask[rows]
+    lengths = mask.sum(dim=1).tolist()
+    if share_prompts:
+        width = experience.response_width
+        groups = prompt_groups(experience.sequences[rows], mask, width)
+        prompt_lengths = mask[:, : mask.shape[1] - width].sum(dim=1).tolist()
+        local = shared_prompt_microbatches(groups, prompt_lengths, lengths, max_tokens, world)
+    else:
+        local = token_budget_microbatches(lengths, max_tokens, world)
     return [[[rows[i] for i in micro] for micro in rank] for rank in local]
 
 
 def update_plans(experience: Experience, world: int, t: TrainConfig, rng: random.Random,
-                 normalize_rows: bool = False) -> list[list[OptimizerStep]]:
+                 normalize_rows: bool = False, share_prompts: bool = False) -> list[list[OptimizerStep]]:
     """Per rank, its part of every optimizer step of the ``ppo_epochs`` epochs: each epoch shuffles the rows
     (with ``rng``) into ``num_minibatches`` minibatches, one optimizer step each. The normaliser is the
-    minibatch's action tokens (rows with ``normalize_rows``) over ``world``."""
+    minibatch's action tokens (rows with ``normalize_rows``) over ``world``. ``share_prompts``: micro-batches
+    as :func:`microbatch_plans` makes them for shared-prompt forwards."""
     B = experience.batch_size
     per_rank: list[list[OptimizerStep]] = [[] for _ in range(world)]
     # a filtered batch (dynamic sampling) may hold fewer rows than num_minibatches x ranks: then fewer,
@@ -70,7 +89,8 @@ def update_plans(experience: Experience, world: int, t: TrainConfig, rng: random
         for k in range(num_mb):
             rows = sorted(order[k * B // num_mb : (k + 1) * B // num_mb])
             tokens = len(rows) if normalize_rows else float(experience.action_mask[rows].sum())
-            for rank, plan in enumerate(microbatch_plans(experience, world, t.max_tokens_per_microbatch, rows)):
+            for rank, plan in enumerate(microbatch_plans(experience, world, t.max_tokens_per_microbatch, rows,
+                                                                share_prompts)):
                 per_rank[rank].append(OptimizerStep(plan=plan, normalizer=tokens / world))
     return per_rank
 
@@ -99,6 +119,9 @@ class PPOTrainer:
         self.reward_errors = 0  # completions of the step in progress the reward function failed on
         self.async_rollout: AsyncRollout | None = None  # the producer of async rollout (--rollout.mode async)
         self._errors_reported = 0  # async: reward errors already put in a step's metrics
+        if cfg.train.share_prompts and not shares_prompts(cfg):
+            log.info("--train.share_prompts: %s takes no tree mask, so every row computes its own prompt",
+                     cfg.model.attn_implementation)
 
     # ---- what the run does ---------------------------------------------------------------------------
     @property
@@ -112,6 +135,12 @@ class PPOTrainer:
     @property
     def engines(self) -> list:
         return self.cluster.engines
+
+    @property
+    def share_prompts(self) -> bool:
+        """Whether the log-prob and value forwards compute each prompt once for the rows that share it
+        (``--train.share_prompts``; masked attention only, see :func:`rlhf_sg.config.shares_prompts`)."""
+        return shares_prompts(self.cfg)
 
     @property
     def recomputes_old_logp(self) -> bool:
@@ -261,17 +290,20 @@ class PPOTrainer:
         ref = _put(experience)
         if self.uses_ref:
             with timer.phase("reference"):
-                plans = microbatch_plans(experience, t.ref_num_ranks, t.max_tokens_per_microbatch)
-                experience.ref_logp = self.cluster.ref.forward(ref, plans, B, temperature)
+                plans = microbatch_plans(experience, t.ref_num_ranks, t.max_tokens_per_microbatch,
+                                         share_prompts=self.share_prompts)
+                experience.ref_logp = self.cluster.ref.forward(ref, plans, B, temperature, self.share_prompts)
         if self.uses_critic:
             with timer.phase("critic"):
-                plans = microbatch_plans(experience, t.critic_num_ranks, t.max_tokens_per_microbatch)
-                experience.values = self.cluster.critic.forward(ref, plans, B)
+                plans = microbatch_plans(experience, t.critic_num_ranks, t.max_tokens_per_microbatch,
+                                         share_prompts=self.share_prompts)
+                experience.values = self.cluster.critic.forward(ref, plans, B, share_prompts=self.share_prompts)
         if not self.recomputes_old_logp:
             return {}  # the actor's update measures the log-prob gap (and the KL in the loss) itself
         with timer.phase("actor_logprob"):
-            plans = microbatch_plans(experience, t.actor_num_ranks, t.max_tokens_per_microbatch)
-            experience.old_logp = self.cluster.actor.forward(ref, plans, B, temperature)
+            plans = microbatch_plans(experience, t.actor_num_ranks, t.max_tokens_per_microbatch,
+                                     share_prompts=self.share_prompts)
+            experience.old_logp = self.cluster.actor.forward(ref, plans, B, temperature, self.share_prompts)
         mask = experience.action_mask
         metrics = {"rollout/logp_gap_engine_vs_trainer":
                    algo.masked_mean((experience.rollout_logp - experience.old_logp).abs(), mask).item()}
@@ -310,6 +342,7 @@ class PPOTrainer:
             ),
             temperature=self.cfg.rollout.temperature or 1.0,
             old_logp_from_update=not self.recomputes_old_logp,
+            share_prompts=self.share_prompts,
         )
 
     def update(self, experience: Experience) -> dict[str, float]:
@@ -318,13 +351,13 @@ class PPOTrainer:
         t, cluster = self.cfg.train, self.cluster
         ref, calls = _put(experience), []
         if self.uses_critic:
-            steps = update_plans(experience, t.critic_num_ranks, t, self.rng)
-            update = CriticUpdate(value_clip=t.value_clip)
+            steps = update_plans(experience, t.critic_num_ranks, t, self.rng, share_prompts=self.share_prompts)
+            update = CriticUpdate(value_clip=t.value_clip, share_prompts=self.share_prompts)
             calls += [("critic", i, w.train_critic.remote(ref, steps[i], update))
                       for i, w in enumerate(cluster.critic.workers)]
         if not (self.uses_critic and self.step < t.critic_warmup_steps):
             steps = update_plans(experience, t.actor_num_ranks, t, self.rng,
-                                 normalize_rows=t.loss_aggregation == "seq_mean")
+                                 normalize_rows=t.loss_aggregation == "seq_mean", share_prompts=self.share_prompts)
             update = self.actor_update()
             calls += [("actor", i, w.train_actor.remote(ref, steps[i], update))
                       for i, w in enumerate(cluster.actor.workers)]

@@ -1,0 +1,252 @@
+"""Shared prompts (``--train.share_prompts``): the rows of one prompt compute it once, in a segment
+``[prompt | response_1 | response_2 | ...]`` whose responses see the prompt and themselves only.
+
+Specified by hand (the layout, the tree mask, the predicting slots), held to an independent reference (each row
+run alone through the model's own forward, no packing) for log-probs, entropy, values and gradients, and the
+micro-batch planner that keeps a group together, by hand."""
+
+import random
+
+import pytest
+import torch
+
+from rlhf_sg.experience import ActorUpdate, Experience
+from rlhf_sg.models import ValueHeadModel
+from rlhf_sg.packing import (
+    critic_values,
+    default_segment_tokens,
+    pack_shared_prompts,
+    prompt_groups,
+    response_logprobs,
+    shared_prompt_microbatches,
+    token_budget_microbatches,
+)
+from rlhf_sg.tiny import build_tiny_model
+
+TOL = 2e-5
+
+
+def _hand_batch():
+    # prompt width 3, response width 3; rows 0 and 2 share the prompt [5, 6], row 1 has its own [9, 10, 11]
+    ids = torch.tensor([[0, 5, 6, 7, 8, 0], [9, 10, 11, 12, 0, 0], [0, 5, 6, 13, 14, 15]])
+    return ids, (ids != 0).long(), 3
+
+
+def test_the_layout_by_hand():
+    ids, mask, width = _hand_batch()
+    rows = pack_shared_prompts(ids, mask, width)
+    assert prompt_groups(ids, mask, width) == [[0, 2], [1]]
+    assert rows.num_segments == 2
+    # segments, longest first: [5, 6 | 7, 8 | 13, 14, 15] (7 tokens), then [9, 10, 11 | 12] (4), one row each
+    assert rows.input_ids.tolist() == [[5, 6, 7, 8, 13, 14, 15], [9, 10, 11, 12, 0, 0, 0]]
+    # responses continue the prompt's positions, each from the prompt's length
+    assert rows.position_ids[0].tolist() == [0, 1, 2, 3, 2, 3, 4]
+    assert rows.position_ids[1, :4].tolist() == [0, 1, 2, 3]
+    # response token (b, j) at flat b*T + j, predicted by the slot before it; a response's first token by the
+    # prompt's last slot (slot 1 for both responses of row 0's segment)
+    got = sorted(zip(rows.block_positions.tolist(), rows.predictor_slots.tolist(), rows.labels.tolist()))
+    L = 7
+    assert got == [
+        (0, 1, 7), (1, 2, 8),                       # row 0: tokens 7, 8
+        (3, L + 2, 12),                             # row 1: token 12, after its prompt's last slot
+        (6, 1, 13), (7, 4, 14), (8, 5, 15),         # row 2: tokens 13, 14, 15
+    ]
+
+
+def test_the_tree_mask_by_hand():
+    ids, mask, width = _hand_batch()
+    rows = pack_shared_prompts(ids, mask, width)
+    allowed = torch.tensor([
+        # 5  6  7  8 13 14 15
+        [1, 0, 0, 0, 0, 0, 0],  # 5
+        [1, 1, 0, 0, 0, 0, 0],  # 6
+        [1, 1, 1, 0, 0, 0, 0],  # 7: the prompt and itself
+        [1, 1, 1, 1, 0, 0, 0],  # 8
+        [1, 1, 0, 0, 1, 0, 0],  # 13: the prompt, not its sibling 7, 8
+        [1, 1, 0, 0, 1, 1, 0],  # 14
+        [1, 1, 0, 0, 1, 1, 1],  # 15
+    ], dtype=torch.bool)
+    mask4 = rows.attention_mask()
+    assert mask4.shape == (2, 1, 7, 7) and mask4.dtype == torch.bool
+    assert torch.equal(mask4[0, 0], allowed)
+    second = torch.zeros(7, 7, dtype=torch.bool)
+    second[:4, :4] = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    second[4:, 4:] = torch.eye(3, dtype=torch.bool)  # pad slots see themselves only (no all-masked query)
+    assert torch.equal(mask4[1, 0], second)
+    additive = rows.attention_mask(torch.float32)
+    assert torch.equal(additive[0, 0] == 0, allowed)
+    assert (additive[0, 0][~allowed] == torch.finfo(torch.float32).min).all()
+
+
+def test_a_group_longer_than_a_segment_is_split_evenly_each_part_with_its_prompt():
+    prompt = [3, 4]
+    ids = torch.tensor([prompt + [10 + i, 20 + i, 30 + i] for i in range(4)])
+    rows = pack_shared_prompts(ids, torch.ones_like(ids), 3, segment_tokens=12)
+    # 2 + 4 x 3 = 14 tokens > 12: two segments of two responses (8 tokens each), not 3 + 1 (11 and 5)
+    assert rows.num_segments == 2
+    assert sorted(r[:8] for r in rows.input_ids.tolist()) == [
+        [3, 4, 10, 20, 30, 11, 21, 31], [3, 4, 12, 22, 32, 13, 23, 33]]
+    with pytest.raises(ValueError, match="segment_tokens must be >= 1"):
+        pack_shared_prompts(ids, torch.ones_like(ids), 3, segment_tokens=0)
+
+
+def test_the_default_segment_is_the_hidden_size():
+    model = build_tiny_model("qwen2", "tiny", seed=0)
+    assert default_segment_tokens(model) == model.config.hidden_size
+    assert default_segment_tokens(torch.nn.Linear(2, 2)) == 2048
+
+
+def _groups_batch(vocab: int, seed: int = 1):
+    """12 rows, prompt width 6, response width 7: groups of 4, 3, 1 and 4 rows with prompts of unequal lengths
+    and responses of unequal lengths."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    width, prompt_width = 7, 6
+    ids = torch.zeros(12, prompt_width + width, dtype=torch.long)
+    b = 0
+    for size in (4, 3, 1, 4):
+        p = rng.randint(1, prompt_width)
+        prompt = torch.randint(1, vocab, (p,), generator=gen)
+        for _ in range(size):
+            r = rng.randint(1, width)
+            ids[b, prompt_width - p : prompt_width] = prompt
+            ids[b, prompt_width : prompt_width + r] = torch.randint(1, vocab, (r,), generator=gen)
+            b += 1
+    return ids, (ids != 0).long(), width
+
+
+def _reference_logprobs(model, ids, mask, width):
+    """Each row alone, its padding cut off, through the model's own forward: log-probs and entropy [B, T]."""
+    logp = torch.zeros(ids.shape[0], width)
+    entropy = torch.zeros(ids.shape[0], width)
+    prompt_width = ids.shape[1] - width
+    for b in range(ids.shape[0]):
+        real = ids[b][mask[b].bool()][None]
+        p = int(mask[b, :prompt_width].sum())
+        logits = model(input_ids=real, use_cache=False).logits[0].float()
+        dist = torch.log_softmax(logits[p - 1 : -1], dim=-1)
+        n = real.shape[1] - p
+        logp[b, :n] = dist.gather(-1, real[0, p:, None]).squeeze(-1)
+        entropy[b, :n] = -(dist.exp() * dist).sum(-1)
+    return logp, entropy
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("segment_tokens", [None, 8])
+def test_log_probs_entropy_and_gradients_are_each_rows_own(impl, segment_tokens):
+    model = build_tiny_model("qwen2", "tiny", seed=0)
+    model.config._attn_implementation = impl
+    ids, mask, width = _groups_batch(model.config.vocab_size)
+    weights = torch.linspace(-1.0, 1.0, width)  # unequal weights per column: no cancelling errors
+
+    ref_logp, ref_entropy = _reference_logprobs(model, ids, mask, width)
+    action = mask[:, -width:].bool()
+    model.zero_grad()
+    ((ref_logp * weights)[action]).sum().backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+
+    model.zero_grad()
+    logp, entropy = response_logprobs(model, ids, mask, width, with_entropy=True, share_prompts=True,
+                                      segment_tokens=segment_tokens)
+    ((logp * weights)[action]).sum().backward()
+    assert torch.allclose(logp.detach(), ref_logp.detach(), atol=TOL)
+    assert torch.allclose(entropy.detach(), ref_entropy.detach(), atol=TOL)
+    assert (logp[~action] == 0).all() and (entropy[~action] == 0).all()
+    for got, want in zip((p.grad for p in model.parameters()), ref_grads):
+        assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_critic_values_are_each_rows_own():
+    critic = ValueHeadModel(build_tiny_model("qwen2", "tiny", seed=0).model)
+    critic.config._attn_implementation = "sdpa"
+    ids, mask, width = _groups_batch(critic.config.vocab_size, seed=3)
+    shared = critic_values(critic, ids, mask, width, share_prompts=True)
+    prompt_width = ids.shape[1] - width
+    for b in range(ids.shape[0]):
+        real = ids[b][mask[b].bool()][None]
+        p = int(mask[b, :prompt_width].sum())
+        values = critic(input_ids=real, use_cache=False)[0]  # [L]: the value at each position
+        n = real.shape[1] - p
+        assert torch.allclose(shared[b, :n], values[p - 1 : -1].float(), atol=TOL), b
+        assert (shared[b, n:] == 0).all()
+
+
+def test_varlen_attention_is_refused_with_what_to_do():
+    model = build_tiny_model("qwen2", "tiny", seed=0)
+    ids, mask, width = _groups_batch(model.config.vocab_size)
+    with pytest.raises(ValueError, match="share_prompts=False"):
+        response_logprobs(model, ids, mask, width, share_prompts=True, attn_implementation="flash_attention_2")
+
+
+def test_the_actor_loss_is_the_same_shared_or_not():
+    from rlhf_sg.algorithms import ActorLossConfig
+    from rlhf_sg.workers import actor_microbatch_loss
+
+    model = build_tiny_model("qwen2", "tiny", seed=0)
+    model.config._attn_implementation = "sdpa"
+    ids, mask, width = _groups_batch(model.config.vocab_size, seed=5)
+    action = mask[:, -width:].bool()
+    mb = Experience(sequences=ids, attention_mask=mask, action_mask=action,
+                    rollout_logp=torch.zeros(ids.shape[0], width))
+    mb.advantages = torch.linspace(-2.0, 3.0, ids.shape[0])[:, None].expand(-1, width) * action
+    losses, grads = [], []
+    for share in (False, True):
+        update = ActorUpdate(loss=ActorLossConfig(clip_low=0.2, clip_high=0.3), old_logp_from_update=True,
+                             share_prompts=share)
+        model.zero_grad()
+        loss, _ = actor_microbatch_loss(model, mb, update, normalizer=float(action.sum()))
+        loss.backward()
+        losses.append(loss.item())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+# ---- the planner ----------------------------------------------------------------------------------------
+
+
+def test_a_group_stays_in_one_microbatch_and_its_prompt_counts_once():
+    # two groups of 3 samples: prompt 10 tokens, responses 5 (15 tokens a sample, 45 unshared, 25 shared)
+    groups, prompts, lengths = [[0, 1, 2], [3, 4, 5]], [10] * 6, [15] * 6
+    assert shared_prompt_microbatches(groups, prompts, lengths, 50, 1) == [[[0, 1, 2, 3, 4, 5]]]
+    # unshared, the same budget needs two micro-batches (90 tokens) and splits the groups by length only
+    assert len(token_budget_microbatches(lengths, 50, 1)[0]) == 2
+    # a budget of 25 holds one whole group each
+    assert shared_prompt_microbatches(groups, prompts, lengths, 25, 1) == [[[0, 1, 2], [3, 4, 5]]]
+
+
+def test_groups_are_halved_only_as_far_as_the_budget_or_the_ranks_need():
+    groups, prompts, lengths = [[0, 1, 2, 3]], [10] * 4, [15] * 4
+    # 10 + 4 x 5 = 30 > 24: halves of 20 tokens each
+    assert shared_prompt_microbatches(groups, prompts, lengths, 24, 1) == [[[0, 1], [2, 3]]]
+    # one group, two ranks: halves, one each
+    assert shared_prompt_microbatches(groups, prompts, lengths, 100, 2) == [[[0, 1]], [[2, 3]]]
+    # down to single samples it is the unshared planner, with its errors
+    with pytest.raises(ValueError, match="more than max_tokens_per_microbatch"):
+        shared_prompt_microbatches(groups, prompts, lengths, 14, 1)
+
+
+def test_every_sample_is_planned_once_within_the_budget():
+    rng = random.Random(0)
+    groups, prompts, lengths, i = [], [], [], 0
+    for _ in range(9):
+        size, p = rng.randint(1, 6), rng.randint(1, 30)
+        groups.append(list(range(i, i + size)))
+        for _ in range(size):
+            prompts.append(p)
+            lengths.append(p + rng.randint(1, 40))
+        i += size
+    budget, world = 120, 2
+    plan = shared_prompt_microbatches(groups, prompts, lengths, budget, world)
+    assert len(plan) == world and len({len(rank) for rank in plan}) == 1
+    planned = sorted(s for rank in plan for micro in rank for s in micro)
+    assert planned == list(range(i))
+    group_of = {s: g for g, members in enumerate(groups) for s in members}
+    for rank in plan:
+        for micro in rank:
+            computed = 0
+            for g in {group_of[s] for s in micro}:
+                members = [s for s in micro if group_of[s] == g]
+                computed += prompts[members[0]] + sum(lengths[s] - prompts[s] for s in members)
+            assert computed <= budget
