@@ -9,7 +9,7 @@
 # Modules (the file mutated; the tests run against each mutant):
 #   algorithms  rlhf_sg/algorithms.py    tests/test_algorithms.py tests/test_algorithms_spec.py
 #   advantages  rlhf_sg/advantages.py    tests/test_advantages_spec.py
-#   packing     rlhf_sg/packing.py       tests/test_packing.py tests/test_packing_spec.py
+#   packing     rlhf_sg/packing.py       tests/test_packing.py tests/test_packing_spec.py tests/test_shared_prompts.py
 #   config      rlhf_sg/config.py        tests/test_config_data.py tests/test_config_rules.py
 #   plan, syncer, gather, transports     rlhf_sg/sync/<name>.py   tests/test_weight_sync.py tests/test_sync_spec.py
 #                                        (less the source scan test_no_code_passes_a_timeout_to_a_collectives_wait)
@@ -45,7 +45,7 @@ fi
 case "$module" in
     algorithms) mutate=rlhf_sg/algorithms.py; tests="tests/test_algorithms.py tests/test_algorithms_spec.py" ;;
     advantages) mutate=rlhf_sg/advantages.py; tests="tests/test_advantages_spec.py" ;;
-    packing) mutate=rlhf_sg/packing.py; tests="tests/test_packing.py tests/test_packing_spec.py" ;;
+    packing) mutate=rlhf_sg/packing.py; tests="tests/test_packing.py tests/test_packing_spec.py tests/test_shared_prompts.py" ;;
     config) mutate=rlhf_sg/config.py; tests="tests/test_config_data.py tests/test_config_rules.py" ;;
     plan | syncer | gather | transports)
         # less the scan of the source tree for waits with a timeout: it reads files and runs no sync code
