@@ -779,3 +779,89 @@ def test_async_runs_and_their_tis_cap(base):
     assert (tis_cap(separate), tis_cap(colocated), tis_cap(base({}))) == (2.0, None, None)
     assert tis_cap(base({'rollout.mode': 'async', 'train.tis_cap': 5.0})) == 5.0
     assert tis_cap(base({'train.tis_cap': 3.0})) == 3.0
+
+
+# a remote reward: its token comes from an environment variable named in the config, its CA from a file
+REMOTE = {'reward.kind': 'remote', 'reward.url': 'https://scorer.example/score', 'reward.function': None}
+TOKEN_VAR = "RLHF_SG_TEST_REWARD_TOKEN"
+
+
+@pytest.fixture
+def ca_file(tmp_path):
+    path = tmp_path / "ca.pem"
+    path.write_text("-----BEGIN CERTIFICATE-----\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("token_env", ["sk-live-123abc", "TOKÉN", "1TOKEN", "MY TOKEN"])
+def test_remote_reward_token_env_takes_a_variable_name_not_the_token(base, monkeypatch, token_env):
+    # ASCII but not a name (a pasted key, a leading digit, a space); a name but not ASCII: each refused,
+    # even when a variable of that spelling is set
+    monkeypatch.setenv(token_env, "secret")
+    with pytest.raises(ConfigError) as info:
+        validate(base({**REMOTE, 'reward.token_env': token_env}))
+    assert str(info.value) == ("--reward.token_env takes the NAME of an environment variable that holds the token "
+                               "(letters, digits, underscores), not the token itself")
+
+
+@pytest.mark.parametrize("value", [None, "", "  \n"], ids=["unset", "empty", "blank"])
+def test_remote_reward_token_env_must_name_a_variable_that_is_set(base, monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv(TOKEN_VAR, raising=False)
+    else:
+        monkeypatch.setenv(TOKEN_VAR, value)
+    with pytest.raises(ConfigError) as info:
+        validate(base({**REMOTE, 'reward.token_env': TOKEN_VAR}))
+    assert str(info.value) == (f"--reward.token_env: environment variable {TOKEN_VAR} is not set (or empty); "
+                               f"export {TOKEN_VAR}=<token> before starting the run")
+
+
+def test_remote_reward_ca_file_needs_https_and_an_existing_file(base, ca_file, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        validate(base({**REMOTE, 'reward.url': 'http://localhost:8000', 'reward.ca_file': ca_file}))
+    assert str(info.value) == "--reward.ca_file needs an https --reward.url, got 'http://localhost:8000'"
+    for missing in (str(tmp_path / "nope.pem"), str(tmp_path)):  # absent, or a directory
+        with pytest.raises(ConfigError) as info:
+            validate(base({**REMOTE, 'reward.ca_file': missing}))
+        assert str(info.value) == f"--reward.ca_file: {missing!r} is not a file (a PEM certificate)"
+
+
+@pytest.mark.parametrize("kind", ["function", "model"])
+@pytest.mark.parametrize("setting", ["token_env", "ca_file", "both"])
+def test_token_env_and_ca_file_belong_to_a_remote_reward_only(base, monkeypatch, ca_file, kind, setting):
+    monkeypatch.setenv(TOKEN_VAR, "t0ken")
+    extra = {'model.reward_pretrain': 'MODEL'} if kind == "model" else {}
+    given = {'token_env': {'reward.token_env': TOKEN_VAR}, 'ca_file': {'reward.ca_file': ca_file}}
+    given['both'] = given['token_env'] | given['ca_file']
+    with pytest.raises(ConfigError) as info:
+        validate(base({'reward.kind': kind, **extra, **given[setting]}))
+    assert str(info.value) == "--reward.token_env / --reward.ca_file apply to --reward.kind remote only"
+
+
+def test_a_remote_reward_with_a_token_variable_and_a_ca_file_is_valid(base, monkeypatch, ca_file):
+    monkeypatch.setenv(TOKEN_VAR, "t0ken")
+    monkeypatch.setenv("_T2", " x ")  # a name may start with an underscore; the value only needs a non-space
+    validate(base({**REMOTE, 'reward.token_env': TOKEN_VAR, 'reward.ca_file': ca_file}))
+    validate(base({**REMOTE, 'reward.token_env': '_T2'}))
+    validate(base({**REMOTE, 'reward.ca_file': ca_file}))
+    cfg = validate(base({**REMOTE, 'reward.url': 'http://localhost:8000'}))  # neither: plain http is fine
+    assert cfg.reward.token_env is None and cfg.reward.ca_file is None
+
+
+def test_one_worker_thread_is_enough(base):
+    # the count's boundary: 1 passes (0 is refused in test_counts_must_be_at_least_one)
+    assert validate(base({'train.worker_threads': 1})).train.worker_threads == 1
+    with pytest.raises(ConfigError) as info:
+        validate(base({'train.worker_threads': 0}))
+    assert str(info.value) == "--train.worker_threads must be >= 1, got 0"
+
+
+@pytest.mark.parametrize("share, attn, shared", [
+    (True, "sdpa", True), (True, "eager", True), (True, "flash_attention_2", False), (False, "sdpa", False),
+    (False, "eager", False),
+])
+def test_prompts_are_shared_only_when_asked_and_the_attention_takes_a_mask(base, share, attn, shared):
+    from rlhf_sg.config import shares_prompts
+
+    cfg = validate(base({'train.share_prompts': share, 'model.attn_implementation': attn}))
+    assert shares_prompts(cfg) is shared

@@ -7,9 +7,10 @@ trainer's weights (cast to the engine's dtype) and reports weight version ``v``.
 
 Ray is replaced at its boundary only: an engine "handle" runs each ``.remote`` call of the real
 :class:`~rlhf_sg.engine_actor.EngineActor` in a thread and returns a future as the object ref, and
-``ray.wait`` / ``ray.get`` / ``ray.get_runtime_context`` answer for those futures. Everything between
-(the syncer, the transports, the plan check, ``wait_engine_calls``) runs unchanged. On the disk transport
-the trainer ranks' barrier (a gloo ``monitored_barrier`` across processes) is a thread barrier here.
+``ray.wait`` / ``ray.get`` / ``ray.get_runtime_context`` answer for those futures (``ray.wait`` refusing the
+arguments Ray refuses). Everything between (the syncer, the transports, the plan check, ``wait_engine_calls``)
+runs unchanged. On the disk transport the trainer ranks' barrier (a gloo ``monitored_barrier`` across
+processes) is a thread barrier here.
 """
 
 from __future__ import annotations
@@ -62,9 +63,27 @@ class _Context:
         return NODE
 
 
-def _wait(refs, num_returns=1, timeout=None):
-    done, _ = concurrent.futures.wait(refs, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
-    ready = [r for r in refs if r in done][:num_returns]
+def _wait(refs, *, num_returns=1, timeout=None):
+    """``ray.wait``: returns when ``num_returns`` refs are ready or at ``timeout``; refuses what Ray refuses."""
+    if not isinstance(refs, list):
+        raise TypeError(f"wait() expected a list of ray.ObjectRef, got {type(refs)}")
+    if len(set(refs)) != len(refs):
+        raise ValueError("Wait requires a list of unique ray_waitables.")
+    if timeout is not None and timeout < 0:
+        raise ValueError(f"The 'timeout' argument must be nonnegative. Received {timeout}")
+    if num_returns <= 0:  # None: a TypeError, as in Ray
+        raise ValueError(f"Invalid number of objects to return {num_returns}.")
+    if num_returns > len(refs):
+        raise ValueError("num_returns cannot be greater than the number of ray_waitables provided")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        done = [r for r in refs if r.done()]
+        left = None if deadline is None else deadline - time.monotonic()
+        if len(done) >= num_returns or (left is not None and left <= 0):
+            break
+        concurrent.futures.wait([r for r in refs if not r.done()], timeout=left,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+    ready = done[:num_returns]
     return ready, [r for r in refs if r not in ready]
 
 
@@ -956,3 +975,239 @@ def test_check_plan_reports_every_refusing_rank_before_any_byte(monkeypatch):
     with pytest.raises(ValueError) as info:  # this rank's own refusal reaches every rank
         check_plan(plan, refuse, world_size=3, distributed=True)
     assert "; trainer rank 1: engine 2: check_manifests failed: 'a' is not a weight" in str(info.value)
+
+
+# ---- one transport at a time: devices, group specs, directories -----------------------------------------------
+class _Answering:
+    """An engine handle whose ``.remote`` calls are recorded and answer None at once, or as ``answers[name]``
+    (a function of the call's future, then its arguments) decides."""
+
+    def __init__(self, answers=None):
+        self.calls: list[tuple[str, tuple]] = []
+        self.answers = answers or {}
+
+    def __getattr__(self, name):
+        handle = self
+
+        class _Call:
+            def remote(self, *args):
+                handle.calls.append((name, args))
+                future = concurrent.futures.Future()
+                handle.answers.get(name, lambda f, *a: f.set_result(None))(future, *args)
+                return future
+
+        return _Call()
+
+
+class _StubGroup:
+    def __init__(self):
+        self.shut = False
+
+    def shutdown(self):
+        self.shut = True
+
+
+def _ctx(device, engines=(), timeout_s=5.0, rank=0, world_size=1):
+    from rlhf_sg.sync.transports import SenderContext
+
+    return SenderContext(rank, world_size, list(engines), list(range(len(engines))), timeout_s, torch.device(device),
+                         "g")
+
+
+def test_bucket_buffers_live_on_the_trainers_device():
+    # the meta device stands for an accelerator here: only a CPU tensor-transport buffer is made elsewhere
+    # (shared memory, on the CPU)
+    from rlhf_sg.sync.transports import BroadcastTransport, DiskTransport, HandOffTransport
+
+    for cls in (BroadcastTransport, HandOffTransport, DiskTransport):
+        buffers = cls(_ctx("meta"), []).buffers(24, 3)
+        assert [(b.device.type, b.dtype, b.numel()) for b in buffers] == [("meta", torch.uint8, 24)] * 3, cls.name
+    cpu = HandOffTransport(_ctx("cpu"), []).buffers(24, 2)
+    assert [(b.device.type, b.numel(), b.is_shared()) for b in cpu] == [("cpu", 24, True)] * 2
+
+
+@pytest.mark.parametrize("transport, overlap, buffers", [
+    ("collective", True, 2), ("tensor", True, 2), ("disk", True, 1), ("collective", False, 1), ("tensor", False, 1),
+], ids=lambda v: str(v))
+def test_a_sender_holds_two_bucket_buffers_with_overlap_and_one_without_or_on_disk(
+    fake_ray, engine_model_dir, rank_barrier, tmp_path, transport, overlap, buffers
+):
+    # double buffering: one buffer gathering while the other is sent; a disk write is over when send returns,
+    # so a second buffer would be memory for nothing. Each buffer holds the largest bucket.
+    from rlhf_sg.sync.plan import manifest_bytes
+
+    engines = _engines(1, engine_model_dir, fake_ray)
+    rank_barrier(1)
+    (syncer,) = _syncers(1, engines, transport, tmp_path, overlap=overlap)
+    syncer.setup()
+    model = _trainer_model(seed=2)
+    plan = plan_buckets([(n, tuple(p.shape), p.dtype) for n, p in named_weights(model)], BUCKET_BYTES)
+    assert len(plan) > 2
+    syncer.sync(model, 1)
+    _assert_engines_hold(engines, model, 1)
+    assert [b.numel() for b in syncer._buffers] == [max(manifest_bytes(m) for m in plan)] * buffers
+    syncer.close()
+
+
+@pytest.mark.parametrize("device, backend", [("cuda", "nccl"), ("cpu", "gloo")])
+def test_the_side_group_is_nccl_for_a_cuda_trainer_and_gloo_for_a_cpu_one(fake_ray, device, backend):
+    # setup on CPU with a CUDA context: the group builder is recorded, not run, so no GPU is touched
+    from rlhf_sg.sync.transports import BroadcastTransport
+
+    engines = [_Answering(), _Answering()]
+    built, group = [], _StubGroup()
+
+    def our_end(spec, store):
+        built.append(spec)
+        return group
+
+    transport = BroadcastTransport(_ctx(device, engines), [{"weight_group_size": 2}, {"weight_group_size": 1}],
+                                   master_address="127.0.0.1", open_group=our_end)
+    transport.setup()
+    joined = [args[0] for e in engines for name, args in e.calls if name == "init_weight_update_group"]
+    assert [(s.rank_offset, s.world_size, s.backend) for s in built + joined] == [
+        (0, 4, backend), (1, 4, backend), (3, 4, backend)]
+    assert transport.close() == [] and group.shut
+    assert [name for name, _ in engines[0].calls] == ["init_weight_update_group", "destroy_weight_update_group"]
+
+
+def test_the_side_group_meets_at_the_ray_nodes_address_when_none_is_given(fake_ray, monkeypatch):
+    # the engines may run on other nodes: 127.0.0.1 would not reach the trainer there. 127.0.0.2 stands for the
+    # node's address (a loopback address, so the group's store can listen on it here)
+    from rlhf_sg.sync.transports import BroadcastTransport
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.2")
+    engines = [_Answering()]
+    built = []
+    transport = BroadcastTransport(_ctx("cpu", engines), [{"weight_group_size": 1}],
+                                   open_group=lambda spec, store: built.append(spec) or _StubGroup())
+    transport.setup()
+    (name, (joined,)), = engines[0].calls
+    assert (built[0].master_address, joined.master_address) == ("127.0.0.2", "127.0.0.2")
+    assert joined.master_port == built[0].master_port > 0
+    transport.close()
+
+
+def test_an_engine_that_fails_to_join_is_reported_while_our_end_still_waits_for_it(fake_ray):
+    # our end of the group blocks until every engine has joined; an engine whose join fails (a moment after
+    # the call) is reported with its own error, not as a group that timed out
+    from rlhf_sg.sync.transports import BroadcastTransport
+
+    def fail_soon(future, spec):
+        threading.Timer(0.2, future.set_exception, [RuntimeError("address already in use")]).start()
+
+    release = threading.Event()
+
+    def our_end(spec, store):
+        if not release.wait(3.0):
+            raise TimeoutError("timed out waiting for ranks to join")
+        return _StubGroup()
+
+    engines = [_Answering(), _Answering({"init_weight_update_group": fail_soon})]
+    transport = BroadcastTransport(_ctx("cpu", engines, timeout_s=3.0), [{"weight_group_size": 1}] * 2,
+                                   master_address="127.0.0.1", open_group=our_end)
+    try:
+        with pytest.raises(EngineCallError, match="^engine 1: init_weight_update_group failed: RuntimeError: "
+                                                  "address already in use"):
+            transport.setup()
+    finally:
+        release.set()
+
+
+def test_disk_sync_keeps_a_users_file_in_its_directory_and_close_tolerates_a_directory_already_gone(
+    fake_ray, tmp_path
+):
+    from rlhf_sg.sync.transports import DiskTransport
+
+    # a directory the user gave may hold other files: a sync removes only the transport's older versions
+    engine = _Answering()
+    given = DiskTransport(_ctx("cpu", [engine]), [], str(tmp_path / "w"))
+    given.setup()
+    (tmp_path / "w" / "vocab.json").write_text("{}")
+    (tmp_path / "w" / "vocab").mkdir()  # a directory whose name starts with "v" too
+    (tmp_path / "w" / "v1").mkdir()  # not a version directory of the transport (8 digits)
+    for version in (1, 2):
+        given.begin([], version)
+        given.end([], version)
+    assert sorted(os.listdir(tmp_path / "w")) == ["v00000002", "v1", "vocab", "vocab.json"]
+    assert engine.calls == [("update_weights_from_disk", (str(tmp_path / "w" / f"v0000000{v}"),)) for v in (1, 2)]
+    assert given.close() == [] and os.path.isdir(tmp_path / "w")
+    # a directory made here and removed by someone else (a temp cleaner) before close: close still succeeds
+    made = DiskTransport(_ctx("cpu"), [])
+    made.setup()
+    path = made.disk_dir
+    os.rmdir(path)
+    assert made.close() == [] and made.disk_dir is None
+    assert made.close() == []
+
+
+def test_an_engine_description_naming_only_its_registry_name_resolves_to_that_backend():
+    from backends.registry import get_backend_class
+
+    assert transports_module.backend_class({"backend": "hf"}) is get_backend_class("hf")
+    assert transports_module.backend_class({"backend": "hf", "backend_class": "hf"}).name == "hf"
+
+
+# ---- the syncer: its device, the plan check across ranks, the version each transport is told -------------------
+def test_the_syncer_sends_from_the_current_cuda_device_when_asked_or_by_default_when_cuda_is_there(monkeypatch):
+    # no GPU touched: only which device the syncer chooses (its buffers and groups follow it)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for device in (None, "cuda"):
+        assert WeightSyncer(0, 1, [object()], device=device).device == torch.device("cuda", 3), device
+    assert WeightSyncer(0, 1, [object()], device="cpu").device == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert WeightSyncer(0, 1, [object()]).device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_with_the_default_group_up_every_rank_sees_every_ranks_plan_check(fake_ray, engine_model_dir, tmp_path,
+                                                                         monkeypatch, world_size):
+    # trainer ranks > 1 with the default group up: the check's outcome is gathered from every rank (here rank 1's
+    # engine refuses), so rank 0 refuses too, before any byte. One rank: nothing to gather, even with a group up.
+    import types
+
+    from rlhf_sg.sync import plan as plan_module
+    from rlhf_sg.sync import syncer as syncer_module
+
+    gathers = []
+
+    def all_gather_object(out, obj):
+        gathers.append(list(out))
+        out[:] = [obj, "engine 1: check_manifests failed: refused"][:len(out)]
+
+    monkeypatch.setattr(syncer_module, "dist", types.SimpleNamespace(is_available=lambda: True,
+                                                                      is_initialized=lambda: True))
+    monkeypatch.setattr(plan_module, "dist", types.SimpleNamespace(all_gather_object=all_gather_object))
+    engines = _engines(world_size, engine_model_dir, fake_ray)
+    syncer = WeightSyncer(0, world_size, engines, transport="tensor", bucket_bytes=BUCKET_BYTES,
+                          timeout_s=TIMEOUT_S, device="cpu")
+    syncer.setup()
+    model = _trainer_model(seed=2)
+    if world_size == 1:
+        syncer.sync(model, 1)
+        _assert_engines_hold(engines, model, 1)
+        assert gathers == []
+    else:
+        with pytest.raises(ValueError) as info:
+            syncer.sync(model, 1)
+        assert str(info.value) == ("the weights do not match the engines' model, nothing was sent: trainer rank 1: "
+                                   "engine 1: check_manifests failed: refused")
+        assert gathers == [[None, None]]
+        assert engines[0].actor.weight_version() != 1
+    syncer.close()
+
+
+def test_the_disk_barrier_waits_for_the_version_being_synced(fake_ray, engine_model_dir, tmp_path, monkeypatch):
+    # every rank's files of this version are written before any engine reloads: the barrier (and its error) names it
+    waited = []
+    monkeypatch.setattr(transports_module.DiskTransport, "_barrier", lambda self, what: waited.append(what))
+    engines = _engines(1, engine_model_dir, fake_ray)
+    (syncer,) = _syncers(1, engines, "disk", tmp_path)
+    syncer.setup()
+    for version in (3, 5):
+        syncer.sync(_trainer_model(seed=version), version)
+    weights = tmp_path / "weights"
+    assert waited == [f"writing weight version {v} to {weights}/v0000000{v}" for v in (3, 5)]
+    syncer.close()

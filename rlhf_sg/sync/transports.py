@@ -32,6 +32,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -55,6 +56,10 @@ def backend_class(info: dict[str, Any]) -> type[RolloutBackend]:
     from backends.registry import get_backend_class
 
     return get_backend_class(info.get("backend_class") or info["backend"])
+
+
+#: the name of a version directory of the disk transport (``v`` and the version in 8 digits)
+_VERSION_DIR = re.compile(r"v\d{8}")
 
 
 @dataclasses.dataclass
@@ -370,7 +375,8 @@ class DiskTransport(Transport):
         self._barrier(f"writing weight version {version} to {self._version_dir}")
         if self.ctx.rank == 0:  # every rank is past the previous sync, so older versions are unread
             for entry in os.listdir(self.disk_dir):
-                if entry.startswith("v") and entry != os.path.basename(self._version_dir):
+                # only the transport's own version directories: a directory the user gave may hold others
+                if _VERSION_DIR.fullmatch(entry) and entry != os.path.basename(self._version_dir):
                     shutil.rmtree(os.path.join(self.disk_dir, entry), ignore_errors=True)
         wait_engine_calls(self.ctx.call_mine("update_weights_from_disk", self._version_dir), self.ctx.timeout_s)
 
