@@ -250,3 +250,82 @@ def test_every_sample_is_planned_once_within_the_budget():
                 members = [s for s in micro if group_of[s] == g]
                 computed += prompts[members[0]] + sum(lengths[s] - prompts[s] for s in members)
             assert computed <= budget
+
+
+# ---- what the model is called with, and what is refused ----------------------------------------------------
+
+
+class _Recorder(torch.nn.Module):
+    """A model that records the arguments the shared forward calls it with."""
+
+    def __init__(self, impl, **config):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.config = type("Config", (), {"_attn_implementation": impl, **config})()
+        self.calls = []
+
+    def forward(self, **kwargs):
+        self.calls.append(kwargs)
+        return kwargs["input_ids"]
+
+
+def test_the_model_gets_the_tree_mask_positions_no_cache_and_the_callers_arguments():
+    from rlhf_sg.packing import _shared_forward
+
+    ids, mask, width = _hand_batch()
+    rows = pack_shared_prompts(ids, mask, width)
+    for impl, dtype in (("sdpa", torch.bool), ("eager", torch.float32)):
+        model = _Recorder(impl)
+        _shared_forward(model, rows, impl, logits_to_keep=7)
+        (kwargs,) = model.calls
+        assert kwargs["use_cache"] is False  # a KV cache would let responses attend to their siblings
+        assert kwargs["logits_to_keep"] == 7
+        assert torch.equal(kwargs["position_ids"], rows.position_ids)
+        assert kwargs["attention_mask"].dtype == dtype
+        assert torch.equal(kwargs["attention_mask"], rows.attention_mask(None if impl == "sdpa" else torch.float32))
+
+
+def test_refusals_say_what_to_do():
+    from rlhf_sg.packing import _shared_forward
+
+    ids, mask, width = _hand_batch()
+    rows = pack_shared_prompts(ids, mask, width)  # rows of 7 slots
+    with pytest.raises(ValueError) as err:
+        _shared_forward(_Recorder("flash_attention_2"), rows, "flash_attention_2")
+    assert str(err.value) == (
+        "shared prompts need an attention that takes a mask (('sdpa', 'eager')); flash_attention_2 (varlen) cannot "
+        "keep sibling responses apart: pass share_prompts=False")
+    sliding = _Recorder("sdpa", layer_types=["full_attention", "sliding_attention"], sliding_window=6)
+    with pytest.raises(ValueError) as err:
+        _shared_forward(sliding, rows, "sdpa")
+    assert str(err.value) == (
+        "this model has sliding-window layers (window 6) and shared-prompt rows of 7 tokens: the tree mask has no "
+        "window; pass share_prompts=False")
+    _shared_forward(_Recorder("sdpa", layer_types=["sliding_attention"], sliding_window=7), rows, "sdpa")  # fits
+    _shared_forward(_Recorder("sdpa", layer_types=["full_attention"], sliding_window=2), rows, "sdpa")  # no sliding
+
+
+def test_segments_fit_exactly_and_never_fall_below_the_longest_sequence():
+    prompt = [3, 4]
+    ids = torch.tensor([prompt + [10 + i, 20 + i, 30 + i] for i in range(4)])
+    ones = torch.ones_like(ids)
+    # 2 + 4 x 3 = 14 tokens: a segment of exactly 14 holds the whole group
+    assert pack_shared_prompts(ids, ones, 3, segment_tokens=14).num_segments == 1
+    assert pack_shared_prompts(ids, ones, 3, segment_tokens=13).num_segments == 2
+    # a segment smaller than a sequence (5 tokens) still takes one whole sequence
+    rows = pack_shared_prompts(ids, ones, 3, segment_tokens=1)
+    assert rows.num_segments == 4 and rows.input_ids.shape[1] == 5
+
+
+def test_only_a_repeated_prompt_counts_as_shared():
+    from rlhf_sg.packing import _has_shared_prompt
+
+    ids, mask, width = _hand_batch()
+    assert not _has_shared_prompt(ids[:2], mask[:2], width)  # rows 0 and 1: different prompts, plain packing
+    assert _has_shared_prompt(ids, mask, width)  # rows 0 and 2 share one
+
+
+def test_a_large_group_is_cut_into_quarters_when_halves_do_not_fit():
+    # 8 samples: prompt 10, responses 5; half a group costs 10 + 20 = 30, a quarter 10 + 10 = 20
+    groups, prompts, lengths = [list(range(8))], [10] * 8, [15] * 8
+    assert shared_prompt_microbatches(groups, prompts, lengths, 20, 1) == [[[0, 1], [2, 3], [4, 5], [6, 7]]]
