@@ -1,6 +1,6 @@
 """Forward + backward throughput on packed rows against the padded batch, alternated in one run.
 
-``python -m rlhf_sg.bench packing [--size 25m] [--batch 16] [--rounds 2] [--mix rlhf|equal|both]``
+``python -m rlhf_sg.bench packing [--size 25m] [--batch 16] [--rounds 2] [--mix rlhf|equal|both] [--group-size G]``
 
 Both sides compute the same thing: the response log-probs of a rollout batch (fp32 log-softmax) and
 a token-mean policy-gradient loss, then backward, on a tiny causal LM in train mode. The baseline is
@@ -15,6 +15,11 @@ Length mixes:
   1..512, the long tail of RL rollouts; padded to the widest prompt + widest response.
 * ``equal``: every prompt 128 and every response 256 tokens. There is no padding to remove, so this
   is where packing can only lose: it measures packing's own overhead.
+
+``--group-size G`` (default 1) gives every G consecutive rollouts one prompt (GRPO's groups: the prompt's
+length and tokens are the group's first row's), and adds a third side, ``shared``: the packed path with
+``share_prompts=True`` (:func:`rlhf_sg.packing.pack_shared_prompts`, each prompt computed once per segment),
+printed as shared / packed and shared / padded.
 
 The sides alternate round by round (A B, then B A, ...) so drifting machine load hits both alike,
 after one untimed warm-up of each. Each side's figure is from its fastest round: other processes on
@@ -33,22 +38,24 @@ import time
 import torch
 
 
-def _lengths(mix: str, batch: int, gen: torch.Generator) -> tuple[list[int], list[int]]:
+def _lengths(mix: str, batch: int, gen: torch.Generator, group: int = 1) -> tuple[list[int], list[int]]:
     if mix == "equal":
         return [128] * batch, [256] * batch
-    prompts = torch.randint(16, 257, (batch,), generator=gen)
+    prompts = torch.randint(16, 257, (batch,), generator=gen).tolist()
     responses = torch.exp(math.log(64) + 1.0 * torch.randn(batch, generator=gen)).round().clamp(1, 512)
-    return prompts.tolist(), responses.long().tolist()
+    return [prompts[b - b % group] for b in range(batch)], responses.long().tolist()
 
 
-def _rollout_batch(prompt_lens, response_lens, vocab: int, gen: torch.Generator):
-    """sequences / attention_mask [B, P + T] in the trainer's layout, and T."""
+def _rollout_batch(prompt_lens, response_lens, vocab: int, gen: torch.Generator, group: int = 1):
+    """sequences / attention_mask [B, P + T] in the trainer's layout, and T; every ``group`` rows one prompt."""
     prompt_width, response_width = max(prompt_lens), max(response_lens)
     mask = torch.zeros(len(prompt_lens), prompt_width + response_width, dtype=torch.long)
     for b, (p, r) in enumerate(zip(prompt_lens, response_lens)):
         mask[b, prompt_width - p : prompt_width + r] = 1
     sequences = torch.zeros_like(mask)
     sequences[mask.bool()] = torch.randint(3, vocab, (int(mask.sum()),), generator=gen)
+    for b in range(len(prompt_lens)):
+        sequences[b, :prompt_width] = sequences[b - b % group, :prompt_width]
     return sequences, mask, response_width
 
 
@@ -63,8 +70,9 @@ def _padded_logprobs(model, sequences, mask, response_width):
 def _run_mix(args, model, mix: str, gen: torch.Generator) -> None:
     from rlhf_sg.packing import pack, response_logprobs
 
-    prompt_lens, response_lens = _lengths(mix, args.batch, gen)
-    sequences, mask, width = _rollout_batch(prompt_lens, response_lens, model.config.vocab_size, gen)
+    group = args.group_size
+    prompt_lens, response_lens = _lengths(mix, args.batch, gen, group)
+    sequences, mask, width = _rollout_batch(prompt_lens, response_lens, model.config.vocab_size, gen, group)
     sequences, mask = sequences.to(args.device), mask.to(args.device)
     action = mask[:, -width:].float()
     advantages = torch.randn(action.shape, generator=gen).to(args.device)
@@ -84,10 +92,12 @@ def _run_mix(args, model, mix: str, gen: torch.Generator) -> None:
         return loss.item()
 
     sides = {"padded": _padded_logprobs, "packed": response_logprobs}
+    if group > 1:
+        sides["shared"] = lambda *a: response_logprobs(*a, share_prompts=True)
     losses = {name: step(fn) for name, fn in sides.items()}  # warm-up, untimed
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(args.rounds):
-        for name in ("padded", "packed") if r % 2 == 0 else ("packed", "padded"):
+        for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
             start = time.perf_counter()
             step(sides[name])
             seconds[name].append(time.perf_counter() - start)
@@ -96,19 +106,22 @@ def _run_mix(args, model, mix: str, gen: torch.Generator) -> None:
     print(
         f"\nmix={mix}: {args.batch} rollouts, prompts {min(prompt_lens)}..{max(prompt_lens)} "
         f"(mean {statistics.mean(prompt_lens):.0f}), responses {min(response_lens)}..{max(response_lens)} "
-        f"(mean {statistics.mean(response_lens):.0f})"
+        f"(mean {statistics.mean(response_lens):.0f})" + (f", {group} rollouts a prompt" if group > 1 else "")
     )
     print(
         f"  real tokens {real_tokens}; padded [B, S] = {list(mask.shape)} = {padded_slots} slots "
         f"({100 * (1 - real_tokens / padded_slots):.0f}% padding); packed rows [R, L] = {list(rows)} = "
         f"{rows[0] * rows[1]} slots"
     )
-    print(f"  loss padded {losses['padded']:.6f}  packed {losses['packed']:.6f}")
+    print("  loss " + "  ".join(f"{name} {loss:.6f}" for name, loss in losses.items()))
     rate = {name: real_tokens / min(s) for name, s in seconds.items()}
     for name in sides:
         times = ", ".join(f"{t:.2f}" for t in seconds[name])
         print(f"  {name:7s} {rate[name]:9.0f} real tokens/s  (fwd+bwd s per round: {times})")
     print(f"  ratio packed / padded: {rate['packed'] / rate['padded']:.2f}x")
+    if "shared" in rate:
+        print(f"  ratio shared / packed: {rate['shared'] / rate['packed']:.2f}x; shared / padded: "
+              f"{rate['shared'] / rate['padded']:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,11 +133,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16, help="rollouts per batch")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per side (alternating)")
     parser.add_argument("--mix", default="both", choices=["rlhf", "equal", "both"])
+    parser.add_argument("--group-size", type=int, default=1, help="rollouts per prompt (> 1 adds the shared side)")
     parser.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, eager, flash_attention_2)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.group_size < 1:
+        parser.error(f"--group-size must be >= 1, got {args.group_size}")
 
     from rlhf_sg.tiny import build_tiny_model
 
