@@ -329,3 +329,72 @@ def test_a_large_group_is_cut_into_quarters_when_halves_do_not_fit():
     # 8 samples: prompt 10, responses 5; half a group costs 10 + 20 = 30, a quarter 10 + 10 = 20
     groups, prompts, lengths = [list(range(8))], [10] * 8, [15] * 8
     assert shared_prompt_microbatches(groups, prompts, lengths, 20, 1) == [[[0, 1], [2, 3], [4, 5], [6, 7]]]
+
+
+def _segments(prompt_len, responses, segment_tokens):
+    """The segments pack_shared_prompts makes of one group: each a list of its responses' lengths."""
+    width = max(responses)
+    ids = torch.zeros(len(responses), prompt_len + width, dtype=torch.long)
+    for b, n in enumerate(responses):
+        ids[b, :prompt_len] = torch.arange(1, prompt_len + 1)
+        ids[b, prompt_len : prompt_len + n] = 100 + b  # each response's tokens name its row
+    rows = pack_shared_prompts(ids, (ids != 0).long(), width, segment_tokens)
+    segments = []
+    for row in rows.input_ids.tolist():
+        current = []
+        for token in row[prompt_len:]:
+            if token == 1:  # the next segment's prompt
+                segments.append(current)
+                current = []
+            elif token >= 100 and (not current or current[-1][0] != token):
+                current.append([token])
+            elif token >= 100:
+                current[-1].append(token)
+        segments.append(current)
+    return sorted([len(r) for r in s] for s in segments if s), rows
+
+
+@pytest.mark.parametrize("responses, segment_tokens, expected", [
+    # 16 response tokens, at most 10 a segment: two of about 8; the second response (8) would overfill the first
+    # segment (2 + 4 + 8 = 14 > 12) though it is only half past the even share: every segment keeps to the cap
+    ([4, 8, 4], 12, [[4], [4], [8]]),
+    # 6 response tokens, at most 4 a segment: two of 3; the second response lands exactly on the share (2 + 1 = 3)
+    ([2, 2, 2], 6, [[2], [2, 2]]),
+    # 7 tokens, at most 6 a segment: shares of 3.5; the 4-token response goes past it by half of itself
+    ([2, 4, 1], 8, [[1], [2], [4]]),
+])
+def test_segments_keep_to_the_cap_and_to_an_even_share(responses, segment_tokens, expected):
+    got, rows = _segments(2, responses, segment_tokens)
+    assert got == expected
+    assert rows.input_ids.shape[1] <= segment_tokens
+
+
+def test_rows_compute_their_own_prompt_unless_asked_and_the_default_segment_is_the_hidden_size(monkeypatch):
+    import rlhf_sg.packing as packing
+
+    model = build_tiny_model("qwen2", "tiny", seed=0)
+    model.config._attn_implementation = "sdpa"
+    critic = ValueHeadModel(build_tiny_model("qwen2", "tiny", seed=0).model)
+    critic.config._attn_implementation = "sdpa"
+    ids, mask, width = _groups_batch(model.config.vocab_size)
+    seen = []
+    real = packing.pack_shared_prompts
+    monkeypatch.setattr(packing, "pack_shared_prompts", lambda *a: seen.append(a[3]) or real(*a))
+    response_logprobs(model, ids, mask, width)
+    critic_values(critic, ids, mask, width)
+    assert seen == []  # off by default
+    response_logprobs(model, ids, mask, width, share_prompts=True)
+    critic_values(critic, ids, mask, width, share_prompts=True)
+    assert seen == [model.config.hidden_size, critic.config.hidden_size]
+
+
+def test_the_model_is_asked_for_no_logits_of_its_own_on_shared_rows():
+    model = build_tiny_model("qwen2", "tiny", seed=0)
+    model.config._attn_implementation = "sdpa"
+    ids, mask, width = _groups_batch(model.config.vocab_size)
+    asked = []
+    model.register_forward_pre_hook(lambda _m, _a, kwargs: asked.append(kwargs.get("logits_to_keep")),
+                                    with_kwargs=True)
+    response_logprobs(model, ids, mask, width, share_prompts=True)
+    (keep,) = asked
+    assert isinstance(keep, torch.Tensor) and keep.numel() == 0
