@@ -289,7 +289,6 @@ class SharedPromptRows:
     block_positions: torch.Tensor
     labels: torch.Tensor
     num_segments: int
-    response_shape: tuple[int, int]
 
     @property
     def num_slots(self) -> int:
@@ -395,7 +394,7 @@ def pack_shared_prompts(
         input_ids=view(input_ids), position_ids=view(position_ids), segment_start=view(segment_start),
         prompt_end=view(prompt_end), branch_start=view(branch_start),
         predictor_slots=torch.cat(predictors).to(device), block_positions=torch.cat(positions).to(device),
-        labels=torch.cat(labels).to(device), num_segments=len(segments), response_shape=(batch_size, response_width),
+        labels=torch.cat(labels).to(device), num_segments=len(segments),
     )
 
 

@@ -41,6 +41,7 @@ def test_the_layout_by_hand():
     assert rows.input_ids.tolist() == [[5, 6, 7, 8, 13, 14, 15], [9, 10, 11, 12, 0, 0, 0]]
     # responses continue the prompt's positions, each from the prompt's length
     assert rows.position_ids[0].tolist() == [0, 1, 2, 3, 2, 3, 4]
+    assert rows.position_ids.dtype == torch.long and rows.input_ids.dtype == ids.dtype
     assert rows.position_ids[1, :4].tolist() == [0, 1, 2, 3]
     # response token (b, j) at flat b*T + j, predicted by the slot before it; a response's first token by the
     # prompt's last slot (slot 1 for both responses of row 0's segment)
@@ -75,6 +76,7 @@ def test_the_tree_mask_by_hand():
     assert torch.equal(mask4[1, 0], second)
     additive = rows.attention_mask(torch.float32)
     assert torch.equal(additive[0, 0] == 0, allowed)
+    assert rows.attention_mask(torch.bfloat16).dtype == torch.bfloat16  # the model's dtype, added to its scores
     assert (additive[0, 0][~allowed] == torch.finfo(torch.float32).min).all()
 
 
@@ -94,6 +96,10 @@ def test_the_default_segment_is_the_hidden_size():
     model = build_tiny_model("qwen2", "tiny", seed=0)
     assert default_segment_tokens(model) == model.config.hidden_size
     assert default_segment_tokens(torch.nn.Linear(2, 2)) == 2048
+    for hidden, expected in ((1, 1), (0, 2048)):
+        module = torch.nn.Linear(2, 2)
+        module.config = type("Config", (), {"hidden_size": hidden})()
+        assert default_segment_tokens(module) == expected
 
 
 def _groups_batch(vocab: int, seed: int = 1):
@@ -303,6 +309,10 @@ def test_refusals_say_what_to_do():
         "window; pass share_prompts=False")
     _shared_forward(_Recorder("sdpa", layer_types=["sliding_attention"], sliding_window=7), rows, "sdpa")  # fits
     _shared_forward(_Recorder("sdpa", layer_types=["full_attention"], sliding_window=2), rows, "sdpa")  # no sliding
+    bare = _Recorder("sdpa")
+    del bare.config  # a module without a config, its attention named by the caller
+    _shared_forward(bare, rows, "sdpa")
+    assert len(bare.calls) == 1
 
 
 def test_segments_fit_exactly_and_never_fall_below_the_longest_sequence():
@@ -323,6 +333,14 @@ def test_only_a_repeated_prompt_counts_as_shared():
     ids, mask, width = _hand_batch()
     assert not _has_shared_prompt(ids[:2], mask[:2], width)  # rows 0 and 1: different prompts, plain packing
     assert _has_shared_prompt(ids, mask, width)  # rows 0 and 2 share one
+
+
+def test_an_empty_batch_is_refused_as_the_unshared_planner_refuses_it():
+    with pytest.raises(ValueError) as shared:
+        shared_prompt_microbatches([], [], [], 10, 1)
+    with pytest.raises(ValueError) as plain:
+        token_budget_microbatches([], 10, 1)
+    assert str(shared.value) == str(plain.value)
 
 
 def test_a_large_group_is_cut_into_quarters_when_halves_do_not_fit():
@@ -362,11 +380,15 @@ def _segments(prompt_len, responses, segment_tokens):
     ([2, 2, 2], 6, [[2], [2, 2]]),
     # 7 tokens, at most 6 a segment: shares of 3.5; the 4-token response goes past it by half of itself
     ([2, 4, 1], 8, [[1], [2], [4]]),
+    # after a cut the new segment starts empty: 1 + 3 fits the 4 tokens a segment may hold
+    ([4, 1, 3], 6, [[1, 3], [4]]),
+    # a segment smaller than the longest sequence (6) is raised to it: the two short responses still share
+    ([1, 1, 4], 1, [[1, 1], [4]]),
 ])
 def test_segments_keep_to_the_cap_and_to_an_even_share(responses, segment_tokens, expected):
     got, rows = _segments(2, responses, segment_tokens)
     assert got == expected
-    assert rows.input_ids.shape[1] <= segment_tokens
+    assert rows.input_ids.shape[1] <= max(segment_tokens, 2 + max(responses))  # the cap, or the longest sequence
 
 
 def test_rows_compute_their_own_prompt_unless_asked_and_the_default_segment_is_the_hidden_size(monkeypatch):
