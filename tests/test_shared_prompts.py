@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from test_packing_spec import _Recorder  # tests/ is on the path: the model that records its arguments
 
 from rlhf_sg.experience import ActorUpdate, Experience
 from rlhf_sg.models import ValueHeadModel
@@ -259,20 +260,6 @@ def test_every_sample_is_planned_once_within_the_budget():
 
 
 # ---- what the model is called with, and what is refused ----------------------------------------------------
-
-
-class _Recorder(torch.nn.Module):
-    """A model that records the arguments the shared forward calls it with."""
-
-    def __init__(self, impl, **config):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.config = type("Config", (), {"_attn_implementation": impl, **config})()
-        self.calls = []
-
-    def forward(self, **kwargs):
-        self.calls.append(kwargs)
-        return kwargs["input_ids"]
 
 
 def test_the_model_gets_the_tree_mask_positions_no_cache_and_the_callers_arguments():
