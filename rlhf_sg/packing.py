@@ -278,6 +278,7 @@ class SharedPromptRows:
             prompt's last slot for a response's first token, shared by the segment's responses).
         block_positions: [n] long; flat index ``b * T + j`` of the token in the [B, T] response block.
         labels: [n] long; the token.
+    max_seqlen: the longest prompt + response (what any token attends over).
     """
 
     input_ids: torch.Tensor
@@ -289,6 +290,7 @@ class SharedPromptRows:
     block_positions: torch.Tensor
     labels: torch.Tensor
     num_segments: int
+    max_seqlen: int
 
     @property
     def num_slots(self) -> int:
@@ -324,11 +326,13 @@ def prompt_groups(sequences: torch.Tensor, attention_mask: torch.Tensor, respons
 
 
 def pack_shared_prompts(
-    sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int, segment_tokens: int = 2048
+    sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int, segment_tokens: int = 2048,
+    groups: list[list[int]] | None = None,
 ) -> SharedPromptRows:
     """Pack a rollout batch (the layout of :func:`response_logprobs`) with each distinct prompt computed once
     per segment (:class:`SharedPromptRows`). ``segment_tokens``: a segment's most tokens (a longer group is
-    split; never below the longest single sequence, which always fits alone)."""
+    split; never below the longest single sequence, which always fits alone). ``groups``: the batch's
+    :func:`prompt_groups` when the caller has them already."""
     if segment_tokens < 1:
         raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
     _check_rollout(sequences, attention_mask, response_width)
@@ -341,7 +345,7 @@ def pack_shared_prompts(
     capacity = max(segment_tokens, max(p + r for p, r in zip(prompt_len, response_len)))
 
     segments: list[list[int]] = []
-    for members in prompt_groups(sequences, attention_mask, response_width):
+    for members in groups if groups is not None else prompt_groups(sequences, attention_mask, response_width):
         # as few segments as the capacity allows, each with about the same response tokens
         p, total = prompt_len[members[0]], sum(response_len[b] for b in members)
         target = total / min(len(members), max(1, math.ceil(total / max(capacity - p, 1))))
@@ -395,6 +399,7 @@ def pack_shared_prompts(
         prompt_end=view(prompt_end), branch_start=view(branch_start),
         predictor_slots=torch.cat(predictors).to(device), block_positions=torch.cat(positions).to(device),
         labels=torch.cat(labels).to(device), num_segments=len(segments),
+        max_seqlen=max(p + r for p, r in zip(prompt_len, response_len)),
     )
 
 
@@ -406,13 +411,7 @@ def _shared_forward(model: nn.Module, rows: SharedPromptRows, impl: str, **forwa
             "cannot keep sibling responses apart: pass share_prompts=False"
         )
     module = _unwrap(model)
-    config = getattr(module, "config", None)
-    window = getattr(config, "sliding_window", None)
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()) and rows.input_ids.shape[1] > window:
-        raise ValueError(
-            f"this model has sliding-window layers (window {window}) and shared-prompt rows of "
-            f"{rows.input_ids.shape[1]} tokens: the tree mask has no window; pass share_prompts=False"
-        )
+    _check_window(module, rows.max_seqlen, "the shared-prompt mask has no window; pass share_prompts=False")
     mask = rows.attention_mask(None if impl == "sdpa" else _model_dtype(module))
     return model(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=mask, use_cache=False,
                  **forward_kwargs)
@@ -428,8 +427,14 @@ def default_segment_tokens(module: nn.Module) -> int:
     return int(hidden) if isinstance(hidden, int) and hidden > 0 else 2048
 
 
-def _has_shared_prompt(sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int) -> bool:
-    return any(len(g) > 1 for g in prompt_groups(sequences, attention_mask, response_width))
+def _shared_groups(
+    share_prompts: bool, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int
+) -> list[list[int]] | None:
+    """The batch's prompt groups when sharing is asked for and some prompt repeats; else None (plain packing)."""
+    if not share_prompts:
+        return None
+    groups = prompt_groups(sequences, attention_mask, response_width)
+    return groups if any(len(g) > 1 for g in groups) else None
 
 
 # ---- forward on packed rows ------------------------------------------------------------------------------
@@ -486,6 +491,18 @@ def _block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype | None) ->
     )
 
 
+def _check_window(module: nn.Module, longest: int, what_to_do: str) -> None:
+    """Refuse a dense mask (which has no window) for a model with sliding-window layers whose longest sequence
+    is longer than the window: no token attends further back than its own sequence, so within the window the
+    mask and the window agree."""
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()) and longest > window:
+        raise ValueError(
+            f"this model has sliding-window layers (window {window}) and a sequence of {longest} tokens: {what_to_do}"
+        )
+
+
 def _model_dtype(module: nn.Module) -> torch.dtype:
     dtype = getattr(module, "dtype", None)
     return dtype if isinstance(dtype, torch.dtype) else next(module.parameters()).dtype
@@ -529,16 +546,7 @@ def packed_forward(
         # With one sequence per row, causal attention alone keeps sequences apart (row padding comes after
         # the sequence); passing no mask lets transformers build its own causal one (sdpa: is_causal).
         if batch.input_ids.shape[0] < batch.num_sequences:
-            config = getattr(module, "config", None)
-            window = getattr(config, "sliding_window", None)
-            if (
-                "sliding_attention" in (getattr(config, "layer_types", None) or ())
-                and batch.max_seqlen > window
-            ):
-                raise ValueError(
-                    f"this model has sliding-window layers (window {window}) and a sequence of "
-                    f"{batch.max_seqlen} tokens: the packed {impl} mask has no window; use flash_attention_2"
-                )
+            _check_window(module, batch.max_seqlen, f"the packed {impl} mask has no window; use flash_attention_2")
             dtype = None if impl == "sdpa" else _model_dtype(module)
             kwargs["attention_mask"] = _block_causal_mask(batch.position_ids.to(device), dtype)
     else:
@@ -686,7 +694,7 @@ def response_logprobs(
     sequences, attention_mask = sequences.to(device), attention_mask.to(device)
     _check_rollout(sequences, attention_mask, response_width)
     impl = _attn_implementation(module, attn_implementation)
-    shared = share_prompts and _has_shared_prompt(sequences, attention_mask, response_width)
+    groups = _shared_groups(share_prompts, sequences, attention_mask, response_width)
     captured: dict[str, torch.Tensor] = {}
 
     def keep_hidden(_module, _args, output):
@@ -695,16 +703,16 @@ def response_logprobs(
     no_logits = torch.empty(0, dtype=torch.long, device=device)
     hook = module.base_model.register_forward_hook(keep_hidden)
     try:
-        if shared:
+        if groups is not None:
             rows = pack_shared_prompts(sequences, attention_mask, response_width,
-                                       segment_tokens or default_segment_tokens(module))
+                                       segment_tokens or default_segment_tokens(module), groups=groups)
             _shared_forward(model, rows, impl, logits_to_keep=no_logits)
         else:
             batch = pack(sequences, attention_mask, row_tokens=_row_tokens(impl, attention_mask))
             packed_forward(model, batch, impl, logits_to_keep=no_logits)
     finally:
         hook.remove()
-    if shared:
+    if groups is not None:
         hidden = captured["hidden"].reshape(-1, captured["hidden"].shape[-1])[rows.predictor_slots]
         labels, positions = rows.labels, rows.block_positions
     else:
@@ -771,9 +779,10 @@ def critic_values(
     _check_rollout(sequences, attention_mask, response_width)
     impl = _attn_implementation(module, attn_implementation)
     shape = (sequences.shape[0], response_width)
-    if share_prompts and _has_shared_prompt(sequences, attention_mask, response_width):
+    groups = _shared_groups(share_prompts, sequences, attention_mask, response_width)
+    if groups is not None:
         rows = pack_shared_prompts(sequences, attention_mask, response_width,
-                                   segment_tokens or default_segment_tokens(module))
+                                   segment_tokens or default_segment_tokens(module), groups=groups)
         values = _shared_forward(critic, rows, impl).reshape(-1)[rows.predictor_slots]
         return _to_response_block(values, rows.block_positions, shape)
     batch = pack(sequences, attention_mask, row_tokens=_row_tokens(impl, attention_mask))

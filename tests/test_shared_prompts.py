@@ -288,13 +288,15 @@ def test_refusals_say_what_to_do():
     assert str(err.value) == (
         "shared prompts need an attention that takes a mask (('sdpa', 'eager')); flash_attention_2 (varlen) cannot "
         "keep sibling responses apart: pass share_prompts=False")
-    sliding = _Recorder("sdpa", layer_types=["full_attention", "sliding_attention"], sliding_window=6)
+    # the longest sequence (row 2: a prompt of 2 and a response of 3) bounds what any token attends over
+    sliding = _Recorder("sdpa", layer_types=["full_attention", "sliding_attention"], sliding_window=4)
     with pytest.raises(ValueError) as err:
         _shared_forward(sliding, rows, "sdpa")
     assert str(err.value) == (
-        "this model has sliding-window layers (window 6) and shared-prompt rows of 7 tokens: the tree mask has no "
+        "this model has sliding-window layers (window 4) and a sequence of 5 tokens: the shared-prompt mask has no "
         "window; pass share_prompts=False")
-    _shared_forward(_Recorder("sdpa", layer_types=["sliding_attention"], sliding_window=7), rows, "sdpa")  # fits
+    # within the window, though the rows (7 slots) are longer than it
+    _shared_forward(_Recorder("sdpa", layer_types=["sliding_attention"], sliding_window=5), rows, "sdpa")
     _shared_forward(_Recorder("sdpa", layer_types=["full_attention"], sliding_window=2), rows, "sdpa")  # no sliding
     bare = _Recorder("sdpa")
     del bare.config  # a module without a config, its attention named by the caller
@@ -315,11 +317,12 @@ def test_segments_fit_exactly_and_never_fall_below_the_longest_sequence():
 
 
 def test_only_a_repeated_prompt_counts_as_shared():
-    from rlhf_sg.packing import _has_shared_prompt
+    from rlhf_sg.packing import _shared_groups
 
     ids, mask, width = _hand_batch()
-    assert not _has_shared_prompt(ids[:2], mask[:2], width)  # rows 0 and 1: different prompts, plain packing
-    assert _has_shared_prompt(ids, mask, width)  # rows 0 and 2 share one
+    assert _shared_groups(True, ids[:2], mask[:2], width) is None  # rows 0 and 1: different prompts, plain packing
+    assert _shared_groups(True, ids, mask, width) == [[0, 2], [1]]  # rows 0 and 2 share one
+    assert _shared_groups(False, ids, mask, width) is None  # not asked
 
 
 def test_an_empty_batch_is_refused_as_the_unshared_planner_refuses_it():
@@ -388,7 +391,7 @@ def test_rows_compute_their_own_prompt_unless_asked_and_the_default_segment_is_t
     ids, mask, width = _groups_batch(model.config.vocab_size)
     seen = []
     real = packing.pack_shared_prompts
-    monkeypatch.setattr(packing, "pack_shared_prompts", lambda *a: seen.append(a[3]) or real(*a))
+    monkeypatch.setattr(packing, "pack_shared_prompts", lambda *a, **k: seen.append(a[3]) or real(*a, **k))
     response_logprobs(model, ids, mask, width)
     critic_values(critic, ids, mask, width)
     assert seen == []  # off by default
@@ -407,3 +410,27 @@ def test_the_model_is_asked_for_no_logits_of_its_own_on_shared_rows():
     response_logprobs(model, ids, mask, width, share_prompts=True)
     (keep,) = asked
     assert isinstance(keep, torch.Tensor) and keep.numel() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_shared_log_probs_and_gradients_are_each_rows_own(dtype):
+    """On a GPU, sdpa takes the tree mask through its memory-efficient kernel (CPU runs its flash kernel with a
+    mask): the shared log-probs and gradients must still be each row's own, in fp32 and bf16, with the rows
+    built, masked and gathered on the device."""
+    model = build_tiny_model("qwen2", "tiny", seed=0).to("cuda", dtype)
+    model.config._attn_implementation = "sdpa"
+    ids, mask, width = _groups_batch(model.config.vocab_size)
+    ids, mask = ids.cuda(), mask.cuda()
+    action = mask[:, -width:].bool()
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        logp = response_logprobs(model, ids, mask, width, share_prompts=share)
+        logp[action].sum().backward()
+        results.append((logp.detach().float(), [p.grad.float().clone() for p in model.parameters()]))
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    assert results[1][0].device.type == "cuda"
+    assert torch.allclose(results[0][0], results[1][0], atol=tol)
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.allclose(a, b, atol=tol * 10)
