@@ -4,11 +4,18 @@ It is the default wherever no serving engine can run (a laptop, CI, a debugger),
 weight updates through the same three transports as the serving engines, so the whole weight-sync
 path is exercised without a GPU.
 
-Generation is its own batched decode loop over a Hugging Face causal LM with a KV cache
-(transformers' ``DynamicCache`` passed through the model's forward): prompts are left-padded with
-matching ``position_ids`` and attention mask, each prompt is prefilled once and its cache repeated
-for the ``n`` samples, every row stops on its own stop token, and finished rows are dropped from
-the batch so the rest decode faster.
+Generation is its own batched decode loop over a Hugging Face causal LM with a KV cache: prompts
+are left-padded with matching ``position_ids`` and attention mask, each prompt is prefilled once and
+its cache repeated for the ``n`` samples, every row stops on its own stop token, and finished rows
+are dropped from the batch so the rest decode faster.
+
+The KV cache: for models whose layers are all plain full attention run with ``sdpa`` (Llama, Qwen2 /
+Qwen3, Mistral without sliding windows, ...), the engine runs the model with its own transformers
+attention function (:func:`engine_attention`, registered as :data:`ENGINE_ATTENTION`) over
+preallocated per-layer key / value buffers (:class:`KVBuffers`): each decode step writes one column
+in place, and attention reads the grouped key / value heads as they are (no copy of the cache per
+step, where transformers' ``DynamicCache`` concatenates and sdpa's masked path repeats the KV heads).
+Any other model (sliding windows, linear attention, ``eager``) decodes through ``DynamicCache``.
 
 Sampling and reproducibility: each completion row draws its random numbers from its own
 ``torch.Generator`` seeded from ``(seed, prompt index, sample index)``, where ``seed`` is
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import datetime
 import glob
+import logging
 import os
 import random
 import threading
@@ -49,7 +57,10 @@ from backends.base import (
     wait_work,
 )
 
-__all__ = ["EmbeddedBackend", "open_weight_update_group", "sample_next_tokens"]
+__all__ = ["ENGINE_ATTENTION", "EmbeddedBackend", "KVBuffers", "engine_attention", "open_weight_update_group",
+           "sample_next_tokens"]
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EXTRA_KEYS = {"max_batch_size", "attn_implementation"}
@@ -108,6 +119,144 @@ def sample_next_tokens(
     pick = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
     tokens = pick.squeeze(1) if cand_ids is None else cand_ids.gather(1, pick).squeeze(1)
     return tokens, logp_all.gather(1, tokens[:, None]).squeeze(1)
+
+
+#: the transformers attention implementation the engine runs eligible models with (:func:`engine_attention`)
+ENGINE_ATTENTION = "rlhf_sg_engine"
+#: attention keyword arguments that change the computation; a decode step given any of them (not None) takes
+#: transformers' sdpa path over the buffers instead of :func:`decode_attention`
+_SPECIAL_ATTENTION_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
+
+
+class KVBuffers:
+    """The KV cache of one decode batch: per layer, keys and values ``[rows, kv_heads, capacity, head_dim]``
+    allocated on the first write and written in place, and an additive mask bias ``[rows, capacity]`` (the
+    smallest float on left padding, 0 elsewhere).
+
+    Prefill (``prefill = (rows, column, n)``): a group of prompts runs through the model and its keys are
+    written, each repeated ``n`` times (one row per sample), at ``column`` onwards of the row slice ``rows``.
+    Decode: ``length`` columns are filled; a step writes column ``length`` of every row and attends over
+    ``[0, length]``; the caller advances ``length`` after the step (:meth:`advance`). ``capacity`` grows
+    (doubling, at most ``max_capacity``) as the rows get longer, so memory follows the longest row
+    rather than the longest possible one.
+    """
+
+    def __init__(self, pad_mask: torch.Tensor, num_layers: int, max_capacity: int, dtype: torch.dtype,
+                 n: int = 1, initial_capacity: int | None = None):
+        """pad_mask: [prompts, width] 1 on the prompts' tokens (left-padded); every row is repeated ``n``
+        times (prompt-major), so there are ``prompts * n`` rows."""
+        rows, width = pad_mask.shape[0] * n, pad_mask.shape[1]
+        if max_capacity < width:
+            raise ValueError(f"KVBuffers: max_capacity {max_capacity} < the prompts' width {width}")
+        self.capacity = min(max_capacity, initial_capacity or max_capacity)
+        self.capacity = max(self.capacity, width)
+        self.max_capacity = max_capacity
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.bias = torch.zeros((rows, self.capacity), dtype=dtype, device=pad_mask.device)
+        self.bias[:, :width].masked_fill_(pad_mask.repeat_interleave(n, dim=0) == 0, torch.finfo(dtype).min)
+        self.length = width
+        self.prefill: tuple[slice, int, int] | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.bias.shape[0]
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a layer's new keys / values ([batch, kv_heads, q_len, head_dim]); returns what its attention
+        reads: during prefill the group's own, during decode the layer's columns ``[0, length]``."""
+        if self.keys[layer] is None:
+            shape = (self.rows, key.shape[1], self.capacity, key.shape[3])
+            self.keys[layer] = key.new_zeros(shape)  # zeros, not empty: masked columns must stay finite
+            self.values[layer] = value.new_zeros((*shape[:3], value.shape[3]))
+        if self.prefill is not None:
+            rows, column, n = self.prefill
+            end = column + key.shape[2]
+            self.keys[layer][rows, :, column:end] = key.repeat_interleave(n, dim=0)
+            self.values[layer][rows, :, column:end] = value.repeat_interleave(n, dim=0)
+            return key, value
+        if key.shape[2] != 1:
+            raise ValueError(f"KVBuffers: a decode step writes one column, got {key.shape[2]}")
+        self.keys[layer][:, :, self.length] = key[:, :, 0]
+        self.values[layer][:, :, self.length] = value[:, :, 0]
+        return self.keys[layer][:, :, : self.length + 1], self.values[layer][:, :, : self.length + 1]
+
+    def step_mask(self) -> torch.Tensor:
+        """The additive 4-D mask of the next decode step, ``[rows, 1, 1, length + 1]``."""
+        if self.length >= self.capacity:
+            self._grow()
+        return self.bias[:, None, None, : self.length + 1]
+
+    def advance(self) -> None:
+        self.length += 1
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only the rows ``keep`` (indices into the current rows)."""
+        self.bias = self.bias.index_select(0, keep)
+        for cache in (self.keys, self.values):
+            for i, t in enumerate(cache):
+                if t is not None:
+                    cache[i] = t.index_select(0, keep)
+
+    def _grow(self) -> None:
+        if self.capacity >= self.max_capacity:
+            raise ValueError(f"KVBuffers: column {self.length} is past max_capacity {self.max_capacity}")
+        capacity = min(self.max_capacity, 2 * self.capacity)
+        extra = capacity - self.capacity
+        self.bias = torch.nn.functional.pad(self.bias, (0, extra))
+        for cache in (self.keys, self.values):
+            for i, t in enumerate(cache):
+                if t is not None:
+                    cache[i] = torch.nn.functional.pad(t, (0, 0, 0, extra))
+        self.capacity = capacity
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
+                     scaling: float | None) -> tuple[torch.Tensor, None]:
+    """One decode step's attention over grouped KV heads, without repeating them.
+
+    query [B, H, 1, D]; key / value [B, H_kv, L, D] with H a multiple of H_kv (query head h reads KV head
+    h // (H / H_kv), as transformers' ``repeat_kv`` pairs them); bias: an additive mask broadcastable to
+    [B, 1, 1, L], or a boolean one (True = attend). Scores and softmax in float32. Returns
+    ([B, 1, H, D], None), the layout transformers' attention functions return.
+    """
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    scale = dim**-0.5 if scaling is None else scaling
+    q = query.reshape(batch, kv_heads, heads // kv_heads, dim) * scale
+    scores = torch.matmul(q, key.transpose(-1, -2)).float()  # [B, H_kv, group, L]
+    if bias is not None:
+        scores = scores.masked_fill(~bias, float("-inf")) if bias.dtype == torch.bool else scores + bias.float()
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    out = torch.matmul(probs, value)  # [B, H_kv, group, D]
+    return out.reshape(batch, 1, heads, value.shape[-1]), None
+
+
+def engine_attention(module, query, key, value, attention_mask, kv_buffers: KVBuffers | None = None, **kwargs):
+    """The engine's transformers attention function (``AttentionInterface``, name :data:`ENGINE_ATTENTION`).
+
+    With ``kv_buffers`` (passed through the model's forward as a keyword), the layer's new keys / values go
+    into the buffers; a plain decode step (one query token, no softcap / window / sinks / bias, no dropout)
+    then runs :func:`decode_attention` over the layer's buffered columns. Everything else, and any call
+    without buffers, is transformers' own sdpa attention.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if kv_buffers is not None:
+        key, value = kv_buffers.write(module.layer_idx, key, value)
+        plain = not kwargs.get("dropout") and all(kwargs.get(k) is None for k in _SPECIAL_ATTENTION_KWARGS)
+        if kv_buffers.prefill is None and plain and query.shape[1] % key.shape[1] == 0:
+            return decode_attention(query, key, value, attention_mask, kwargs.get("scaling"))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_engine_attention() -> None:
+    """Register :func:`engine_attention` under :data:`ENGINE_ATTENTION`, with sdpa's mask builder (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(ENGINE_ATTENTION, engine_attention)
+    AttentionMaskInterface.register(ENGINE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 def open_weight_update_group(spec: WeightGroupSpec, rank: int) -> torch.distributed.ProcessGroup:
@@ -201,6 +350,11 @@ class EmbeddedBackend(RolloutBackend):
             f"BackendConfig.max_model_len={config.max_model_len}, model max_position_embeddings={model_len}"
         )
         self._mergeable_cache = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model_config).layers)
+        self._num_layers = int(model_config.get_text_config().num_hidden_layers)
+        #: decode over KVBuffers with engine_attention (else through DynamicCache)
+        self.kv_buffers = (
+            self._mergeable_cache and model_config._attn_implementation == "sdpa" and self._use_engine_attention()
+        )
         self._unseeded = random.Random(config.seed)
         self._group = None
         self._group_spec: WeightGroupSpec | None = None
@@ -246,41 +400,89 @@ class EmbeddedBackend(RolloutBackend):
             if self._generating:
                 self._abort.set()
 
-    def _prefill(self, prompts: list[list[int]]):
-        """Run the prompts (sorted by length) through the model; return their KV cache, the logits of
-        the last position [B, V] and the left-padded attention mask [B, W].
+    def _use_engine_attention(self) -> bool:
+        """Switch the model to :func:`engine_attention` if every layer routes its attention through it (one
+        probe forward: a prompt prefilled into buffers, one decode step); otherwise keep sdpa and say why."""
+        _register_engine_attention()
+        ids = torch.tensor([[i % self._vocab_size for i in (1, 2, 3)]], device=self._device)
+        reason = None
+        try:
+            self.model.set_attn_implementation(ENGINE_ATTENTION)
+            with torch.inference_mode():
+                buffers = KVBuffers(torch.ones((1, 2), device=self._device), self._num_layers, 3, self.model.dtype)
+                buffers.prefill = (slice(0, 1), 0, 1)
+                self.model(input_ids=ids[:, :2], position_ids=torch.arange(2, device=self._device)[None],
+                           use_cache=False, logits_to_keep=1, kv_buffers=buffers)
+                buffers.prefill = None
+                bypass = sum(k is None for k in buffers.keys)
+                if bypass:
+                    reason = f"{bypass} of {self._num_layers} layers bypass the attention interface"
+                else:
+                    logits = self.model(input_ids=ids[:, 2:], attention_mask=buffers.step_mask(),
+                                        position_ids=torch.tensor([[2]], device=self._device), use_cache=False,
+                                        kv_buffers=buffers).logits
+                    if not torch.isfinite(logits).all():
+                        reason = "the probe's logits are not finite"
+        except Exception as exc:  # a model whose attention takes another route
+            reason = f"{type(exc).__name__}: {exc}"
+        if reason is None:
+            return True
+        self.model.set_attn_implementation("sdpa")
+        log.warning("embedded engine: %s decodes through transformers' DynamicCache (%s)",
+                    type(self.model).__name__, reason)
+        return False
 
-        Prompts of similar length are prefilled together and their caches left-padded into one, so
-        little prefill compute goes to padding; models whose cache layers are not plain dynamic
-        layers (sliding windows, linear attention) are prefilled as one padded batch.
+    def _start_decode(self, prompts: list[list[int]], n: int, max_new: int) -> tuple[_DecodeState, torch.Tensor]:
+        """Prefill the prompts (sorted by length), each for ``n`` sample rows; returns the decode state and the
+        logits of every row's next token [len(prompts) * n, V].
+
+        Prompts of similar length are prefilled together and left-padded into one cache, so little prefill
+        compute goes to padding; models whose cache layers are not plain dynamic layers (sliding windows,
+        linear attention) are prefilled as one padded batch.
         """
         groups = _length_groups([len(p) for p in prompts]) if self._mergeable_cache else [range(len(prompts))]
         width = len(prompts[-1])
+        _, pad_mask = self._left_pad(prompts, width)
+        buffers = (KVBuffers(pad_mask, self._num_layers, width + max_new, self.model.dtype, n=n,
+                             initial_capacity=width + min(max_new, 128)) if self.kv_buffers else None)
         caches, logits = [], []
         for group in groups:
             group_prompts = [prompts[i] for i in group]
             input_ids, attention_mask = self._left_pad(group_prompts, len(group_prompts[-1]))
+            extra = {}
+            if buffers is not None:
+                buffers.prefill = (slice(group.start * n, group.stop * n), width - input_ids.shape[1], n)
+                extra["kv_buffers"] = buffers
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=(attention_mask.cumsum(-1) - 1).clamp_(min=0),
-                use_cache=True,
+                use_cache=buffers is None,
                 logits_to_keep=1,
+                **extra,
             )
             caches.append(out.past_key_values)
             logits.append(out.logits[:, -1, :])
-        _, attention_mask = self._left_pad(prompts, width)
+        logits = torch.cat(logits).repeat_interleave(n, dim=0)
+        next_position = pad_mask.sum(-1).repeat_interleave(n, dim=0)
+        if buffers is not None:
+            buffers.prefill = None
+            return _BufferedDecode(self.model, buffers, next_position), logits
         if len(caches) == 1:
-            return caches[0], logits[0], attention_mask
-        from transformers import DynamicCache
+            cache = caches[0]
+        else:
+            from transformers import DynamicCache
 
-        layers = []
-        for layer_idx in range(len(caches[0].layers)):
-            keys = [c.layers[layer_idx].keys for c in caches]
-            values = [c.layers[layer_idx].values for c in caches]
-            pad = lambda t: torch.nn.functional.pad(t, (0, 0, width - t.shape[-2], 0))  # left, on seq dim
-            layers.append((torch.cat([pad(k) for k in keys]), torch.cat([pad(v) for v in values])))
-        return DynamicCache(layers), torch.cat(logits), attention_mask
+            layers = []
+            for layer_idx in range(len(caches[0].layers)):
+                keys = [c.layers[layer_idx].keys for c in caches]
+                values = [c.layers[layer_idx].values for c in caches]
+                pad = lambda t: torch.nn.functional.pad(t, (0, 0, width - t.shape[-2], 0))  # left, on seq dim
+                layers.append((torch.cat([pad(k) for k in keys]), torch.cat([pad(v) for v in values])))
+            cache = DynamicCache(layers)
+        if n > 1:  # one prefill per prompt, its cache shared by the n samples
+            cache.batch_repeat_interleave(n)
+        return _CachedDecode(self.model, cache, pad_mask.repeat_interleave(n, dim=0), next_position), logits
 
     def _left_pad(self, prompts: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids and attention_mask, both [len(prompts), width] int64 on the engine's device."""
@@ -297,12 +499,7 @@ class EmbeddedBackend(RolloutBackend):
     ) -> list[list[Completion]]:
         """Decode ``params.n`` rows for each prompt index in ``chunk``; one list per prompt."""
         device, n, max_new = self._device, params.n, params.max_new_tokens
-        cache, logits, attention_mask = self._prefill([prompts[i] for i in chunk])
-        if n > 1:  # one prefill per prompt, its cache shared by the n samples
-            cache.batch_repeat_interleave(n)
-            logits = logits.repeat_interleave(n, dim=0)
-            attention_mask = attention_mask.repeat_interleave(n, dim=0)
-        next_position = attention_mask.sum(-1)
+        state, logits = self._start_decode([prompts[i] for i in chunk], n, max_new)
 
         num_rows = len(chunk) * n
         uniforms = torch.stack(
@@ -340,19 +537,9 @@ class EmbeddedBackend(RolloutBackend):
                 break
             if num_done >= max(1, len(rows) // 4):  # compact: finished rows stop costing compute
                 keep = (~done).nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
+                state.select(keep)
                 rows, done, token = rows[keep], done[keep], token[keep]
-                attention_mask, next_position = attention_mask[keep], next_position[keep]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=1)
-            out = self.model(
-                input_ids=token[:, None],
-                attention_mask=attention_mask,
-                position_ids=next_position[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            cache, logits = out.past_key_values, out.logits[:, -1, :]
-            next_position = next_position + 1
+            logits = state.step(token)
 
         tokens_l, logps_l = tokens.tolist(), logps.tolist()
         lengths_l, stopped_l, aborted_l = lengths.tolist(), stopped.tolist(), aborted.tolist()
@@ -566,6 +753,63 @@ class EmbeddedBackend(RolloutBackend):
             raise BackendError(
                 f"generate: the embedded backend is asleep (released: {sorted(self._released)}); call wake() first"
             )
+
+
+class _DecodeState:
+    """A decode batch's cache and positions: :meth:`step` feeds one token per live row and returns the logits
+    of the next [rows, V]; :meth:`select` keeps the rows ``keep``."""
+
+    def __init__(self, model, next_position: torch.Tensor):
+        self.model = model
+        self.next_position = next_position  # [rows] the position of each row's next token
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.next_position = self.next_position[keep]
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _BufferedDecode(_DecodeState):
+    """Decode over :class:`KVBuffers` (the model runs :func:`engine_attention`)."""
+
+    def __init__(self, model, buffers: KVBuffers, next_position: torch.Tensor):
+        super().__init__(model, next_position)
+        self.buffers = buffers
+
+    def select(self, keep: torch.Tensor) -> None:
+        super().select(keep)
+        self.buffers.select(keep)
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=token[:, None], attention_mask=self.buffers.step_mask(),
+                         position_ids=self.next_position[:, None], use_cache=False, kv_buffers=self.buffers)
+        self.buffers.advance()
+        self.next_position = self.next_position + 1
+        return out.logits[:, -1, :]
+
+
+class _CachedDecode(_DecodeState):
+    """Decode through transformers' ``DynamicCache`` and a 2-D attention mask grown a column per step."""
+
+    def __init__(self, model, cache, attention_mask: torch.Tensor, next_position: torch.Tensor):
+        super().__init__(model, next_position)
+        self.cache = cache
+        self.attention_mask = attention_mask
+
+    def select(self, keep: torch.Tensor) -> None:
+        super().select(keep)
+        self.cache.batch_select_indices(keep)
+        self.attention_mask = self.attention_mask[keep]
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        mask = self.attention_mask
+        self.attention_mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+        out = self.model(input_ids=token[:, None], attention_mask=self.attention_mask,
+                         position_ids=self.next_position[:, None], past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        self.next_position = self.next_position + 1
+        return out.logits[:, -1, :]
 
 
 def _length_groups(lengths: list[int], max_growth: float = 1.25) -> list[range]:

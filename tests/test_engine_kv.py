@@ -1,0 +1,232 @@
+"""The embedded engine's KV buffers and decode attention (``backends.embedded.KVBuffers``, ``engine_attention``).
+
+The reference is transformers itself: greedy completions equal ``model.generate`` (its own ``DynamicCache`` and
+sdpa attention) token for token, sampled completions and their log-probs equal the engine's ``DynamicCache`` path,
+and :func:`decode_attention` equals ``torch``'s sdpa over the KV heads repeated the way transformers' ``repeat_kv``
+pairs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+
+import pytest
+import torch
+
+from backends.base import BackendConfig, SamplingParams
+from backends.embedded import ENGINE_ATTENTION, EmbeddedBackend, KVBuffers, decode_attention
+from rlhf_sg.tiny import EOS_ID, PAD_ID, save_tiny_model, tiny_config
+
+
+def _prompts(num: int, seed: int, min_len: int = 2, max_len: int = 24) -> list[list[int]]:
+    """Prompts of varied lengths (so every batch is left-padded) of ids that are neither pad nor EOS."""
+    rng = random.Random(seed)
+    return [[rng.randint(3, 90) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
+
+
+@contextlib.contextmanager
+def _dynamic_cache(engine: EmbeddedBackend):
+    """Run ``engine`` through transformers' DynamicCache and sdpa (its path for models the buffers do not fit)."""
+    engine.kv_buffers = False
+    engine.model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        engine.kv_buffers = True
+        engine.model.set_attn_implementation(ENGINE_ATTENTION)
+
+
+def _engine(path: str, device: str = "cpu", dtype: str = "float32", **extra) -> EmbeddedBackend:
+    return EmbeddedBackend(BackendConfig(model_path=path, device=device, dtype=dtype, max_model_len=512, seed=0,
+                                         num_threads=1, extra=extra))
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen2-mha"])
+def model_dir(request, tmp_path_factory):
+    arch = request.param.split("-")[0]
+    path = str(tmp_path_factory.mktemp(request.param))
+    if request.param.endswith("mha"):  # as many KV heads as query heads: no grouping
+        from transformers import AutoModelForCausalLM
+
+        config = tiny_config(arch)
+        config.num_key_value_heads = config.num_attention_heads
+        torch.manual_seed(1)
+        save_tiny_model(path, model=AutoModelForCausalLM.from_config(config).eval())
+    else:
+        save_tiny_model(path, arch=arch, seed=1)
+    return path
+
+
+def test_greedy_completions_equal_transformers_generate(model_dir):
+    """Left-padded prompts of 2..24 tokens, up to 150 new tokens (past the buffers' first 128 columns, so they
+    grow): token for token what ``model.generate`` gives each prompt alone (no padding at all)."""
+    engine = _engine(model_dir)
+    assert engine.kv_buffers and engine.model.config._attn_implementation == ENGINE_ATTENTION
+    prompts = _prompts(5, seed=0)
+    out = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=150, temperature=0.0))
+    reference = build_reference(model_dir)
+    for prompt, completion in zip(prompts, out):
+        ids = torch.tensor([prompt])
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=150, do_sample=False,
+                                      eos_token_id=None, pad_token_id=PAD_ID, min_new_tokens=150)[0, len(prompt):]
+        # the engine stops on the model's EOS; the reference runs on, so compare up to the engine's stop
+        assert completion.token_ids == expected[: len(completion.token_ids)].tolist(), f"prompt of {len(prompt)} tokens"
+        if completion.finish_reason == "stop":
+            assert completion.token_ids[-1] == EOS_ID
+        else:
+            assert len(completion.token_ids) == 150
+
+
+def build_reference(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("max_batch_size", [256, 10])
+def test_sampled_completions_equal_the_dynamic_cache_path(model_dir, max_batch_size):
+    """n samples per prompt, stop tokens (rows finish early, so the batch is compacted), several chunks
+    (``max_batch_size=10``) and growth past 128 columns: the same tokens, finish reasons and log-probs
+    (within 1e-5) as the engine's DynamicCache path."""
+    engine = _engine(model_dir, max_batch_size=max_batch_size)
+    prompts = _prompts(6, seed=2)
+    for params in (SamplingParams(n=4, max_new_tokens=160, temperature=1.0, seed=3, stop_token_ids=[11]),
+                   SamplingParams(n=3, max_new_tokens=40, temperature=0.7, top_k=20, top_p=0.9, seed=5,
+                                  stop_token_ids=[EOS_ID, 7, 8])):
+        buffered = engine.generate(prompts, params)
+        with _dynamic_cache(engine):
+            cached = engine.generate(prompts, params)
+        assert [c.token_ids for c in buffered] == [c.token_ids for c in cached]
+        assert [c.finish_reason for c in buffered] == [c.finish_reason for c in cached]
+        assert {c.finish_reason for c in buffered} >= {"stop"}, "the batch should have been compacted"
+        for b, c in zip(buffered, cached):
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(c.logprobs), atol=1e-5, rtol=0)
+
+
+def _repeat_kv_reference(query, key, value, mask, scaling):
+    """torch's sdpa over the KV heads repeated as transformers' ``repeat_kv`` does: query head h reads KV head
+    h // group."""
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 3)])
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+def test_decode_attention_equals_sdpa_over_repeated_kv_heads(heads, kv_heads, mask_kind):
+    torch.manual_seed(0)
+    batch, length, dim = 5, 13, 16
+    # key / value as the buffers hand them: a view of the first `length` columns of a wider buffer
+    key = torch.randn(batch, kv_heads, 32, dim)[:, :, :length]
+    value = torch.randn(batch, kv_heads, 32, dim)[:, :, :length]
+    query = torch.randn(batch, 1, heads, dim).transpose(1, 2)  # [B, H, 1, D] as the model's projection gives it
+    pad = torch.tensor([0, 3, 7, 0, 12])  # left padding per row
+    keep = torch.arange(length)[None, :] >= pad[:, None]
+    low = torch.finfo(torch.float32).min
+    mask = {"bool": keep[:, None, None, :],
+            "float": torch.zeros(batch, 1, 1, length).masked_fill(~keep[:, None, None, :], low),
+            "none": None}[mask_kind]
+    for scaling in (None, 0.3):
+        out, weights = decode_attention(query, key, value, mask, scaling)
+        assert weights is None and out.shape == (batch, 1, heads, dim)
+        torch.testing.assert_close(out, _repeat_kv_reference(query, key, value, mask, scaling), atol=1e-5, rtol=1e-5)
+
+
+def test_kv_buffers_prefill_decode_growth_and_selection():
+    pad_mask = torch.tensor([[0, 0, 1], [1, 1, 1]])  # 2 prompts, width 3, the first of length 1
+    buffers = KVBuffers(pad_mask, num_layers=2, max_capacity=6, dtype=torch.float32, n=2, initial_capacity=4)
+    assert buffers.rows == 4 and buffers.capacity == 4 and buffers.length == 3
+    low = torch.finfo(torch.float32).min
+    assert buffers.bias[:, :3].tolist() == [[low, low, 0.0]] * 2 + [[0.0, 0.0, 0.0]] * 2
+    # prefill: prompt 0 alone (width 1, at column 2), then prompt 1 (width 3, at column 0); each written twice
+    for layer in range(2):
+        buffers.prefill = (slice(0, 2), 2, 2)
+        k0 = torch.full((1, 1, 1, 2), 10.0 + layer)
+        assert buffers.write(layer, k0, -k0)[0] is k0
+        buffers.prefill = (slice(2, 4), 0, 2)
+        k1 = torch.arange(3.0).view(1, 1, 3, 1).expand(1, 1, 3, 2) + 20 + layer
+        buffers.write(layer, k1, -k1)
+    buffers.prefill = None
+    assert buffers.keys[1][:, 0, :3, 0].tolist() == [[0, 0, 11], [0, 0, 11], [21, 22, 23], [21, 22, 23]]
+    assert torch.equal(buffers.values[1], -buffers.keys[1])
+    # decode: column 3 fits, column 4 makes the buffers grow (4 -> 6, the cap), contents kept
+    for step, expect_capacity in ((0, 4), (1, 6), (2, 6)):
+        mask = buffers.step_mask()
+        assert buffers.capacity == expect_capacity and mask.shape == (4, 1, 1, buffers.length + 1)
+        assert mask[:, 0, 0, -1].tolist() == [0.0] * 4  # the new token is attended
+        for layer in range(2):
+            new = torch.full((4, 1, 1, 2), 100.0 + step)
+            keys, values = buffers.write(layer, new, -new)
+            assert keys.shape == (4, 1, buffers.length + 1, 2)
+            assert keys[:, 0, -1, 0].tolist() == [100.0 + step] * 4
+        buffers.advance()
+    assert buffers.keys[0][:, 0, :, 0].tolist() == [[0, 0, 10, 100, 101, 102]] * 2 + [[20, 21, 22, 100, 101, 102]] * 2
+    assert buffers.bias[0].tolist() == [low, low, 0, 0, 0, 0]
+    buffers.select(torch.tensor([3, 0]))
+    assert buffers.rows == 2 and buffers.keys[1][:, 0, :3, 0].tolist() == [[21, 22, 23], [0, 0, 11]]
+    assert buffers.bias[:, 0].tolist() == [0.0, low]
+    with pytest.raises(ValueError, match="past max_capacity 6"):
+        buffers.step_mask()
+
+
+def test_models_the_buffers_do_not_fit_decode_through_the_dynamic_cache(tmp_path, caplog):
+    """eager attention and sliding-window layers keep transformers' cache (and still equal ``generate``); a model
+    whose layers do not route attention through the interface is caught by the probe, told, and set back to sdpa."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_model(str(tmp_path / "plain"), seed=1)
+    eager = _engine(path, attn_implementation="eager")
+    assert not eager.kv_buffers and eager.model.config._attn_implementation == "eager"
+
+    config = tiny_config("qwen2")
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 4, 0
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    torch.manual_seed(1)
+    sliding_path = save_tiny_model(str(tmp_path / "sliding"), model=AutoModelForCausalLM.from_config(config).eval())
+    sliding = _engine(sliding_path)
+    assert not sliding.kv_buffers
+    prompt = _prompts(1, seed=4, min_len=9, max_len=9)
+    out = sliding.generate(prompt, SamplingParams(n=1, max_new_tokens=12, temperature=0.0))
+    ids = torch.tensor(prompt)
+    expected = build_reference(sliding_path).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                                      do_sample=False, eos_token_id=None, pad_token_id=PAD_ID,
+                                                      min_new_tokens=12)
+    assert out[0].token_ids == expected[0, 9:].tolist()
+
+    engine = _engine(path)
+    assert engine.kv_buffers
+    attention = engine.model.model.layers[1].self_attn
+    forward = attention.forward
+    attention.forward = lambda *a, kv_buffers=None, **kw: forward(*a, **kw)  # drops the buffers: a bypass
+    with caplog.at_level(logging.WARNING, logger="backends.embedded"):
+        assert engine._use_engine_attention() is False
+    assert engine.model.config._attn_implementation == "sdpa"
+    assert "1 of 2 layers bypass the attention interface" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_buffered_decode_on_cuda(tmp_path, dtype):
+    """On a GPU, in fp32 and bf16: the buffered decode (``decode_attention`` in the model dtype with float32 softmax)
+    gives the DynamicCache path's completions. fp32: every token equal. bf16: rounding may flip a near-tie, so
+    the check is that most rows agree on their first 16 tokens and the log-probs of equal rows are close."""
+    path = save_tiny_model(str(tmp_path / "m"), arch="qwen2", size="small", seed=1)
+    engine = _engine(path, device="cuda", dtype=dtype)
+    assert engine.kv_buffers
+    prompts = _prompts(8, seed=6)
+    params = SamplingParams(n=4, max_new_tokens=160, temperature=1.0, seed=7, stop_token_ids=[11])
+    buffered = engine.generate(prompts, params)
+    with _dynamic_cache(engine):
+        cached = engine.generate(prompts, params)
+    if dtype == "float32":
+        assert [c.token_ids for c in buffered] == [c.token_ids for c in cached]
+        return
+    agree = sum(b.token_ids[:16] == c.token_ids[:16] for b, c in zip(buffered, cached))
+    assert agree >= 0.75 * len(buffered), f"{agree} of {len(buffered)} rows agree on their first 16 tokens"
+    for b, c in zip(buffered, cached):
+        if b.token_ids == c.token_ids:
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(c.logprobs), atol=0.05, rtol=0)
