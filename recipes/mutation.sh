@@ -10,6 +10,8 @@
 #   algorithms  rlhf_sg/algorithms.py    tests/test_algorithms.py tests/test_algorithms_spec.py
 #   advantages  rlhf_sg/advantages.py    tests/test_advantages_spec.py
 #   packing     rlhf_sg/packing.py       tests/test_packing.py tests/test_packing_spec.py tests/test_shared_prompts.py
+#   engine      backends/embedded.py     tests/test_engine_kv.py (the KV buffers and decode attention: pass their
+#                                        mutant globs, e.g. 'backends.embedded.xǁKVBuffersǁ*')
 #   config      rlhf_sg/config.py        tests/test_config_data.py tests/test_config_rules.py
 #   plan, syncer, gather, transports     rlhf_sg/sync/<name>.py   tests/test_weight_sync.py tests/test_sync_spec.py
 #                                        (less the source scan test_no_code_passes_a_timeout_to_a_collectives_wait)
@@ -27,7 +29,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python}"
 BASE="${MUTATION_DIR:-$(mktemp -d -t rlhf_sg-mutation-XXXXXX)}"
 WORKERS="${MUTATION_WORKERS:-1}"
-MODULES="algorithms advantages packing config plan syncer gather transports"
+MODULES="algorithms advantages packing config plan syncer gather transports engine"
 
 usage() {
     echo "usage: bash recipes/mutation.sh MODULE [MUTANT_GLOB ...]; MODULE is one of: $MODULES, all" >&2
@@ -47,6 +49,7 @@ case "$module" in
     advantages) mutate=rlhf_sg/advantages.py; tests="tests/test_advantages_spec.py" ;;
     packing) mutate=rlhf_sg/packing.py; tests="tests/test_packing.py tests/test_packing_spec.py tests/test_shared_prompts.py" ;;
     config) mutate=rlhf_sg/config.py; tests="tests/test_config_data.py tests/test_config_rules.py" ;;
+    engine) mutate=backends/embedded.py; tests="tests/test_engine_kv.py" ;;
     plan | syncer | gather | transports)
         # less the scan of the source tree for waits with a timeout: it reads files and runs no sync code
         mutate="rlhf_sg/sync/$module.py"; tests="tests/test_weight_sync.py tests/test_sync_spec.py --deselect
