@@ -403,10 +403,10 @@ class EmbeddedBackend(RolloutBackend):
     def _use_engine_attention(self) -> bool:
         """Switch the model to :func:`engine_attention` if every layer routes its attention through it (one
         probe forward: a prompt prefilled into buffers, one decode step); otherwise keep sdpa and say why."""
-        _register_engine_attention()
         ids = torch.tensor([[i % self._vocab_size for i in (1, 2, 3)]], device=self._device)
         reason = None
-        try:
+        try:  # an older transformers without these interfaces, or a model whose attention takes another route
+            _register_engine_attention()
             self.model.set_attn_implementation(ENGINE_ATTENTION)
             with torch.inference_mode():
                 buffers = KVBuffers(torch.ones((1, 2), device=self._device), self._num_layers, 3, self.model.dtype)
@@ -423,11 +423,12 @@ class EmbeddedBackend(RolloutBackend):
                                         kv_buffers=buffers).logits
                     if not torch.isfinite(logits).all():
                         reason = "the probe's logits are not finite"
-        except Exception as exc:  # a model whose attention takes another route
+        except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
         if reason is None:
             return True
-        self.model.set_attn_implementation("sdpa")
+        if self.model.config._attn_implementation != "sdpa":
+            self.model.set_attn_implementation("sdpa")
         log.warning("embedded engine: %s decodes through transformers' DynamicCache (%s)",
                     type(self.model).__name__, reason)
         return False

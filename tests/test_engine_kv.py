@@ -230,3 +230,25 @@ def test_buffered_decode_on_cuda(tmp_path, dtype):
     for b, c in zip(buffered, cached):
         if b.token_ids == c.token_ids:
             torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(c.logprobs), atol=0.05, rtol=0)
+
+
+def test_a_transformers_without_the_attention_interfaces_keeps_the_dynamic_cache(tmp_path, monkeypatch, caplog):
+    """Where registering the attention function fails (a transformers without ``AttentionMaskInterface``), the
+    engine still starts, on sdpa and ``DynamicCache``, and says why."""
+    import backends.embedded as embedded
+
+    def missing():
+        raise ImportError("cannot import name 'AttentionMaskInterface'")
+
+    monkeypatch.setattr(embedded, "_register_engine_attention", missing)
+    path = save_tiny_model(str(tmp_path / "m"), seed=1)
+    with caplog.at_level(logging.WARNING, logger="backends.embedded"):
+        engine = _engine(path)
+    assert not engine.kv_buffers and engine.model.config._attn_implementation == "sdpa"
+    assert "ImportError: cannot import name 'AttentionMaskInterface'" in caplog.text
+    params = SamplingParams(n=2, max_new_tokens=20, temperature=0.0)
+    out = engine.generate(_prompts(3, seed=8), params)
+    monkeypatch.undo()
+    buffered = _engine(path)
+    assert buffered.kv_buffers
+    assert [c.token_ids for c in out] == [c.token_ids for c in buffered.generate(_prompts(3, seed=8), params)]
