@@ -138,7 +138,7 @@ def test_decode_attention_equals_sdpa_over_repeated_kv_heads(heads, kv_heads, ma
 
 def test_kv_buffers_prefill_decode_growth_and_selection():
     pad_mask = torch.tensor([[0, 0, 1], [1, 1, 1]])  # 2 prompts, width 3, the first of length 1
-    buffers = KVBuffers(pad_mask, num_layers=2, max_capacity=6, dtype=torch.float32, n=2, initial_capacity=4)
+    buffers = KVBuffers(pad_mask, num_layers=2, max_capacity=9, dtype=torch.float32, n=2, initial_capacity=4)
     assert buffers.rows == 4 and buffers.capacity == 4 and buffers.length == 3
     low = torch.finfo(torch.float32).min
     assert buffers.bias[:, :3].tolist() == [[low, low, 0.0]] * 2 + [[0.0, 0.0, 0.0]] * 2
@@ -153,8 +153,8 @@ def test_kv_buffers_prefill_decode_growth_and_selection():
     buffers.prefill = None
     assert buffers.keys[1][:, 0, :3, 0].tolist() == [[0, 0, 11], [0, 0, 11], [21, 22, 23], [21, 22, 23]]
     assert torch.equal(buffers.values[1], -buffers.keys[1])
-    # decode: column 3 fits, column 4 makes the buffers grow (4 -> 6, the cap), contents kept
-    for step, expect_capacity in ((0, 4), (1, 6), (2, 6)):
+    # decode: column 3 fits; column 4 doubles the buffers (4 -> 8); column 8 grows them to the cap, 9; contents kept
+    for step, expect_capacity in enumerate((4, 8, 8, 8, 8, 9)):
         mask = buffers.step_mask()
         assert buffers.capacity == expect_capacity and mask.shape == (4, 1, 1, buffers.length + 1)
         assert mask[:, 0, 0, -1].tolist() == [0.0] * 4  # the new token is attended
@@ -164,13 +164,51 @@ def test_kv_buffers_prefill_decode_growth_and_selection():
             assert keys.shape == (4, 1, buffers.length + 1, 2)
             assert keys[:, 0, -1, 0].tolist() == [100.0 + step] * 4
         buffers.advance()
-    assert buffers.keys[0][:, 0, :, 0].tolist() == [[0, 0, 10, 100, 101, 102]] * 2 + [[20, 21, 22, 100, 101, 102]] * 2
-    assert buffers.bias[0].tolist() == [low, low, 0, 0, 0, 0]
+    generated = [100, 101, 102, 103, 104, 105]
+    assert buffers.keys[0][:, 0, :, 0].tolist() == [[0, 0, 10, *generated]] * 2 + [[20, 21, 22, *generated]] * 2
+    assert buffers.bias[0].tolist() == [low, low] + [0] * 7
     buffers.select(torch.tensor([3, 0]))
     assert buffers.rows == 2 and buffers.keys[1][:, 0, :3, 0].tolist() == [[21, 22, 23], [0, 0, 11]]
     assert buffers.bias[:, 0].tolist() == [0.0, low]
-    with pytest.raises(ValueError, match="past max_capacity 6"):
+    with pytest.raises(ValueError, match="past max_capacity 9"):
         buffers.step_mask()
+
+
+@pytest.mark.parametrize("kwargs, fast", [
+    ({}, True), ({"sliding_window": None, "softcap": None}, True), ({"dropout": 0.0}, True),
+    ({"dropout": 0.1}, False), ({"softcap": 30.0}, False), ({"sliding_window": 4}, False), ({"s_aux": 1.0}, False),
+    ({"sinks": 1.0}, False), ({"position_bias": 1.0}, False),
+])
+def test_engine_attention_takes_the_decode_path_only_for_plain_decode_steps(monkeypatch, kwargs, fast):
+    """A decode step with buffers runs decode_attention unless a keyword changes the computation (dropout, softcap,
+    window, sinks, bias): then transformers' sdpa, over the same buffered columns. Prefill always runs sdpa."""
+    import transformers.integrations.sdpa_attention as sdpa_module
+
+    import backends.embedded as embedded
+
+    calls = []
+
+    def sdpa(module, query, key, value, mask, **kw):
+        calls.append(("sdpa", key.shape[2], sorted(kw)))
+        return "sdpa", None
+
+    monkeypatch.setattr(embedded, "decode_attention", lambda *a: calls.append("decode") or ("decode", None))
+    monkeypatch.setattr(sdpa_module, "sdpa_attention_forward", sdpa)
+    layer = torch.nn.Module()
+    layer.layer_idx = 0
+    buffers = KVBuffers(torch.ones((2, 3)), num_layers=1, max_capacity=8, dtype=torch.float32)
+    buffers.prefill = (slice(0, 2), 0, 1)
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8)
+    embedded.engine_attention(layer, q, k, k, None, kv_buffers=buffers, **kwargs)
+    assert calls == [("sdpa", 3, sorted(kwargs))]
+    buffers.prefill = None
+    calls.clear()
+    embedded.engine_attention(layer, q[:, :, :1], k[:, :, :1], k[:, :, :1], buffers.step_mask(), kv_buffers=buffers,
+                              **kwargs)
+    assert calls == (["decode"] if fast else [("sdpa", 4, sorted(kwargs))])
+    calls.clear()
+    embedded.engine_attention(layer, q[:, :, :1], k[:, :, :1], k[:, :, :1], None, **kwargs)  # no buffers: sdpa
+    assert calls == [("sdpa", 1, sorted(kwargs))]
 
 
 def test_models_the_buffers_do_not_fit_decode_through_the_dynamic_cache(tmp_path, caplog):
