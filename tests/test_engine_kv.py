@@ -174,6 +174,13 @@ def test_kv_buffers_prefill_decode_growth_and_selection():
         buffers.step_mask()
 
 
+def test_kv_buffers_need_room_for_the_prompts():
+    pad_mask = torch.ones((2, 5))
+    assert KVBuffers(pad_mask, num_layers=1, max_capacity=5, dtype=torch.float32).capacity == 5  # exactly the prompts
+    with pytest.raises(ValueError, match=r"KVBuffers: max_capacity 4 < the prompts' width 5"):
+        KVBuffers(pad_mask, num_layers=1, max_capacity=4, dtype=torch.float32)
+
+
 @pytest.mark.parametrize("kwargs, fast", [
     ({}, True), ({"sliding_window": None, "softcap": None}, True), ({"dropout": 0.0}, True),
     ({"dropout": 0.1}, False), ({"softcap": 30.0}, False), ({"sliding_window": 4}, False), ({"s_aux": 1.0}, False),
