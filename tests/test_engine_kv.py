@@ -115,6 +115,17 @@ def _repeat_kv_reference(query, key, value, mask, scaling):
     return out.transpose(1, 2)
 
 
+def test_decode_attention_keeps_the_model_dtype():
+    """bf16 in, bf16 out (scores and softmax in float32 inside), close to the float32 result."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8)
+    bias = torch.zeros(3, 1, 1, 6, dtype=torch.bfloat16)
+    out, _ = decode_attention(query.bfloat16(), key.bfloat16(), value.bfloat16(), bias, None)
+    assert out.dtype == torch.bfloat16
+    reference, _ = decode_attention(query, key, value, None, None)
+    torch.testing.assert_close(out.float(), reference, atol=0.03, rtol=0.03)
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 3)])
 @pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
 def test_decode_attention_equals_sdpa_over_repeated_kv_heads(heads, kv_heads, mask_kind):
@@ -174,6 +185,13 @@ def test_kv_buffers_prefill_decode_growth_and_selection():
         buffers.step_mask()
 
 
+def test_kv_buffers_mask_in_the_model_dtype_and_decode_one_column_a_step():
+    buffers = KVBuffers(torch.tensor([[0, 1]]), num_layers=1, max_capacity=4, dtype=torch.bfloat16)
+    assert buffers.bias.dtype == torch.bfloat16 and buffers.bias[0, 0] == torch.finfo(torch.bfloat16).min
+    with pytest.raises(ValueError, match="a decode step writes one column, got 2"):
+        buffers.write(0, torch.zeros(1, 1, 2, 4, dtype=torch.bfloat16), torch.zeros(1, 1, 2, 4, dtype=torch.bfloat16))
+
+
 def test_kv_buffers_need_room_for_the_prompts():
     pad_mask = torch.ones((2, 5))
     assert KVBuffers(pad_mask, num_layers=1, max_capacity=5, dtype=torch.float32).capacity == 5  # exactly the prompts
@@ -199,20 +217,23 @@ def test_engine_attention_takes_the_decode_path_only_for_plain_decode_steps(monk
         calls.append(("sdpa", key.shape[2], sorted(kw)))
         return "sdpa", None
 
-    monkeypatch.setattr(embedded, "decode_attention", lambda *a: calls.append("decode") or ("decode", None))
+    monkeypatch.setattr(embedded, "decode_attention", lambda *a: calls.append(("decode", a[4])) or ("decode", None))
     monkeypatch.setattr(sdpa_module, "sdpa_attention_forward", sdpa)
     layer = torch.nn.Module()
     layer.layer_idx = 0
-    buffers = KVBuffers(torch.ones((2, 3)), num_layers=1, max_capacity=8, dtype=torch.float32)
+    kwargs = {**kwargs, "scaling": 0.25}  # a model's own scale (not always head_dim ** -0.5) reaches the decode path
+    # 4 query heads, 2 KV heads; a 2-token prefill, so the decode step reads 3 columns (4 % 3 != 0: the grouping
+    # check is on the heads, not the columns)
+    buffers = KVBuffers(torch.ones((2, 2)), num_layers=1, max_capacity=8, dtype=torch.float32)
     buffers.prefill = (slice(0, 2), 0, 1)
-    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8)
+    q, k = torch.randn(2, 4, 2, 8), torch.randn(2, 2, 2, 8)
     embedded.engine_attention(layer, q, k, k, None, kv_buffers=buffers, **kwargs)
-    assert calls == [("sdpa", 3, sorted(kwargs))]
+    assert calls == [("sdpa", 2, sorted(kwargs))]
     buffers.prefill = None
     calls.clear()
     embedded.engine_attention(layer, q[:, :, :1], k[:, :, :1], k[:, :, :1], buffers.step_mask(), kv_buffers=buffers,
                               **kwargs)
-    assert calls == (["decode"] if fast else [("sdpa", 4, sorted(kwargs))])
+    assert calls == ([("decode", 0.25)] if fast else [("sdpa", 3, sorted(kwargs))])
     calls.clear()
     embedded.engine_attention(layer, q[:, :, :1], k[:, :, :1], k[:, :, :1], None, **kwargs)  # no buffers: sdpa
     assert calls == [("sdpa", 1, sorted(kwargs))]
