@@ -493,3 +493,103 @@ def test_metrics_are_token_weighted_means_over_every_rank():
         p.join(timeout=60)
     # (1.0 x 3 + 5.0 x 1) / 4 tokens on both ranks, not rank 0's 1.0 nor the unweighted 3.0
     assert results == {0: {"clip_frac": 2.0}, 1: {"clip_frac": 2.0}}
+
+
+# ---- minibatches of the PPO epochs ---------------------------------------------------------------------------------
+
+
+def grouped_experience(groups: int = 4, n: int = 4, P: int = 3, T: int = 4):
+    """``groups`` prompts x ``n`` samples, a group's rows interleaved with the others' (row b has prompt b % groups),
+    prompts and responses of several lengths."""
+    from rlhf_sg.experience import Experience
+
+    B = groups * n
+    seq = torch.zeros(B, P + T, dtype=torch.long)
+    mask = torch.zeros(B, P + T, dtype=torch.long)
+    for b in range(B):
+        g, plen, rlen = b % groups, 1 + (b % groups) % P, 1 + (b // groups + b) % T
+        seq[b, P - plen:P], mask[b, P - plen:P] = 10 + g, 1
+        seq[b, P:P + rlen], mask[b, P:P + rlen] = 30 + b % 7, 1
+    return Experience(sequences=seq, attention_mask=mask, action_mask=mask[:, P:].bool(),
+                      rollout_logp=torch.zeros(B, T))
+
+
+def minibatches(steps_per_rank):
+    """Per optimizer step: the rows of all ranks' micro-batches, and each rank's normaliser."""
+    out = []
+    for k in range(len(steps_per_rank[0])):
+        rows = [r for steps in steps_per_rank for micro in steps[k].plan for r in micro]
+        assert len(rows) == len(set(rows)), f"optimizer step {k} plans a row twice: {rows}"
+        out.append((sorted(rows), {steps[k].normalizer for steps in steps_per_rank}))
+    return out
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+@pytest.mark.parametrize("world,num_minibatches,normalize_rows", [(1, 1, False), (1, 2, False), (2, 2, True),
+                                                                   (2, 4, False), (1, 4, True)])
+def test_every_epoch_trains_every_row_once_and_each_step_is_normalised_by_its_own_tokens(
+        share_prompts, world, num_minibatches, normalize_rows):
+    import random
+
+    from rlhf_sg.trainer.ppo import update_plans
+
+    exp, t = grouped_experience(), Config().train
+    t.ppo_epochs, t.num_minibatches, t.max_tokens_per_microbatch = 3, num_minibatches, 12
+    steps = update_plans(exp, world, t, random.Random(0), normalize_rows=normalize_rows, share_prompts=share_prompts)
+    assert [len(s) for s in steps] == [3 * num_minibatches] * world
+    mbs = minibatches(steps)
+    for epoch in range(3):
+        epoch_rows = [r for rows, _ in mbs[epoch * num_minibatches:(epoch + 1) * num_minibatches] for r in rows]
+        assert sorted(epoch_rows) == list(range(16))
+    for rows, norms in mbs:
+        assert len(rows) == 16 // num_minibatches
+        tokens = len(rows) if normalize_rows else int(exp.action_mask[rows].sum())
+        assert norms == {tokens / world}
+
+
+def test_with_shared_prompts_a_minibatch_holds_whole_prompt_groups_in_a_shuffled_pairing():
+    """As verl's actor update splits the batch into minibatches of whole prompts (ppo_mini_batch_size counts
+    prompts, each with its n samples), so every prompt is computed once in its minibatch; the pairing of groups
+    still changes from epoch to epoch. Without shared prompts the rows are shuffled one by one (OpenRLHF's
+    replay-buffer shuffle), which splits groups."""
+    import random
+
+    from rlhf_sg.trainer.ppo import update_plans
+
+    exp, t = grouped_experience(), Config().train
+    t.ppo_epochs, t.num_minibatches = 8, 2
+    groups = [frozenset(range(g, 16, 4)) for g in range(4)]
+    pairings, split = set(), False
+    for share in (True, False):
+        steps = update_plans(exp, 1, t, random.Random(1), share_prompts=share)
+        for rows, _ in minibatches(steps):
+            whole = [g for g in groups if g <= set(rows)]
+            if share:
+                assert set().union(*whole) == set(rows), f"minibatch {rows} splits a prompt group"
+                pairings.add(frozenset(whole))
+            else:
+                split |= len(whole) < 2
+    assert len(pairings) > 2, "the groups were not shuffled between epochs"
+    assert split, "rows shuffled one by one kept every group whole: the test's batch shows nothing"
+
+
+def test_without_shared_prompts_the_minibatches_are_the_row_shuffle():
+    """Single rows drawn as before: minibatch k of an epoch is slice k of ``rng.shuffle(range(B))``, so seeded
+    runs repeat what they did; one minibatch draws the same numbers with and without shared prompts."""
+    import random
+
+    from rlhf_sg.trainer.ppo import update_plans
+
+    exp, t = grouped_experience(), Config().train
+    t.ppo_epochs, t.num_minibatches = 2, 4
+    rng, expected = random.Random(5), []
+    for _ in range(2):
+        order = list(range(16))
+        rng.shuffle(order)
+        expected += [sorted(order[k * 4:(k + 1) * 4]) for k in range(4)]
+    assert [rows for rows, _ in minibatches(update_plans(exp, 1, t, random.Random(5)))] == expected
+    t.num_minibatches = 1
+    a, b = random.Random(5), random.Random(5)
+    update_plans(exp, 1, t, a, share_prompts=False)
+    update_plans(exp, 1, t, b, share_prompts=True)
+    assert a.getstate() == b.getstate()

@@ -76,16 +76,25 @@ def update_plans(experience: Experience, world: int, t: TrainConfig, rng: random
                  normalize_rows: bool = False, share_prompts: bool = False) -> list[list[OptimizerStep]]:
     """Per rank, its part of every optimizer step of the ``ppo_epochs`` epochs: each epoch shuffles the rows
     (with ``rng``) into ``num_minibatches`` minibatches, one optimizer step each. The normaliser is the
-    minibatch's action tokens (rows with ``normalize_rows``) over ``world``. ``share_prompts``: micro-batches
-    as :func:`microbatch_plans` makes them for shared-prompt forwards."""
+    minibatch's action tokens (rows with ``normalize_rows``) over ``world``. ``share_prompts``: the samples of
+    one prompt are shuffled as one unit, so a minibatch holds whole groups wherever the minibatch size allows
+    (the prompt is then computed once for all of them), and micro-batches are as :func:`microbatch_plans`
+    makes them for shared-prompt forwards."""
+    from rlhf_sg.packing import prompt_groups
+
     B = experience.batch_size
     per_rank: list[list[OptimizerStep]] = [[] for _ in range(world)]
     # a filtered batch (dynamic sampling) may hold fewer rows than num_minibatches x ranks: then fewer,
     # larger optimizer steps; the split is as even as it can be and drops no row
     num_mb = max(1, min(t.num_minibatches, B // world))
+    # shuffled units: single rows, or with shared prompts each prompt's rows (shuffling B single rows draws
+    # the same permutation as shuffling range(B))
+    units = (prompt_groups(experience.sequences, experience.attention_mask, experience.response_width)
+             if share_prompts and num_mb > 1 else [[b] for b in range(B)])
     for _ in range(t.ppo_epochs):
-        order = list(range(B))
-        rng.shuffle(order)
+        shuffled = list(units)
+        rng.shuffle(shuffled)
+        order = [b for unit in shuffled for b in unit]
         for k in range(num_mb):
             rows = sorted(order[k * B // num_mb : (k + 1) * B // num_mb])
             tokens = len(rows) if normalize_rows else float(experience.action_mask[rows].sum())
