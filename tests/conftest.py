@@ -4,6 +4,12 @@ import os
 import pytest
 import torch
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+RECIPES = os.path.join(os.path.dirname(TESTS), "recipes")
+# Logical GPUs of the session's Ray cluster: Ray sets CUDA_VISIBLE_DEVICES per actor exactly as on a GPU node
+# (an actor that asks for one GPU sees one, index 0), so placement decisions are tested where a GPU run makes them.
+RAY_LOGICAL_GPUS = 4
+
 # One thread per test process: CI has two cores and Ray/DeepSpeed tests start their own workers.
 torch.set_num_threads(max(1, int(os.environ.get("RLHF_SG_TEST_THREADS", "1"))))
 
@@ -15,6 +21,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray cluster for the whole test session (start-up paid once; module scope only so that it
+    starts again after a module that needed a cluster of another shape, :func:`two_ray_nodes`, ended it):
+    8 CPUs and :data:`RAY_LOGICAL_GPUS` logical GPUs. Tests use it and never call ``ray.init`` /
+    ``ray.shutdown`` themselves."""
+    ray = pytest.importorskip("ray")
+    # engine and worker processes import the reward / backend modules of these tests and recipes
+    paths = [RECIPES, TESTS, os.environ.get("PYTHONPATH", "")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=8, num_gpus=RAY_LOGICAL_GPUS, include_dashboard=False,
+                 log_to_driver=False)
+    yield ray  # left running for the next module; pytest_sessionfinish shuts it down
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 @contextlib.contextmanager
