@@ -1,4 +1,6 @@
 import contextlib
+import functools
+import importlib
 import os
 
 import pytest
@@ -12,6 +14,46 @@ RAY_LOGICAL_GPUS = 4
 
 # One thread per test process: CI has two cores and Ray/DeepSpeed tests start their own workers.
 torch.set_num_threads(max(1, int(os.environ.get("RLHF_SG_TEST_THREADS", "1"))))
+
+
+# What the fast tier (`pytest -m "not slow"`) may not start; a test that does must be marked slow.
+_HEAVY = {"ray": ("init",), "deepspeed": ("initialize", "init_distributed"),
+          "rlhf_sg.engine_actor": ("start_engine_actors",)}
+_running: dict = {"item": None}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running["item"] = item
+    yield
+    _running["item"] = None
+
+
+def _guard(module, name: str) -> None:
+    original = getattr(module, name)
+
+    @functools.wraps(original)
+    def guarded(*args, **kwargs):
+        item = _running["item"]
+        if item is not None and not (item.get_closest_marker("slow") or item.get_closest_marker("gpu")):
+            raise AssertionError(f"{item.nodeid} (or a fixture it uses) calls {module.__name__}.{name} but is not "
+                                 "marked slow: mark it `@pytest.mark.slow` (the fast tier starts no Ray cluster, "
+                                 "DeepSpeed engine or inference engine)")
+        return original(*args, **kwargs)
+
+    setattr(module, name, guarded)
+
+
+def pytest_configure(config):
+    """The fast tier stays fast by construction: a test not marked ``slow`` (or ``gpu``) whose body or
+    fixtures start a Ray cluster, a DeepSpeed engine or process group, or an engine actor fails, naming it."""
+    for module_name, names in _HEAVY.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for name in names:
+            _guard(module, name)
 
 
 def pytest_collection_modifyitems(config, items):

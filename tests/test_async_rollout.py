@@ -102,15 +102,6 @@ def test_async_mode_rules():
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    os.environ["PYTHONPATH"] = os.pathsep.join([RECIPES, TESTS, os.environ.get("PYTHONPATH", "")])
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _teacher_forced_logp(model, prompt: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per completion token: its log-prob under ``model`` (temperature 1) and the model's greedy choice there."""
     ids = torch.tensor([prompt + tokens])

@@ -216,7 +216,8 @@ def test_the_run_stops_after_max_nonfinite_steps_in_a_row_naming_the_last_checkp
 # ---- a rank that never answers ---------------------------------------------------------------------------------
 
 
-def test_a_stuck_rank_is_named_with_its_group_and_phase_after_the_timeout():
+@pytest.mark.slow
+def test_a_stuck_rank_is_named_with_its_group_and_phase_after_the_timeout(ray_cluster):
     """Two Ray actors answer a call; one of them is stuck in an earlier call (as a rank blocked in a collective
     whose peer died). Waiting for both ends after the timeout with a message naming the stuck rank, its group
     and the phase, instead of hanging; a rank whose process died is named too."""
@@ -234,9 +235,8 @@ def test_a_stuck_rank_is_named_with_its_group_and_phase_after_the_timeout():
         def die(self):
             os._exit(1)
 
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ranks = [Rank.remote(), Rank.remote()]
     try:
-        ranks = [Rank.remote(), Rank.remote()]
         assert wait_ranks([("actor", i, r.ping.remote()) for i, r in enumerate(ranks)], "warm-up", 60) == ["ok"] * 2
         ranks[1].block.remote(30)
         t0 = time.monotonic()
@@ -248,7 +248,8 @@ def test_a_stuck_rank_is_named_with_its_group_and_phase_after_the_timeout():
         with pytest.raises(RuntimeError, match="weight sync: critic rank 0 died"):
             wait_ranks([("critic", 0, ranks[0].die.remote())], "weight sync", 30)
     finally:
-        ray.shutdown()
+        for rank in ranks:
+            ray.kill(rank)  # rank 1 is still blocked
 
 
 # ---- an engine that dies while generating -------------------------------------------------------------------------
@@ -285,17 +286,8 @@ def _killing_engine(index: int, at_steps: set[int]):
     return Killing
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    os.environ["PYTHONPATH"] = os.pathsep.join([RECIPES, TESTS, os.environ.get("PYTHONPATH", "")])
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.slow
-def test_an_engine_killed_mid_generation_is_restarted_synced_and_its_prompts_generated_again(ray_local,
+def test_an_engine_killed_mid_generation_is_restarted_synced_and_its_prompts_generated_again(ray_cluster,
                                                                                             small_task, tmp_path):
     from rlhf_sg.trainer import train
 
@@ -308,7 +300,7 @@ def test_an_engine_killed_mid_generation_is_restarted_synced_and_its_prompts_gen
 
 
 @pytest.mark.slow
-def test_an_engine_that_keeps_dying_stops_the_run_with_a_checkpoint_naming_it(ray_local, small_task, tmp_path):
+def test_an_engine_that_keeps_dying_stops_the_run_with_a_checkpoint_naming_it(ray_cluster, small_task, tmp_path):
     from rlhf_sg.trainer import train
     from rlhf_sg.trainer.rollout import EngineFailure
 

@@ -74,18 +74,16 @@ def test_rollout_seed_differs_across_engines_steps_and_draws_and_repeats():
 
 
 @pytest.fixture(scope="module")
-def engines(model_dir):
-    """Two real embedded engines on a local Ray, as the trainer starts them."""
-    ray = pytest.importorskip("ray")
+def engines(ray_cluster, model_dir):
+    """Two real embedded engines on the session's Ray, as the trainer starts them."""
     from backends.base import BackendConfig
     from rlhf_sg.engine_actor import start_engine_actors
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        config = BackendConfig(model_path=model_dir, dtype="float32", max_model_len=64, seed=42, num_threads=1)
-        yield start_engine_actors("hf", config, 2, num_cpus=1.0, start_timeout_s=300)
-    finally:
-        ray.shutdown()
+    config = BackendConfig(model_path=model_dir, dtype="float32", max_model_len=64, seed=42, num_threads=1)
+    actors = start_engine_actors("hf", config, 2, num_cpus=1.0, start_timeout_s=300)
+    yield actors
+    for actor in actors:
+        ray_cluster.kill(actor)
 
 
 def _rollout(cfg, engines):

@@ -20,16 +20,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    # engine and worker processes import the reward / backend modules of these tests and recipes
-    os.environ["PYTHONPATH"] = os.pathsep.join([RECIPES, TESTS, os.environ.get("PYTHONPATH", "")])
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def task(tmp_path_factory):
     """A warm-started policy that is right some of the time, and the prompt file."""
     from quickstart_cpu import prepare
