@@ -364,6 +364,7 @@ class EmbeddedBackend(RolloutBackend):
         self._abort = threading.Event()  # set by abort_generation while a generate runs
         self._abort_lock = threading.Lock()
         self._generating = False
+        self.decode_steps = 0  # decode steps the running (or last) generate has taken: its progress
 
     # ---- rollout -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -379,6 +380,7 @@ class EmbeddedBackend(RolloutBackend):
         with self._abort_lock:
             self._abort.clear()
             self._generating = True
+            self.decode_steps = 0
         try:
             for start in range(0, len(order), per_chunk):
                 chunk = order[start : start + per_chunk]
@@ -392,6 +394,7 @@ class EmbeddedBackend(RolloutBackend):
             with self._abort_lock:
                 self._generating = False
                 self._abort.clear()
+                self.decode_steps = 0
         return [c for i in range(len(prompts)) for c in results[i]]
 
     def abort_generation(self) -> None:
@@ -526,6 +529,7 @@ class EmbeddedBackend(RolloutBackend):
             token, logp = sample_next_tokens(
                 logits, uniforms[rows, step], params.temperature, params.top_k, params.top_p
             )
+            self.decode_steps += 1
             # Rows already done also write here; everything past a row's length is ignored.
             tokens[rows, step] = token
             logps[rows, step] = logp

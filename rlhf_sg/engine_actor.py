@@ -127,6 +127,14 @@ class EngineActor:
                                    "abort_generation; the backend's abort did not reach it")
         return True
 
+    def generate_progress(self) -> tuple[bool, int | None]:
+        """Whether a generate runs, and how many decode steps it has taken where the backend counts them
+        (``decode_steps``; None where it does not). Runs in the ``"abort"`` concurrency group, next to a running
+        generate, so a caller can wait for a generation under way instead of guessing how long it takes."""
+        with self._abort_lock:
+            running = self._generating
+        return running, getattr(self.backend, "decode_steps", None)
+
     def _wait_generate(self, timeout_s: float) -> None:
         if not self._generate_done.wait(timeout_s):
             raise BackendError(f"engine {self.engine_index}: generate still running after {timeout_s:.0f} s")

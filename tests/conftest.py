@@ -91,6 +91,18 @@ def pytest_sessionfinish(session, exitstatus):
         ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def task(tmp_path_factory):
+    """The quickstart's task for the whole session (paid once): a warm-started policy that is right some of the
+    time, and the prompt file; tests only read them."""
+    import sys
+
+    sys.path.insert(0, RECIPES)
+    from quickstart_cpu import prepare
+
+    return prepare(str(tmp_path_factory.mktemp("quickstart")), warm_start_steps=30)
+
+
 @contextlib.contextmanager
 def two_ray_nodes(num_cpus: int, pythonpath: list[str]):
     """A Ray cluster of two simulated nodes on this machine (``num_cpus`` each), connected as the driver."""

@@ -102,6 +102,29 @@ def test_async_mode_rules():
 ray = pytest.importorskip("ray")
 
 
+def _poll(condition, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
+        time.sleep(0.01)
+
+
+def _wait_for_decoding(engine, min_steps: int = 2) -> None:
+    """Until the engine's generate runs and has decoded ``min_steps`` tokens a row (the embedded engine counts its
+    decode steps); SGLang and vLLM report running only, so there the wait goes on for a fixed 1.5 s (600 tokens
+    take them several seconds on CPU)."""
+    steps: list = []
+
+    def decoding() -> bool:
+        running, done = ray.get(engine.generate_progress.options(concurrency_group="abort").remote(), timeout=60)
+        steps[:] = [done]
+        return running and (done is None or done >= min_steps)
+
+    _poll(decoding, "generate under way")
+    if steps[0] is None:
+        time.sleep(1.5)
+
+
 def _teacher_forced_logp(model, prompt: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per completion token: its log-prob under ``model`` (temperature 1) and the model's greedy choice there."""
     ids = torch.tensor([prompt + tokens])
@@ -179,7 +202,7 @@ def test_partial_rollout_continues_a_generation_across_a_weight_sync_keeping_the
     maker.before_generate = before_generate
 
     def trainer():
-        time.sleep(0.4 if backend == "hf" else 1.5)  # generation well under way (600 tokens take seconds)
+        _wait_for_decoding(engine)  # generation well under way
         cut = ray.get(engine.abort_generation.options(concurrency_group="abort").remote(), timeout=120)
         # while the abort holds, a generate returns at once with nothing
         held = ray.get(engine.generate.remote([[3, 4]], maker.sampling_params()), timeout=60)
@@ -220,26 +243,12 @@ def test_partial_rollout_continues_a_generation_across_a_weight_sync_keeping_the
 
 
 @pytest.mark.slow
-def test_abort_when_no_generate_runs_cuts_nothing_and_generate_runs_again_after_resume(ray_cluster, tmp_path):
-    from backends.base import BackendConfig, SamplingParams
-    from rlhf_sg.engine_actor import start_engine_actors
-    from rlhf_sg.tiny import save_tiny_model
-
-    path = save_tiny_model(str(tmp_path / "m"))
-    (engine,) = start_engine_actors("hf", BackendConfig(model_path=path, num_threads=1), 1, abortable=True)
-    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=5)
-    assert ray.get(engine.abort_generation.options(concurrency_group="abort").remote(), timeout=60) is False
-    ray.get(engine.resume_generation.remote(), timeout=60)
-    (c,) = ray.get(engine.generate.remote([[3, 4]], params), timeout=60)
-    assert c.finish_reason != "abort" and len(c.token_ids) > 0
-    ray.kill(engine)
-
-
-@pytest.mark.slow
 def test_the_producer_runs_ahead_by_the_staleness_bound_only_and_stops_mid_generation(ray_cluster, tmp_path):
     """AsyncRollout on a real engine: with max_staleness 2 and the engines at version 0 it makes the batches of
     steps 0, 1 and 2 and no more until a sync raises the engines' version; a sync cuts a long generate short and
-    the batch still comes out whole (continued); stop() during a long generate ends the thread at once."""
+    the batch still comes out whole (continued); stop() during a long generate ends the thread at once. First, on
+    the same engine: an abort when no generate runs cuts nothing, and generate runs again after resume."""
+    from backends.base import SamplingParams
     from rlhf_sg.data import Prompt, PromptStream
     from rlhf_sg.engine_actor import start_engine_actors
     from rlhf_sg.timing import StepTimer
@@ -250,6 +259,11 @@ def test_the_producer_runs_ahead_by_the_staleness_bound_only_and_stops_mid_gener
     model, _ = _two_models("hf")
     path = save_tiny_model(str(tmp_path / "m"), model=model)
     (engine,) = start_engine_actors("hf", _engine_config("hf", path), 1, abortable=True)
+    assert ray.get(engine.abort_generation.options(concurrency_group="abort").remote(), timeout=60) is False
+    ray.get(engine.resume_generation.remote(), timeout=60)
+    (c,) = ray.get(engine.generate.remote([[3, 4]], SamplingParams(n=1, temperature=0.0, max_new_tokens=5)),
+                   timeout=60)
+    assert c.finish_reason != "abort" and len(c.token_ids) > 0
     cfg = Config()
     cfg.rollout.n_samples_per_prompt, cfg.rollout.prompts_per_step, cfg.rollout.max_new_tokens = 2, 2, 4
     stream = PromptStream([Prompt([5 + i, 6], f"p{i}") for i in range(8)], 2, seed=0)
@@ -264,8 +278,8 @@ def test_the_producer_runs_ahead_by_the_staleness_bound_only_and_stops_mid_gener
     try:
         for step in range(3):
             producer.take(step)
-        time.sleep(1.0)  # step 3 needs version 1: nothing more may be made
-        assert producer._ready == {} and producer._next_step == 3
+        _poll(lambda: producer.waiting_for_version == 1, "the producer to wait for version 1")
+        assert producer._ready == {} and producer._next_step == 3  # step 3 needs version 1: nothing more made
         timer = StepTimer(sync=lambda: None)
         timer.start_step()
         synced = []
@@ -274,15 +288,14 @@ def test_the_producer_runs_ahead_by_the_staleness_bound_only_and_stops_mid_gener
             return lambda: synced.append(ray.get(engine.finish_weight_update.remote(version), timeout=60))
 
         producer.sync(push(1), version=1, timer=timer)
-        time.sleep(0.5)
+        _wait_for_decoding(engine)  # step 3's batch under way with version 1
         producer.sync(push(2), version=2, timer=timer)
         prompts, experience, metrics = producer.take(3)
         assert synced == [1, 2] and experience.batch_size == 4
         # cut by the second sync: the samples keep the version of their first tokens
         assert 1 in experience.weight_version.tolist() and maker.continued > 0
         assert set(experience.weight_version.tolist()) <= {1, 2}
-        # the next batch (800 tokens) is under way: stop cuts it and the thread ends
-        time.sleep(0.5)
+        _wait_for_decoding(engine)  # the next batch (800 tokens) is under way: stop cuts it and the thread ends
         start = time.monotonic()
         producer.stop()
         assert not producer._thread.is_alive() and time.monotonic() - start < 30
@@ -292,12 +305,6 @@ def test_the_producer_runs_ahead_by_the_staleness_bound_only_and_stops_mid_gener
 
 
 # ---- the trainer in async mode ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    sys.path.insert(0, RECIPES)
-    from quickstart_cpu import prepare
-
-    return prepare(str(tmp_path_factory.mktemp("quickstart")), warm_start_steps=30)
 
 
 def _async_cfg(task, out, steps, algo="grpo", **rollout):
@@ -311,18 +318,27 @@ def _async_cfg(task, out, steps, algo="grpo", **rollout):
     return cfg
 
 
+def _check_staleness_bound(history, versions, steps, max_staleness):
+    assert len(history) == steps and history[-1]["weight_version"] == steps
+    for step, vs in versions:
+        assert all(0 <= step - v <= max_staleness for v in vs), (step, vs)
+    assert max(h["rollout/staleness_max"] for h in history) >= 1  # generation did run ahead of training
+    assert all(h["rollout/staleness_max"] <= max_staleness for h in history)
+    assert all("time/wait_rollout" in h for h in history)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("max_staleness,partial", [(1, True), (2, False)])
-def test_async_run_keeps_every_sample_within_the_staleness_bound(ray_cluster, task, tmp_path, max_staleness, partial):
-    """Every batch's samples come from weights at most ``max_staleness`` versions behind the trainer's (the
-    trainer checks each sample; here also from the logged metrics), batches do get stale (the overlap is real), and
-    the weight version advances once per step."""
+def test_async_run_keeps_every_sample_within_the_staleness_bound(ray_cluster, task, tmp_path, max_staleness=2):
+    """Without partial rollout and with a bound of 2: every batch's samples come from weights at most
+    ``max_staleness`` versions behind the trainer's (the trainer checks each sample; here also from the logged
+    metrics), batches do get stale (the overlap is real), and the weight version advances once per step. The
+    default (bound 1, partial rollout) is held to the same checks by the learning run below."""
     import arith_task
 
     from rlhf_sg.trainer import PPOTrainer
 
     steps = 4
-    cfg = _async_cfg(task, str(tmp_path / "run"), steps, max_staleness=max_staleness, partial_rollout=partial,
+    cfg = _async_cfg(task, str(tmp_path / "run"), steps, max_staleness=max_staleness, partial_rollout=False,
                      max_new_tokens=8)
     versions = []
 
@@ -336,26 +352,36 @@ def test_async_run_keeps_every_sample_within_the_staleness_bound(ray_cluster, ta
         history = trainer.fit()
     finally:
         trainer.shutdown()
-    assert len(history) == steps and history[-1]["weight_version"] == steps
-    for step, vs in versions:
-        assert all(0 <= step - v <= max_staleness for v in vs), (step, vs)
-    assert max(h["rollout/staleness_max"] for h in history) >= 1  # generation did run ahead of training
-    assert all(h["rollout/staleness_max"] <= max_staleness for h in history)
-    assert all("time/wait_rollout" in h for h in history)
+    _check_staleness_bound(history, versions, steps, max_staleness)
 
 
 @pytest.mark.slow
 def test_async_run_learns_the_quickstart_task(ray_cluster, task, tmp_path):
+    """GRPO in async mode with its defaults (staleness bound 1, partial rollout) learns the task, and every
+    sample keeps within the bound (the checks of the test above)."""
     import arith_task
 
-    from rlhf_sg.trainer import train
+    from rlhf_sg.trainer import PPOTrainer
 
     steps = 16
-    history = train(_async_cfg(task, str(tmp_path / "learn"), steps), reward_fn=arith_task.addition_reward)
+    cfg = _async_cfg(task, str(tmp_path / "learn"), steps)
+    assert cfg.rollout.max_staleness == 1 and cfg.rollout.partial_rollout
+    versions = []
+
+    class Recording(PPOTrainer):
+        def on_experience(self, experience):
+            versions.append((self.step, experience.weight_version.tolist()))
+
+    trainer = Recording(cfg, reward_fn=arith_task.addition_reward)
+    try:
+        trainer.setup()
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
     rewards = [h["reward/mean"] for h in history]
     # the sync-mode test's margin (128 samples a step: the step mean's noise is ~0.04)
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.05, rewards
-    assert all(h["rollout/staleness_max"] <= 1 for h in history)
+    _check_staleness_bound(history, versions, steps, max_staleness=1)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
 
-from test_trainer_e2e import arith_task, make_cfg, mean, task  # noqa: E402,F401  (fixtures)
+from test_trainer_e2e import arith_task, make_cfg, mean  # noqa: E402,F401  (fixtures)
 
 pytestmark = pytest.mark.slow
 

@@ -64,6 +64,7 @@ class AsyncRollout:
         self._syncing = False  # a sync wants (or has) the engines
         self._generating = False  # generate calls of the producer are out
         self._stopping = False
+        self._waiting_for: int | None = None  # the weight version the next batch waits for (staleness bound)
         self._error: BaseException | None = None
         restart = maker.restart
         if restart is not None:
@@ -79,10 +80,7 @@ class AsyncRollout:
         try:
             while True:
                 with self._cond:
-                    # the staleness bound: the batch of step s needs weights of version s - max_staleness or newer
-                    self._cond.wait_for(lambda: self._stopping or (
-                        self._next_step < self._last_step
-                        and self._next_step - self._engine_version <= self.max_staleness))
+                    self._cond.wait_for(self._may_start_next)
                     if self._stopping:
                         return
                     step = self._next_step
@@ -103,6 +101,25 @@ class AsyncRollout:
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
+
+    def _may_start_next(self) -> bool:
+        """The staleness bound: the batch of step s needs weights of version s - max_staleness or newer (under
+        the condition's lock; records the version waited for, :attr:`waiting_for_version`)."""
+        if self._stopping:
+            return True
+        if self._next_step >= self._last_step:
+            self._waiting_for = None
+            return False
+        needed = self._next_step - self.max_staleness
+        self._waiting_for = None if self._engine_version >= needed else needed
+        return self._waiting_for is None
+
+    @property
+    def waiting_for_version(self) -> int | None:
+        """The weight version the producer waits for before it starts its next batch, or None when it is not
+        held by the staleness bound."""
+        with self._cond:
+            return self._waiting_for
 
     def _before_generate(self) -> None:
         """Before generate calls go out: wait while a sync has the engines, then mark them out; after
