@@ -692,8 +692,10 @@ def test_broadcast_sender_and_embedded_receiver_never_wait_with_a_timeout(tmp_pa
     engine._group = _RecordingGroup(receiver_group, received)
     engine._group_spec = WeightGroupSpec("127.0.0.1", 1, 1, 2, "recorded", "gloo", timeout_s=60.0)
 
-    def receive_late():
-        time.sleep(0.5)
+    def receive_late():  # once the sender is waiting for its broadcast to complete
+        deadline = time.monotonic() + 60
+        while not sent and time.monotonic() < deadline:
+            time.sleep(0.001)
         engine.update_weights_from_collective(manifest, 0)
 
     thread = threading.Thread(target=receive_late)
