@@ -36,6 +36,19 @@ def test_missing_vllm_is_a_clear_error_with_the_install_command(tmp_path, monkey
         VLLMBackend(BackendConfig(model_path=path, num_threads=1))
 
 
+def test_an_engine_the_trainer_sleeps_sleeps_at_level_2_unless_told(tmp_path):
+    """Level 2 (weights discarded, no host copy) where a full sync follows every wake; level 1 otherwise; the
+    engine key wins; anything else is refused."""
+    from backends.vllm_backend import _check_config, sleep_level
+
+    (tmp_path / "config.json").write_text("{}")
+    assert sleep_level(BackendConfig(model_path="m", sleeps_while_training=True)) == 2
+    assert sleep_level(BackendConfig(model_path="m")) == 1
+    assert sleep_level(BackendConfig(model_path="m", sleeps_while_training=True, extra={"sleep_level": 1})) == 1
+    with pytest.raises(BackendError, match=r"BackendConfig.extra\['sleep_level'\] must be 1 or 2, got 3"):
+        _check_config(BackendConfig(model_path=str(tmp_path), extra={"sleep_level": 3}))
+
+
 def test_device_check_compares_gpu_uuids_not_indices():
     """The check behind the CUDA IPC hand-off, on given UUIDs: the same physical GPU under two indices
     passes; two GPUs are refused with a message naming both devices."""
@@ -509,6 +522,27 @@ def test_cuda_logprobs_match_trainer_with_and_without_truncation(model_dir, refe
                 worst = max(worst, (expected - torch.tensor(c.logprobs)).abs().max().item())
             # fp32 on the GPU: the engine's matmuls may use other reduction orders than the CPU trainer.
             assert worst <= 1e-3, f"T={temperature} top_k={top_k} top_p={top_p}: max abs diff {worst:.2e}"
+    finally:
+        engine.shutdown()
+
+
+@requires_vllm
+@pytest.mark.gpu
+def test_cuda_level_2_sleep_refuses_generate_until_weights_are_pushed(model_dir, prompts):
+    """On CUDA, an engine the trainer sleeps (``sleeps_while_training``) sleeps at level 2: vLLM discards its weights
+    (no copy to host memory), so after the wake ``generate`` is refused until a sync; after one (here from disk)
+    it gives the greedy tokens it gave before sleeping. This proves level 2 is safe in the trainer's order."""
+    engine = VLLMBackend(BackendConfig(model_path=model_dir, device="cuda", max_model_len=contract.MAX_MODEL_LEN,
+                                       sleeps_while_training=True, extra={"gpu_memory_utilization": 0.3}))
+    try:
+        before = contract.greedy(engine, prompts)
+        engine.sleep()
+        engine.wake()
+        with pytest.raises(BackendError, match="slept at level 2"):
+            engine.generate(prompts, SamplingParams(max_new_tokens=4))
+        engine.update_weights_from_disk(model_dir)
+        engine.finish_weight_update(1)
+        assert contract.greedy(engine, prompts) == before
     finally:
         engine.shutdown()
 
