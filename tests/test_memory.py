@@ -123,3 +123,45 @@ def test_bench_memory_prints_the_mask_before_and_after(capsys):
     assert "512.0 MiB a layer, 14.00 GiB for 28 layers" in out
     assert "512.0 MiB in all, every layer the same storage" in out
     assert "before / after: 28.0x" in out
+
+
+def _shared_prompt_backward_peak(layers: int, rows: int, prompt: int, response: int, device: str) -> int:
+    """Peak device bytes above the model of one shared-prompt segment's forward and backward (a prompt of
+    ``prompt`` tokens and ``rows`` responses of ``response``, one segment) through a bf16 model of ``layers``."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_sg.packing import response_logprobs
+
+    segment = prompt + rows * response
+    config = tiny_config("qwen2", max_len=segment + 16)
+    config.num_hidden_layers = layers
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).train()
+    ids = torch.randint(3, config.vocab_size, (rows, prompt + response), device=device)
+    ids[:, :prompt] = ids[0, :prompt]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    logp = response_logprobs(model, ids, torch.ones_like(ids), response, share_prompts=True, segment_tokens=segment)
+    logp.sum().backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.gpu
+def test_a_16k_token_shared_prompt_backward_holds_one_mask_on_cuda():
+    """On CUDA, in bf16, one shared-prompt segment of 16384 tokens (a 1024-token prompt and 16 responses of 960)
+    forward and backward through the same model at 2 and at 6 layers: the 4 added layers raise the peak by less than
+    one dense-mask copy (``memory.dense_mask_bytes_per_layer``, 512 MiB at 16k tokens), and the 6-layer peak stays
+    within a budget of two shared masks plus 1 GiB of activations. With a boolean mask, which the CUDA kernel
+    converts and pads per layer and every layer keeps for its backward, each added layer costs a whole copy (2 GiB
+    over 4 layers): this proves the layers share one mask storage on the device, which CPU's kernel (no padding)
+    cannot show."""
+    rows, prompt, response = 16, 1024, 960
+    seq_len = prompt + rows * response
+    per_layer = memory.dense_mask_bytes_per_layer(1, seq_len, 2)
+    two, six = (_shared_prompt_backward_peak(layers, rows, prompt, response, "cuda") for layers in (2, 6))
+    assert six - two < per_layer, f"4 more layers took {six - two} bytes; one layer's mask copy is {per_layer}"
+    budget = 2 * memory.shared_mask_bytes(1, seq_len, 2) + 2**30
+    assert six <= budget, f"peak {six} bytes over the budget of {budget}"
