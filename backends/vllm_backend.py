@@ -76,6 +76,7 @@ CPU threads: with ``BackendConfig.num_threads`` set, vLLM's own thread pinning i
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import threading
@@ -198,6 +199,9 @@ class VLLMBackend(RolloutBackend):
         self._closed = False
         self._abort_asked = threading.Event()  # abort_generation asked the running generate to stop
         self._generate_done: threading.Event | None = None  # set when the running generate returns
+        # LLM's start-up warms the chat renderer, which needs the tokenizer we skip; stay installed (idempotent, and
+        # it drops nothing but that one warning), so engines starting in several threads need no bookkeeping
+        logging.getLogger(_RENDERER_LOGGER).addFilter(_TOKENIZERLESS_WARMUP)
         try:
             self.llm = vllm.LLM(**engine_kwargs)
         except Exception as exc:
@@ -580,6 +584,24 @@ def _check_flat(manifest: BucketManifest, flat: torch.Tensor, what: str) -> None
         raise BackendError(
             f"{what}: buffer is {tuple(flat.shape)} {flat.dtype}, manifest expects [{manifest.numel}] {manifest.dtype}"
         )
+
+
+class _TokenizerlessWarmupFilter(logging.Filter):
+    """Drops vLLM's "Chat template warmup failed" warning when its cause is the tokenizer the engine is started
+    without (``skip_tokenizer_init=True``: token ids in and out). ``vllm.LLM`` warms its chat renderer at start-up
+    whatever the tokenizer setting (``renderers/base.py``, ``BaseRenderer.warmup``), the render needs a tokenizer,
+    and the ValueError it gets is logged with its traceback; nothing here renders chats, so it is no failure. Any
+    other warm-up failure still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "Chat template warmup failed" or not record.exc_info:
+            return True
+        error = record.exc_info[1]
+        return not (isinstance(error, ValueError) and "skip_tokenizer_init=True" in str(error))
+
+
+_RENDERER_LOGGER = "vllm.renderers.base"
+_TOKENIZERLESS_WARMUP = _TokenizerlessWarmupFilter()
 
 
 def sleep_level(config: BackendConfig) -> int:

@@ -49,6 +49,50 @@ def test_an_engine_the_trainer_sleeps_sleeps_at_level_2_unless_told(tmp_path):
         _check_config(BackendConfig(model_path=str(tmp_path), extra={"sleep_level": 3}))
 
 
+def test_only_the_tokenizerless_chat_warmup_warning_is_dropped():
+    """vLLM's start-up chat-template warm-up fails for want of the tokenizer we skip, and says so with a traceback; that
+    one record is dropped, any other warm-up failure or message still shows."""
+    import logging
+
+    from backends.vllm_backend import _TOKENIZERLESS_WARMUP
+
+    def record(msg, error):
+        try:
+            raise error
+        except Exception:
+            return logging.LogRecord("vllm.renderers.base", logging.WARNING, "base.py", 380, msg, None,
+                                     sys.exc_info())
+
+    skipped = ValueError("Tokenizer not available when `skip_tokenizer_init=True`")
+    assert not _TOKENIZERLESS_WARMUP.filter(record("Chat template warmup failed", skipped))
+    assert _TOKENIZERLESS_WARMUP.filter(record("Chat template warmup failed", ValueError("bad template")))
+    assert _TOKENIZERLESS_WARMUP.filter(record("Chat template warmup failed", RuntimeError(str(skipped))))
+    assert _TOKENIZERLESS_WARMUP.filter(record("Multi-modal warmup failed", skipped))
+
+
+@requires_vllm
+def test_an_engine_start_logs_no_chat_warmup_traceback(model_dir, monkeypatch):
+    """Starting the installed vLLM with ``skip_tokenizer_init=True`` (as every engine here does) leaves no warning
+    from its renderer's warm-up; without the filter, vLLM 0.32 logs "Chat template warmup failed" and a ValueError
+    traceback at every start. (Records are caught where a logger hands them to its handlers, after its filters:
+    vLLM's start-up re-applies its logging config, which drops handlers added to its loggers before.)"""
+    import logging
+
+    from backends.vllm_backend import VLLMBackend
+
+    seen: list[logging.LogRecord] = []
+    call_handlers = logging.Logger.callHandlers
+
+    def recorded(self, record):
+        if record.name == "vllm.renderers.base" and record.levelno >= logging.WARNING:
+            seen.append(record)
+        return call_handlers(self, record)
+
+    monkeypatch.setattr(logging.Logger, "callHandlers", recorded)
+    VLLMBackend(contract._contract_config("vllm", VLLMBackend, model_dir)).shutdown()
+    assert [r.getMessage() for r in seen] == []
+
+
 def test_device_check_compares_gpu_uuids_not_indices():
     """The check behind the CUDA IPC hand-off, on given UUIDs: the same physical GPU under two indices
     passes; two GPUs are refused with a message naming both devices."""
