@@ -34,7 +34,8 @@ and activations come from the rest); on CPU that share (default 0.5) of the host
 starts (``MemAvailable``); or ``extra["kv_cache_bytes"]``. A ``generate`` call decodes as many rows at once as fit
 the budget and the rest in later waves (the samples of one prompt split across waves if need be: each row's
 draws do not depend on its batch); an engine whose budget cannot hold one row of ``max_model_len`` tokens
-refuses to start.
+refuses to start. Models that decode through ``DynamicCache`` are cut into the same waves, but that cache grows
+by concatenation, so only the buffers are held to the budget byte for byte.
 
 Engine-specific keys in ``BackendConfig.extra``:
 
