@@ -407,3 +407,20 @@ def test_a_transformers_without_the_attention_interfaces_keeps_the_dynamic_cache
     buffered = _engine(path)
     assert buffered.kv_buffers
     assert [c.token_ids for c in out] == [c.token_ids for c in buffered.generate(_prompts(3, seed=8), params)]
+
+
+@pytest.mark.gpu
+def test_the_cuda_kv_budget_is_the_memory_fraction_less_the_weights(tmp_path):
+    """On CUDA the KV budget is ``memory_fraction`` of the device (``torch.cuda.mem_get_info``'s total) less the
+    weights, the engine generates under it, and a fraction that leaves less than one row of max_model_len
+    refuses the start naming ``--rollout.memory_fraction``. This is the path CPU runs cannot take."""
+    path = save_tiny_model(str(tmp_path / "m"), seed=1)
+    config = BackendConfig(model_path=path, device="cuda", max_model_len=64, memory_fraction=0.05)
+    engine = EmbeddedBackend(config)
+    _, total = torch.cuda.mem_get_info()
+    weights = sum(t.nbytes for t in (*engine.model.parameters(), *engine.model.buffers()))
+    assert engine.kv_budget_bytes == int(0.05 * total) - weights
+    out = engine.generate(_prompts(8, seed=3), SamplingParams(n=4, max_new_tokens=32, temperature=0.0))
+    assert len(out) == 32
+    with pytest.raises(BackendError, match=r"Raise --rollout.memory_fraction, or lower --rollout.max_model_len"):
+        EmbeddedBackend(BackendConfig(model_path=path, device="cuda", max_model_len=64, memory_fraction=1e-9))
