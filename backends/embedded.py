@@ -25,9 +25,22 @@ on ``max_batch_size`` or on which rows finish first. Its *logits* can still diff
 when the padding width of its batch changes, which can flip a draw that lands on a probability
 boundary; on the same prompts, params and weights, a call is reproducible exactly.
 
+Memory: the KV cache of a decode batch takes ``rows x (prompt width + max_new_tokens) x
+kv_bytes_per_token`` bytes (keys and values of every layer, and one mask column), allocated when the batch starts
+and never grown. Its byte budget is fixed when the engine starts: ``BackendConfig.memory_fraction``
+(``--rollout.memory_fraction``) of the device, less the weights, on CUDA (default 0.9 of
+``torch.cuda.mem_get_info``'s total: like SGLang's ``mem_fraction_static`` the share covers weights and KV cache,
+and activations come from the rest); on CPU that share (default 0.5) of the host memory available when the engine
+starts (``MemAvailable``); or ``extra["kv_cache_bytes"]``. A ``generate`` call decodes as many rows at once as fit
+the budget and the rest in later waves (the samples of one prompt split across waves if need be: each row's
+draws do not depend on its batch); an engine whose budget cannot hold one row of ``max_model_len`` tokens
+refuses to start. Models that decode through ``DynamicCache`` are cut into the same waves, but that cache grows
+by concatenation, so only the buffers are held to the budget byte for byte.
+
 Engine-specific keys in ``BackendConfig.extra``:
 
-* ``max_batch_size`` (int, default 256): completion rows decoded together;
+* ``max_batch_size`` (int, default 256): completion rows decoded together, at most;
+* ``kv_cache_bytes`` (int): the KV cache's byte budget, in place of the one ``memory_fraction`` gives (below);
 * ``attn_implementation`` (str, default transformers' choice): e.g. ``"sdpa"`` or ``"eager"``.
 """
 
@@ -36,6 +49,7 @@ from __future__ import annotations
 import datetime
 import glob
 import logging
+import math
 import os
 import random
 import threading
@@ -63,7 +77,7 @@ __all__ = ["ENGINE_ATTENTION", "EmbeddedBackend", "KVBuffers", "engine_attention
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_EXTRA_KEYS = {"max_batch_size", "attn_implementation"}
+_EXTRA_KEYS = {"max_batch_size", "attn_implementation", "kv_cache_bytes"}
 _MASK64 = (1 << 64) - 1
 
 
@@ -130,30 +144,33 @@ _SPECIAL_ATTENTION_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks", "pos
 
 class KVBuffers:
     """The KV cache of one decode batch: per layer, keys and values ``[rows, kv_heads, capacity, head_dim]``
-    allocated on the first write and written in place, and an additive mask bias ``[rows, capacity]`` (the
-    smallest float on left padding, 0 elsewhere).
+    allocated on the layer's first write and written in place, and an additive mask bias ``[rows, capacity]``
+    (the smallest float on left padding, 0 elsewhere).
 
     Prefill (``prefill = (rows, column, n)``): a group of prompts runs through the model and its keys are
     written, each repeated ``n`` times (one row per sample), at ``column`` onwards of the row slice ``rows``.
     Decode: ``length`` columns are filled; a step writes column ``length`` of every row and attends over
-    ``[0, length]``; the caller advances ``length`` after the step (:meth:`advance`). ``capacity`` grows
-    (doubling, at most ``max_capacity``) as the rows get longer, so memory follows the longest row
-    rather than the longest possible one.
+    ``[0, length]``; the caller advances ``length`` after the step (:meth:`advance`).
+
+    ``capacity`` is fixed when the batch starts (the prompts' width plus the tokens to generate) and
+    :meth:`select` compacts the rows in place, so the buffers never grow or get copied whole: their storage is
+    ``rows * capacity * kv_bytes_per_token`` bytes from the first write to the last. With ``budget_bytes`` an
+    allocation that would take the storage past it raises ValueError instead.
     """
 
-    def __init__(self, pad_mask: torch.Tensor, num_layers: int, max_capacity: int, dtype: torch.dtype,
-                 n: int = 1, initial_capacity: int | None = None):
+    def __init__(self, pad_mask: torch.Tensor, num_layers: int, capacity: int, dtype: torch.dtype,
+                 n: int = 1, budget_bytes: int | None = None):
         """pad_mask: [prompts, width] 1 on the prompts' tokens (left-padded); every row is repeated ``n``
         times (prompt-major), so there are ``prompts * n`` rows."""
         rows, width = pad_mask.shape[0] * n, pad_mask.shape[1]
-        if max_capacity < width:
-            raise ValueError(f"KVBuffers: max_capacity {max_capacity} < the prompts' width {width}")
-        self.capacity = min(max_capacity, initial_capacity or max_capacity)
-        self.capacity = max(self.capacity, width)
-        self.max_capacity = max_capacity
+        if capacity < width:
+            raise ValueError(f"KVBuffers: capacity {capacity} < the prompts' width {width}")
+        self.capacity = capacity
+        self.budget_bytes = budget_bytes
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.bias = torch.zeros((rows, self.capacity), dtype=dtype, device=pad_mask.device)
+        self._check_budget(0)
         self.bias[:, :width].masked_fill_(pad_mask.repeat_interleave(n, dim=0) == 0, torch.finfo(dtype).min)
         self.length = width
         self.prefill: tuple[slice, int, int] | None = None
@@ -162,13 +179,27 @@ class KVBuffers:
     def rows(self) -> int:
         return self.bias.shape[0]
 
+    def storage_bytes(self) -> int:
+        """Bytes of device memory the buffers hold (their storages, whatever rows are still live)."""
+        tensors = [self.bias, *(t for t in self.keys + self.values if t is not None)]
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
+    def _check_budget(self, adding: int) -> None:
+        if self.budget_bytes is not None and self.storage_bytes() + adding > self.budget_bytes:
+            raise ValueError(
+                f"KVBuffers: {self.rows} rows x {self.capacity} columns take {self.storage_bytes() + adding} bytes "
+                f"or more, past the budget of {self.budget_bytes} bytes"
+            )
+
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a layer's new keys / values ([batch, kv_heads, q_len, head_dim]); returns what its attention
         reads: during prefill the group's own, during decode the layer's columns ``[0, length]``."""
         if self.keys[layer] is None:
             shape = (self.rows, key.shape[1], self.capacity, key.shape[3])
+            value_shape = (*shape[:3], value.shape[3])
+            self._check_budget(key.element_size() * math.prod(shape) + value.element_size() * math.prod(value_shape))
             self.keys[layer] = key.new_zeros(shape)  # zeros, not empty: masked columns must stay finite
-            self.values[layer] = value.new_zeros((*shape[:3], value.shape[3]))
+            self.values[layer] = value.new_zeros(value_shape)
         if self.prefill is not None:
             rows, column, n = self.prefill
             end = column + key.shape[2]
@@ -184,31 +215,23 @@ class KVBuffers:
     def step_mask(self) -> torch.Tensor:
         """The additive 4-D mask of the next decode step, ``[rows, 1, 1, length + 1]``."""
         if self.length >= self.capacity:
-            self._grow()
+            raise ValueError(f"KVBuffers: column {self.length} is past the capacity {self.capacity}")
         return self.bias[:, None, None, : self.length + 1]
 
     def advance(self) -> None:
         self.length += 1
 
     def select(self, keep: torch.Tensor) -> None:
-        """Keep only the rows ``keep`` (indices into the current rows)."""
-        self.bias = self.bias.index_select(0, keep)
+        """Keep only the rows ``keep`` (indices into the current rows), moved to the front of the same storage;
+        a layer at a time, so the only extra memory is one layer's kept rows."""
+        count = keep.shape[0]
+        self.bias[:count] = self.bias.index_select(0, keep)
+        self.bias = self.bias[:count]
         for cache in (self.keys, self.values):
             for i, t in enumerate(cache):
                 if t is not None:
-                    cache[i] = t.index_select(0, keep)
-
-    def _grow(self) -> None:
-        if self.capacity >= self.max_capacity:
-            raise ValueError(f"KVBuffers: column {self.length} is past max_capacity {self.max_capacity}")
-        capacity = min(self.max_capacity, 2 * self.capacity)
-        extra = capacity - self.capacity
-        self.bias = torch.nn.functional.pad(self.bias, (0, extra))
-        for cache in (self.keys, self.values):
-            for i, t in enumerate(cache):
-                if t is not None:
-                    cache[i] = torch.nn.functional.pad(t, (0, 0, 0, extra))
-        self.capacity = capacity
+                    t[:count] = t.index_select(0, keep)
+                    cache[i] = t[:count]
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
@@ -351,10 +374,21 @@ class EmbeddedBackend(RolloutBackend):
         )
         self._mergeable_cache = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model_config).layers)
         self._num_layers = int(model_config.get_text_config().num_hidden_layers)
+        self._probe_kv_bytes_per_token: int | None = None  # measured by _use_engine_attention's probe
         #: decode over KVBuffers with engine_attention (else through DynamicCache)
         self.kv_buffers = (
             self._mergeable_cache and model_config._attn_implementation == "sdpa" and self._use_engine_attention()
         )
+        self._kv_bytes_per_token = ((self._probe_kv_bytes_per_token if self.kv_buffers else None)
+                                    or self._configured_kv_bytes_per_token())
+        self.kv_budget_bytes, self._kv_budget_note, knob = self._kv_budget()
+        longest = self._context_len * self._kv_bytes_per_token
+        if longest > self.kv_budget_bytes:
+            raise BackendError(
+                f"the embedded engine's KV cache budget is {self.kv_budget_bytes} bytes ({self._kv_budget_note}); "
+                f"one completion row of {self._context_len} tokens ({self._context_note}) needs {longest} bytes "
+                f"({self._kv_bytes_per_token} bytes a token). Raise {knob}, or lower --rollout.max_model_len"
+            )
         self._unseeded = random.Random(config.seed)
         self._group = None
         self._group_spec: WeightGroupSpec | None = None
@@ -373,23 +407,24 @@ class EmbeddedBackend(RolloutBackend):
         check_generate_args(prompts, params, self._vocab_size, self._context_len, self._context_note)
         seed = params.seed if params.seed is not None else self._unseeded.getrandbits(63)
         stop_ids = self._eos_ids | set(params.stop_token_ids)
-        per_chunk = max(1, self._max_batch_size // params.n)
         # Similar lengths share a batch, so little compute goes to padding.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        results: dict[int, list[Completion]] = {}
+        waves = plan_waves([len(prompts[i]) for i in order], params.n, params.max_new_tokens, self._max_batch_size,
+                           self.kv_budget_bytes, self._kv_bytes_per_token)
+        results: dict[int, list[Completion]] = {i: [] for i in order}
         with self._abort_lock:
             self._abort.clear()
             self._generating = True
             self.decode_steps = 0
         try:
-            for start in range(0, len(order), per_chunk):
-                chunk = order[start : start + per_chunk]
-                if self._abort.is_set():  # aborted: the chunks not started yet get no tokens
+            for positions, samples in waves:
+                chunk = [order[p] for p in positions]
+                if self._abort.is_set():  # aborted: the waves not started yet get no tokens
                     for i in chunk:
-                        results[i] = [Completion([], [], "abort", self._weight_version, i) for _ in range(params.n)]
+                        results[i] += [Completion([], [], "abort", self._weight_version, i) for _ in samples]
                     continue
-                for i, completions in zip(chunk, self._decode(prompts, chunk, params, seed, stop_ids)):
-                    results[i] = completions
+                for i, completions in zip(chunk, self._decode(prompts, chunk, samples, params, seed, stop_ids)):
+                    results[i] += completions
         finally:
             with self._abort_lock:
                 self._generating = False
@@ -403,10 +438,41 @@ class EmbeddedBackend(RolloutBackend):
             if self._generating:
                 self._abort.set()
 
+    def _configured_kv_bytes_per_token(self) -> int:
+        """Keys and values of every layer and one mask column, from the model config (for the DynamicCache path,
+        which the probe does not measure)."""
+        text = self.model.config.get_text_config()
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        element = self.model.dtype.itemsize
+        return (self._num_layers * 2 * kv_heads * head_dim + 1) * element
+
+    def _kv_budget(self) -> tuple[int, str, str]:
+        """The KV cache's byte budget, where it comes from, and the setting that raises it (module docstring)."""
+        explicit = self.config.extra.get("kv_cache_bytes")
+        if explicit is not None:
+            if int(explicit) < 1:
+                raise BackendError(f"BackendConfig.extra['kv_cache_bytes'] must be >= 1, got {explicit}")
+            return int(explicit), "BackendConfig.extra['kv_cache_bytes']", "--rollout.engine_kwargs kv_cache_bytes"
+        fraction = self.config.memory_fraction
+        if self._device.type == "cuda":
+            fraction = 0.9 if fraction is None else fraction
+            _, total = torch.cuda.mem_get_info(self._device)
+            weights = sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
+            return int(fraction * total) - weights, (
+                f"--rollout.memory_fraction {fraction} of {total} bytes on {self._device}, less {weights} bytes "
+                "of weights"), "--rollout.memory_fraction"
+        fraction = 0.5 if fraction is None else fraction
+        available = _host_available_bytes()
+        return int(fraction * available), (
+            f"--rollout.memory_fraction {fraction} of the {available} bytes of host memory available at start"
+        ), "--rollout.memory_fraction"
+
     def _use_engine_attention(self) -> bool:
         """Switch the model to :func:`engine_attention` if every layer routes its attention through it (one
         probe forward: a prompt prefilled into buffers, one decode step); otherwise keep sdpa and say why."""
         ids = torch.tensor([[i % self._vocab_size for i in (1, 2, 3)]], device=self._device)
+        self._probe_kv_bytes_per_token = None
         reason = None
         try:  # an older transformers without these interfaces, or a model whose attention takes another route
             _register_engine_attention()
@@ -426,6 +492,8 @@ class EmbeddedBackend(RolloutBackend):
                                         kv_buffers=buffers).logits
                     if not torch.isfinite(logits).all():
                         reason = "the probe's logits are not finite"
+                    # the probe's one row of 3 columns: its bytes a column, as the buffers allocate them
+                    self._probe_kv_bytes_per_token = buffers.storage_bytes() // 3
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
         if reason is None:
@@ -448,7 +516,7 @@ class EmbeddedBackend(RolloutBackend):
         width = len(prompts[-1])
         _, pad_mask = self._left_pad(prompts, width)
         buffers = (KVBuffers(pad_mask, self._num_layers, width + max_new, self.model.dtype, n=n,
-                             initial_capacity=width + min(max_new, 128)) if self.kv_buffers else None)
+                             budget_bytes=self.kv_budget_bytes) if self.kv_buffers else None)
         caches, logits = [], []
         for group in groups:
             group_prompts = [prompts[i] for i in group]
@@ -499,10 +567,11 @@ class EmbeddedBackend(RolloutBackend):
 
     @torch.inference_mode()
     def _decode(
-        self, prompts: list[list[int]], chunk: list[int], params: SamplingParams, seed: int, stop_ids: set[int]
+        self, prompts: list[list[int]], chunk: list[int], samples: range, params: SamplingParams, seed: int,
+        stop_ids: set[int],
     ) -> list[list[Completion]]:
-        """Decode ``params.n`` rows for each prompt index in ``chunk``; one list per prompt."""
-        device, n, max_new = self._device, params.n, params.max_new_tokens
+        """Decode the rows ``samples`` (sample indices) of each prompt index in ``chunk``; one list per prompt."""
+        device, n, max_new = self._device, len(samples), params.max_new_tokens
         state, logits = self._start_decode([prompts[i] for i in chunk], n, max_new)
 
         num_rows = len(chunk) * n
@@ -510,7 +579,7 @@ class EmbeddedBackend(RolloutBackend):
             [
                 torch.rand(max_new, generator=torch.Generator().manual_seed(row_seed(seed, i, j)))
                 for i in chunk
-                for j in range(n)
+                for j in samples
             ]
         ).to(device)  # [num_rows, max_new]
         stop_tensor = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
@@ -815,6 +884,49 @@ class _CachedDecode(_DecodeState):
         self.cache = out.past_key_values
         self.next_position = self.next_position + 1
         return out.logits[:, -1, :]
+
+
+def plan_waves(lengths: list[int], n: int, max_new: int, max_rows: int, budget_bytes: int,
+               kv_bytes_per_token: int) -> list[tuple[range, range]]:
+    """Split a generate call into decode batches whose KV buffers fit ``budget_bytes``.
+
+    lengths: the prompts' lengths, ascending; each prompt has ``n`` sample rows of ``length + max_new`` columns.
+    Returns ``(prompt positions, sample indices)`` per batch, in order: consecutive prompts with all their samples
+    while ``rows <= max_rows`` and ``rows x (longest + max_new) x kv_bytes_per_token <= budget_bytes``, and
+    where one prompt's ``n`` rows do not fit, that prompt alone, its samples split into as many as fit. Raises
+    ValueError when one row does not fit.
+    """
+    waves: list[tuple[range, range]] = []
+    start = 0
+    while start < len(lengths):
+        stop = start
+        while (stop < len(lengths) and (stop - start + 1) * n <= max_rows
+               and (stop - start + 1) * n * (lengths[stop] + max_new) * kv_bytes_per_token <= budget_bytes):
+            stop += 1
+        if stop > start:
+            waves.append((range(start, stop), range(n)))
+            start = stop
+            continue
+        row_bytes = (lengths[start] + max_new) * kv_bytes_per_token
+        rows = min(max_rows, budget_bytes // row_bytes)
+        if rows < 1:
+            raise ValueError(f"one row of {lengths[start] + max_new} tokens needs {row_bytes} bytes of KV cache, "
+                             f"past the budget of {budget_bytes} bytes")
+        waves += [(range(start, start + 1), range(j, min(n, j + rows))) for j in range(0, n, rows)]
+        start += 1
+    return waves
+
+
+def _host_available_bytes() -> int:
+    """Host memory available for new allocations (``MemAvailable`` on Linux; free pages elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def _length_groups(lengths: list[int], max_growth: float = 1.25) -> list[range]:

@@ -45,9 +45,12 @@ vllm-transfer`` measures both on a GPU node.
 Sleep / wake: on CUDA the engine starts with ``enable_sleep_mode=True`` and :meth:`VLLMBackend.sleep`
 calls ``LLM.sleep(level)`` whatever tags it is given (vLLM releases weights and KV cache together;
 level 1: weights offloaded to host memory, KV cache dropped; level 2: both dropped, so weights must be
-pushed after :meth:`VLLMBackend.wake`). :meth:`VLLMBackend.wake` passes its tags on,
-``LLM.wake_up(tags=["weights"])`` then ``LLM.wake_up(tags=["kv_cache"])`` for a staged wake (vLLM's
-tags are ours); vLLM resumes scheduling once both are back. Weight updates need ``"weights"`` awake.
+pushed after :meth:`VLLMBackend.wake`, and ``generate`` is refused until they are). An engine the trainer
+puts to sleep (``BackendConfig.sleeps_while_training``) sleeps at level 2 by default: every wake there is
+followed by a full sync, so level 1's copy of every weight to host memory and back would only be overwritten.
+:meth:`VLLMBackend.wake` passes its tags on, ``LLM.wake_up(tags=["weights"])`` then
+``LLM.wake_up(tags=["kv_cache"])`` for a staged wake (vLLM's tags are ours); vLLM resumes scheduling once
+both are back. Weight updates need ``"weights"`` awake.
 On CPU vLLM has no sleep mode (its platform check refuses ``enable_sleep_mode``): ``sleep`` frees
 nothing, it only drops the prefix cache and refuses ``generate`` until every tag is woken; the weights
 and the KV-cache reservation stay in host memory.
@@ -61,7 +64,8 @@ Engine-specific keys in ``BackendConfig.extra``:
 * ``distributed_executor_backend`` (``"uni"`` | ``"mp"`` | ``"ray"``; default ``"uni"`` at TP 1,
   ``"mp"`` above);
 * ``engine_in_process`` (bool, default True): run vLLM's engine core in this process;
-* ``enable_sleep_mode`` (bool; default True on CUDA; CPU has none) and ``sleep_level`` (1 or 2, default 1);
+* ``enable_sleep_mode`` (bool; default True on CUDA; CPU has none) and ``sleep_level`` (1 or 2; default 2
+  with ``sleeps_while_training``, else 1);
 * ``engine_kwargs`` (dict): more ``vllm.LLM`` keywords, passed verbatim, last.
 
 CPU threads: with ``BackendConfig.num_threads`` set, vLLM's own thread pinning is turned off
@@ -72,6 +76,7 @@ CPU threads: with ``BackendConfig.num_threads`` set, vLLM's own thread pinning i
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import threading
@@ -182,7 +187,8 @@ class VLLMBackend(RolloutBackend):
         _check_platform(config)
         engine_kwargs = vllm_engine_kwargs(config)
         self._vllm = vllm
-        self._sleep_level = int(config.extra.get("sleep_level", 1))
+        self._sleep_level = sleep_level(config)
+        self._weights_discarded = False  # slept at level 2 and no weights pushed since
         self._can_sleep = bool(engine_kwargs.get("enable_sleep_mode", False))
         self._vocab_size, self._eos_ids = _read_model_facts(config.model_path)
         self._unseeded = random.Random(config.seed)
@@ -193,6 +199,9 @@ class VLLMBackend(RolloutBackend):
         self._closed = False
         self._abort_asked = threading.Event()  # abort_generation asked the running generate to stop
         self._generate_done: threading.Event | None = None  # set when the running generate returns
+        # LLM's start-up warms the chat renderer, which needs the tokenizer we skip; stay installed (idempotent, and
+        # it drops nothing but that one warning), so engines starting in several threads need no bookkeeping
+        logging.getLogger(_RENDERER_LOGGER).addFilter(_TOKENIZERLESS_WARMUP)
         try:
             self.llm = vllm.LLM(**engine_kwargs)
         except Exception as exc:
@@ -441,6 +450,7 @@ class VLLMBackend(RolloutBackend):
         if not self._close_sync():
             self.reset_prefix_cache()
         self._weight_version = int(version)
+        self._weights_discarded = False
 
     def _close_sync(self) -> bool:
         """Finish an open layerwise reload and reset the prefix cache; False when none was open.
@@ -453,6 +463,7 @@ class VLLMBackend(RolloutBackend):
             return False
         self._sync_open = False
         missing = self._rpc("rlhf_finish_weight_update", what="finishing the layerwise reload")[0]
+        self._weights_discarded = False
         self.reset_prefix_cache()
         if missing:
             raise BackendError(
@@ -496,6 +507,7 @@ class VLLMBackend(RolloutBackend):
                 self.llm.wake_up(tags=sorted(self._released))
             self.llm.sleep(level=self._sleep_level)
             self._released.update(MEMORY_TAGS)
+            self._weights_discarded = self._weights_discarded or self._sleep_level == 2
         else:
             if not self._asleep:
                 self.reset_prefix_cache()
@@ -554,6 +566,11 @@ class VLLMBackend(RolloutBackend):
             raise BackendError(
                 f"generate: the vLLM backend is asleep (released: {sorted(self._released)}); call wake() first"
             )
+        if self._weights_discarded and not self._sync_open and what == "generate":
+            raise BackendError(
+                "generate: the engine slept at level 2 (BackendConfig.extra['sleep_level']), which discards its "
+                "weights; push a weight sync (finish_weight_update) before generating, or sleep at level 1"
+            )
 
     def _check_awake_for_weights(self, what: str) -> None:
         if MEMORY_WEIGHTS in self._released and self._can_sleep:
@@ -567,6 +584,30 @@ def _check_flat(manifest: BucketManifest, flat: torch.Tensor, what: str) -> None
         raise BackendError(
             f"{what}: buffer is {tuple(flat.shape)} {flat.dtype}, manifest expects [{manifest.numel}] {manifest.dtype}"
         )
+
+
+class _TokenizerlessWarmupFilter(logging.Filter):
+    """Drops vLLM's "Chat template warmup failed" warning when its cause is the tokenizer the engine is started
+    without (``skip_tokenizer_init=True``: token ids in and out). ``vllm.LLM`` warms its chat renderer at start-up
+    whatever the tokenizer setting (``renderers/base.py``, ``BaseRenderer.warmup``), the render needs a tokenizer,
+    and the ValueError it gets is logged with its traceback; nothing here renders chats, so it is no failure. Any
+    other warm-up failure still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "Chat template warmup failed" or not record.exc_info:
+            return True
+        error = record.exc_info[1]
+        return not (isinstance(error, ValueError) and "skip_tokenizer_init=True" in str(error))
+
+
+_RENDERER_LOGGER = "vllm.renderers.base"
+_TOKENIZERLESS_WARMUP = _TokenizerlessWarmupFilter()
+
+
+def sleep_level(config: BackendConfig) -> int:
+    """vLLM's sleep level: ``extra["sleep_level"]``, else 2 for an engine the trainer sleeps (a full sync follows
+    every wake, so the weights need no host copy) and 1 otherwise."""
+    return config.extra.get("sleep_level", 2 if config.sleeps_while_training else 1)
 
 
 def _check_config(config: BackendConfig) -> None:
@@ -587,7 +628,7 @@ def _check_config(config: BackendConfig) -> None:
             f"BackendConfig.model_path {config.model_path!r} is not a model directory (no config.json); "
             "pass the directory the model was saved to with save_pretrained"
         )
-    if config.extra.get("sleep_level", 1) not in (1, 2):
+    if sleep_level(config) not in (1, 2):
         raise BackendError(f"BackendConfig.extra['sleep_level'] must be 1 or 2, got {config.extra['sleep_level']!r}")
     tp = config.tensor_parallel_size
     if config.device == "cuda":

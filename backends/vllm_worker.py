@@ -211,6 +211,10 @@ class WeightSyncExtension:
             finalize_layerwise_reload(model, self.vllm_config.model_config)
         self._rlhf_reload_open = False
         self._rlhf_loaded = {}
+        if torch.device(self.device).type == "cuda":
+            # the sync's receive / copy buffers went back to torch's cache; hand them to the driver, so a
+            # colocated KV cache waking after this sync can map them
+            torch.cuda.empty_cache()
         return missing
 
     def _rlhf_load(self, named: list[tuple[str, torch.Tensor]]) -> None:

@@ -62,7 +62,8 @@ class RolloutConfig:
     weight_transport: str = "collective"
     bucket_bytes: int = 512 * 2**20
     #: share of each engine device for weights and KV cache (SGLang's mem_fraction_static, vLLM's
-    #: gpu_memory_utilization; on CPU, vLLM's share of host memory); None: the engine's default
+    #: gpu_memory_utilization; on CPU, vLLM's share of host memory; the embedded engine's KV budget is this share
+    #: of the GPU less its weights, on CPU of the host memory available at its start); None: the engine's default
     memory_fraction: float | None = None
     #: engine-specific keywords passed verbatim to the backend (YAML mapping); they win over the above
     engine_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -350,10 +350,26 @@ class ModelWorker:
         )
         self.syncer.setup()
 
-    def sync_weights(self, version: int) -> dict[str, float]:
+    def sync_weights(self, version: int, release_buffers: bool = False) -> dict[str, float]:
+        """Push the weights as ``version``. ``release_buffers`` (colocated runs, before the engines' KV cache
+        wakes): free the sync's buffers afterwards and return the cached device memory they took."""
         if self.syncer is None:
             raise RuntimeError(f"actor rank {self.rank}: setup_weight_sync was not called")
-        return self.syncer.sync(self.engine, version)
+        stats = self.syncer.sync(self.engine, version)
+        if release_buffers:
+            self.syncer.release_buffers()
+            self.release_device_cache()
+        return stats
+
+    def release_device_cache(self) -> int:
+        """Return the blocks torch's caching allocator holds unused on the device (the memory of freed forwards'
+        activations, freed sync buffers) to the driver, so a colocated engine can map it; the bytes returned
+        (0 on CPU)."""
+        if self.spec.device != "cuda":
+            return 0
+        before = torch.cuda.memory_reserved()
+        torch.cuda.empty_cache()
+        return before - torch.cuda.memory_reserved()
 
     # ---- device memory while the engines generate (colocated layouts) ----------------------------------
     def offload_states(self, keep_params: bool = False) -> int:

@@ -269,7 +269,7 @@ class _RecordingGroup:
         self._log, self._engines, self._model_path = log, engines, model_path
 
     def call(self, method, *args, what=None, **kwargs):
-        self._log.append((self.spec.role, method, kwargs.get("keep_params", False)))
+        self._log.append((self.spec.role, method, kwargs.get("keep_params", kwargs.get("release_buffers", False))))
         if method == "sync_weights":
             for engine in self._engines:
                 engine.update_weights_from_disk(self._model_path)
@@ -306,6 +306,7 @@ def _in_process_cluster(engines: list, log: list, model_path: str):
     cluster.engines = engines
     cluster.actor = _RecordingGroup("actor", log, engines, model_path)
     cluster.critic = _RecordingGroup("critic", log, engines, model_path)
+    cluster.ref = _RecordingGroup("ref", log, engines, model_path)
     return cluster
 
 
@@ -314,7 +315,8 @@ def test_colocated_hand_off_runs_in_the_staged_order_through_real_engines(tmp_pa
     """After generating, engines sleep before the training states come back; before the next generate, the
     states leave (the actor keeping its parameter shards for the sync), engine weights wake, the sync runs,
     the actor's shards leave, and only then the KV cache wakes: weights, KV cache and training states are never
-    on the device together, and every weight wake is followed by a sync before a generate."""
+    on the device together, and every weight wake is followed by a sync before a generate. Before the KV cache
+    wakes, the actor has freed its sync buffers and the forward-only groups their allocators' cached blocks."""
     from backends.base import MEMORY_KV_CACHE, MEMORY_WEIGHTS, BackendConfig, SamplingParams
     from rlhf_sg.engine_actor import EngineActor
     from rlhf_sg.timing import StepTimer
@@ -359,8 +361,9 @@ def test_colocated_hand_off_runs_in_the_staged_order_through_real_engines(tmp_pa
         ("trainer", "train", None),
         ("actor", "offload_states", True), ("critic", "offload_states", False),  # states off, actor keeps params
         *each("wake", (MEMORY_WEIGHTS,)),  # engine weights on, KV cache still off
-        ("actor", "sync_weights", False), *synced,  # the sync, right after the weights wake
+        ("actor", "sync_weights", True), *synced,  # the sync, right after the weights wake; its buffers freed
         ("actor", "offload_states", False),  # the actor's parameter shards off
+        ("ref", "release_device_cache", False),  # the forward-only groups' cached blocks returned
         *each("wake", (MEMORY_KV_CACHE,)),  # KV cache on, only after the sync
         ("engine0", "generate", None),
     ]

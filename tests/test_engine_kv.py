@@ -15,8 +15,8 @@ import random
 import pytest
 import torch
 
-from backends.base import BackendConfig, SamplingParams
-from backends.embedded import ENGINE_ATTENTION, EmbeddedBackend, KVBuffers, decode_attention
+from backends.base import BackendConfig, BackendError, SamplingParams
+from backends.embedded import ENGINE_ATTENTION, EmbeddedBackend, KVBuffers, decode_attention, plan_waves
 from rlhf_sg.tiny import EOS_ID, PAD_ID, save_tiny_model, tiny_config
 
 
@@ -38,9 +38,10 @@ def _dynamic_cache(engine: EmbeddedBackend):
         engine.model.set_attn_implementation(ENGINE_ATTENTION)
 
 
-def _engine(path: str, device: str = "cpu", dtype: str = "float32", **extra) -> EmbeddedBackend:
-    return EmbeddedBackend(BackendConfig(model_path=path, device=device, dtype=dtype, max_model_len=512, seed=0,
-                                         num_threads=1, extra=extra))
+def _engine(path: str, device: str = "cpu", dtype: str = "float32", max_model_len: int = 512,
+            **extra) -> EmbeddedBackend:
+    return EmbeddedBackend(BackendConfig(model_path=path, device=device, dtype=dtype, max_model_len=max_model_len,
+                                         seed=0, num_threads=1, extra=extra))
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama", "qwen2-mha"])
@@ -60,8 +61,8 @@ def model_dir(request, tmp_path_factory):
 
 
 def test_greedy_completions_equal_transformers_generate(model_dir):
-    """Left-padded prompts of 2..24 tokens, up to 150 new tokens (past the buffers' first 128 columns, so they
-    grow): token for token what ``model.generate`` gives each prompt alone (no padding at all)."""
+    """Left-padded prompts of 2..24 tokens, up to 150 new tokens: token for token what ``model.generate`` gives each
+    prompt alone (no padding at all)."""
     engine = _engine(model_dir)
     assert engine.kv_buffers and engine.model.config._attn_implementation == ENGINE_ATTENTION
     prompts = _prompts(5, seed=0)
@@ -88,7 +89,7 @@ def build_reference(model_dir: str):
 @pytest.mark.parametrize("max_batch_size", [256, 10])
 def test_sampled_completions_equal_the_dynamic_cache_path(model_dir, max_batch_size):
     """n samples per prompt, stop tokens (rows finish early, so the batch is compacted), several chunks
-    (``max_batch_size=10``) and growth past 128 columns: the same tokens, finish reasons and log-probs
+    (``max_batch_size=10``) and 160 new tokens: the same tokens, finish reasons and log-probs
     (within 1e-5) as the engine's DynamicCache path."""
     engine = _engine(model_dir, max_batch_size=max_batch_size)
     prompts = _prompts(6, seed=2)
@@ -147,10 +148,10 @@ def test_decode_attention_equals_sdpa_over_repeated_kv_heads(heads, kv_heads, ma
         torch.testing.assert_close(out, _repeat_kv_reference(query, key, value, mask, scaling), atol=1e-5, rtol=1e-5)
 
 
-def test_kv_buffers_prefill_decode_growth_and_selection():
+def test_kv_buffers_prefill_decode_and_selection_in_place():
     pad_mask = torch.tensor([[0, 0, 1], [1, 1, 1]])  # 2 prompts, width 3, the first of length 1
-    buffers = KVBuffers(pad_mask, num_layers=2, max_capacity=9, dtype=torch.float32, n=2, initial_capacity=4)
-    assert buffers.rows == 4 and buffers.capacity == 4 and buffers.length == 3
+    buffers = KVBuffers(pad_mask, num_layers=2, capacity=9, dtype=torch.float32, n=2)
+    assert buffers.rows == 4 and buffers.capacity == 9 and buffers.length == 3
     low = torch.finfo(torch.float32).min
     assert buffers.bias[:, :3].tolist() == [[low, low, 0.0]] * 2 + [[0.0, 0.0, 0.0]] * 2
     # prefill: prompt 0 alone (width 1, at column 2), then prompt 1 (width 3, at column 0); each written twice
@@ -164,10 +165,11 @@ def test_kv_buffers_prefill_decode_growth_and_selection():
     buffers.prefill = None
     assert buffers.keys[1][:, 0, :3, 0].tolist() == [[0, 0, 11], [0, 0, 11], [21, 22, 23], [21, 22, 23]]
     assert torch.equal(buffers.values[1], -buffers.keys[1])
-    # decode: column 3 fits; column 4 doubles the buffers (4 -> 8); column 8 grows them to the cap, 9; contents kept
-    for step, expect_capacity in enumerate((4, 8, 8, 8, 8, 9)):
+    storages = [t.untyped_storage().data_ptr() for t in buffers.keys + buffers.values]
+    # decode: columns 3..8 are written in place, the capacity never changes
+    for step in range(6):
         mask = buffers.step_mask()
-        assert buffers.capacity == expect_capacity and mask.shape == (4, 1, 1, buffers.length + 1)
+        assert buffers.capacity == 9 and mask.shape == (4, 1, 1, buffers.length + 1)
         assert mask[:, 0, 0, -1].tolist() == [0.0] * 4  # the new token is attended
         for layer in range(2):
             new = torch.full((4, 1, 1, 2), 100.0 + step)
@@ -181,12 +183,14 @@ def test_kv_buffers_prefill_decode_growth_and_selection():
     buffers.select(torch.tensor([3, 0]))
     assert buffers.rows == 2 and buffers.keys[1][:, 0, :3, 0].tolist() == [[21, 22, 23], [0, 0, 11]]
     assert buffers.bias[:, 0].tolist() == [0.0, low]
-    with pytest.raises(ValueError, match="past max_capacity 9"):
+    # compacted in place: the same storages, no copy of the buffers
+    assert [t.untyped_storage().data_ptr() for t in buffers.keys + buffers.values] == storages
+    with pytest.raises(ValueError, match="column 9 is past the capacity 9"):
         buffers.step_mask()
 
 
 def test_kv_buffers_mask_in_the_model_dtype_and_decode_one_column_a_step():
-    buffers = KVBuffers(torch.tensor([[0, 1]]), num_layers=1, max_capacity=4, dtype=torch.bfloat16)
+    buffers = KVBuffers(torch.tensor([[0, 1]]), num_layers=1, capacity=4, dtype=torch.bfloat16)
     assert buffers.bias.dtype == torch.bfloat16 and buffers.bias[0, 0] == torch.finfo(torch.bfloat16).min
     with pytest.raises(ValueError, match="a decode step writes one column, got 2"):
         buffers.write(0, torch.zeros(1, 1, 2, 4, dtype=torch.bfloat16), torch.zeros(1, 1, 2, 4, dtype=torch.bfloat16))
@@ -194,9 +198,94 @@ def test_kv_buffers_mask_in_the_model_dtype_and_decode_one_column_a_step():
 
 def test_kv_buffers_need_room_for_the_prompts():
     pad_mask = torch.ones((2, 5))
-    assert KVBuffers(pad_mask, num_layers=1, max_capacity=5, dtype=torch.float32).capacity == 5  # exactly the prompts
-    with pytest.raises(ValueError, match=r"KVBuffers: max_capacity 4 < the prompts' width 5"):
-        KVBuffers(pad_mask, num_layers=1, max_capacity=4, dtype=torch.float32)
+    assert KVBuffers(pad_mask, num_layers=1, capacity=5, dtype=torch.float32).capacity == 5  # exactly the prompts
+    with pytest.raises(ValueError, match=r"KVBuffers: capacity 4 < the prompts' width 5"):
+        KVBuffers(pad_mask, num_layers=1, capacity=4, dtype=torch.float32)
+
+
+def _storage_bytes(buffers: KVBuffers) -> int:
+    """What the buffers hold, measured on their tensors' storages."""
+    tensors = [buffers.bias, *(t for t in buffers.keys + buffers.values if t is not None)]
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def test_kv_buffers_refuse_an_allocation_past_their_budget():
+    """4 rows x 8 columns of 1 layer, 2 KV heads of dim 4 in float32: 4 x 8 x 4 bytes of mask, 2 x 4 x 2 x 8 x 4 x 4
+    of keys and values. A budget one byte short of that refuses the layer's keys and values."""
+    total = 4 * 8 * 4 + 2 * 4 * 2 * 8 * 4 * 4
+    key = torch.zeros(4, 2, 3, 4)
+    buffers = KVBuffers(torch.ones((4, 3)), num_layers=1, capacity=8, dtype=torch.float32, budget_bytes=total)
+    buffers.prefill = (slice(0, 4), 0, 1)
+    buffers.write(0, key, key)
+    assert _storage_bytes(buffers) == buffers.storage_bytes() == total
+    short = KVBuffers(torch.ones((4, 3)), num_layers=1, capacity=8, dtype=torch.float32, budget_bytes=total - 1)
+    short.prefill = (slice(0, 4), 0, 1)
+    with pytest.raises(ValueError, match=f"4 rows x 8 columns take {total} bytes or more, past the budget of "
+                                         f"{total - 1} bytes"):
+        short.write(0, key, key)
+
+
+def test_plan_waves_fits_every_batch_to_the_budget():
+    """Rows of 10 + 6 columns at 1 byte a column: 48 bytes hold 3 rows; n = 2 (2 rows a prompt, 1 prompt a wave) and
+    n = 5 (a prompt's samples split 3 + 2); the row cap splits as before; one row over the budget is refused."""
+    assert plan_waves([4, 10, 10], 2, 6, 256, 48, 1) == [(range(0, 1), range(2)), (range(1, 2), range(2)),
+                                                          (range(2, 3), range(2))]
+    assert plan_waves([10, 10], 5, 6, 256, 48, 1) == [(range(0, 1), range(0, 3)), (range(0, 1), range(3, 5)),
+                                                     (range(1, 2), range(0, 3)), (range(1, 2), range(3, 5))]
+    assert plan_waves([2, 2], 2, 2, 256, 32, 1) == [(range(0, 2), range(2))]  # 4 rows x 4 columns: exactly 16
+    assert plan_waves([2, 2, 2], 2, 2, 4, 10**9, 1) == [(range(0, 2), range(2)), (range(2, 3), range(2))]
+    with pytest.raises(ValueError, match="one row of 16 tokens needs 32 bytes of KV cache, past the budget of 31"):
+        plan_waves([10], 1, 6, 256, 31, 2)
+
+
+def test_kv_buffers_never_pass_the_engine_budget_and_waves_give_the_same_tokens(model_dir, monkeypatch):
+    """An engine whose KV budget holds about 2.5 rows of 64 tokens: every decode batch's buffers (their storages,
+    measured after each step) stay within it, the call runs in many waves with one prompt's samples split across
+    them, and the completions (greedy, and sampled with a seed) equal those of one wave under the default budget."""
+    roomy = _engine(model_dir, max_model_len=64)
+    budget = int(2.5 * 64 * roomy._kv_bytes_per_token)
+    tight = _engine(model_dir, max_model_len=64, kv_cache_bytes=budget)
+    assert tight.kv_budget_bytes == budget
+    seen: dict[KVBuffers, tuple[int, int]] = {}  # each decode batch's buffers: (rows at start, most bytes held)
+    advance = KVBuffers.advance
+
+    def measured(self):
+        rows, held = seen.get(self, (self.rows, 0))
+        seen[self] = (rows, max(held, _storage_bytes(self)))
+        advance(self)
+
+    prompts = _prompts(5, seed=9)
+    for params in (SamplingParams(n=3, max_new_tokens=40, temperature=0.0),
+                   SamplingParams(n=4, max_new_tokens=40, temperature=1.0, seed=11, stop_token_ids=[7])):
+        expected = roomy.generate(prompts, params)
+        seen.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(KVBuffers, "advance", measured)
+            out = tight.generate(prompts, params)
+        assert len(seen) > 2, f"{len(seen)} waves"
+        assert any(rows < params.n for rows, _ in seen.values()), "no prompt's samples were split across waves"
+        assert 0 < max(held for _, held in seen.values()) <= budget
+        assert [c.token_ids for c in out] == [c.token_ids for c in expected]
+        assert [c.finish_reason for c in out] == [c.finish_reason for c in expected]
+        assert [c.prompt_index for c in out] == [c.prompt_index for c in expected]
+
+
+def test_an_engine_whose_budget_cannot_hold_one_row_refuses_to_start(tmp_path):
+    """One row of max_model_len tokens over the budget: the engine refuses at start, naming the flag to raise."""
+    path = save_tiny_model(str(tmp_path / "m"), seed=1)
+    per_token = _engine(path, max_model_len=64)._kv_bytes_per_token
+    assert _engine(path, max_model_len=64, kv_cache_bytes=64 * per_token).kv_budget_bytes == 64 * per_token
+    with pytest.raises(BackendError) as caught:
+        _engine(path, max_model_len=64, kv_cache_bytes=64 * per_token - 1)
+    assert str(caught.value) == (
+        f"the embedded engine's KV cache budget is {64 * per_token - 1} bytes (BackendConfig.extra['kv_cache_bytes']); "
+        f"one completion row of 64 tokens (BackendConfig.max_model_len=64, model max_position_embeddings=2048) needs "
+        f"{64 * per_token} bytes ({per_token} bytes a token). Raise --rollout.engine_kwargs kv_cache_bytes, or lower "
+        "--rollout.max_model_len")
+    with pytest.raises(BackendError, match=r"KV cache budget is \d+ bytes \(--rollout.memory_fraction 1e-09 of the "
+                                           r"\d+ bytes of host memory available at start\); .* Raise "
+                                           r"--rollout.memory_fraction, or lower --rollout.max_model_len"):
+        EmbeddedBackend(BackendConfig(model_path=path, max_model_len=64, num_threads=1, memory_fraction=1e-9))
 
 
 @pytest.mark.parametrize("kwargs, fast", [
@@ -224,7 +313,7 @@ def test_engine_attention_takes_the_decode_path_only_for_plain_decode_steps(monk
     kwargs = {**kwargs, "scaling": 0.25}  # a model's own scale (not always head_dim ** -0.5) reaches the decode path
     # 4 query heads, 2 KV heads; a 2-token prefill, so the decode step reads 3 columns (4 % 3 != 0: the grouping
     # check is on the heads, not the columns)
-    buffers = KVBuffers(torch.ones((2, 2)), num_layers=1, max_capacity=8, dtype=torch.float32)
+    buffers = KVBuffers(torch.ones((2, 2)), num_layers=1, capacity=8, dtype=torch.float32)
     buffers.prefill = (slice(0, 2), 0, 1)
     q, k = torch.randn(2, 4, 2, 8), torch.randn(2, 2, 2, 8)
     embedded.engine_attention(layer, q, k, k, None, kv_buffers=buffers, **kwargs)
@@ -318,3 +407,20 @@ def test_a_transformers_without_the_attention_interfaces_keeps_the_dynamic_cache
     buffered = _engine(path)
     assert buffered.kv_buffers
     assert [c.token_ids for c in out] == [c.token_ids for c in buffered.generate(_prompts(3, seed=8), params)]
+
+
+@pytest.mark.gpu
+def test_the_cuda_kv_budget_is_the_memory_fraction_less_the_weights(tmp_path):
+    """On CUDA the KV budget is ``memory_fraction`` of the device (``torch.cuda.mem_get_info``'s total) less the
+    weights, the engine generates under it, and a fraction that leaves less than one row of max_model_len
+    refuses the start naming ``--rollout.memory_fraction``. This is the path CPU runs cannot take."""
+    path = save_tiny_model(str(tmp_path / "m"), seed=1)
+    config = BackendConfig(model_path=path, device="cuda", max_model_len=64, memory_fraction=0.05)
+    engine = EmbeddedBackend(config)
+    _, total = torch.cuda.mem_get_info()
+    weights = sum(t.nbytes for t in (*engine.model.parameters(), *engine.model.buffers()))
+    assert engine.kv_budget_bytes == int(0.05 * total) - weights
+    out = engine.generate(_prompts(8, seed=3), SamplingParams(n=4, max_new_tokens=32, temperature=0.0))
+    assert len(out) == 32
+    with pytest.raises(BackendError, match=r"Raise --rollout.memory_fraction, or lower --rollout.max_model_len"):
+        EmbeddedBackend(BackendConfig(model_path=path, device="cuda", max_model_len=64, memory_fraction=1e-9))

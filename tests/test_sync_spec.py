@@ -223,6 +223,28 @@ def test_several_syncs_on_one_syncer_each_lands_and_versions_only_go_up(
     syncer.close()
 
 
+@pytest.mark.parametrize("transport", ["collective", "tensor"])
+def test_released_buffers_hold_no_memory_until_the_next_sync_allocates_them_again(
+    fake_ray, engine_model_dir, tmp_path, transport
+):
+    """What colocated runs do after each sync (``release_buffers``, before the engines' KV cache wakes): the
+    syncer holds no bucket buffer or staging memory, and the next sync allocates them again and lands."""
+    from rlhf_sg.sync.plan import manifest_bytes
+
+    engines = _engines(1, engine_model_dir, fake_ray)
+    (syncer,) = _syncers(1, engines, transport, tmp_path)
+    syncer.setup()
+    syncer.sync(_trainer_model(2), 1)
+    assert syncer.buffer_bytes() == 2 * max(manifest_bytes(m) for m in syncer._plan)  # two buffers, no staging
+    syncer.release_buffers()
+    assert syncer.buffer_bytes() == 0
+    model = _trainer_model(3)
+    syncer.sync(model, 2)
+    _assert_engines_hold(engines, model, 2)
+    assert syncer.buffer_bytes() > 0
+    syncer.close()
+
+
 def test_a_changed_model_is_planned_and_checked_again(fake_ray, engine_model_dir, tmp_path):
     """Same names, new dtypes: the second sync must plan anew (a stale plan would send the wrong bytes)."""
     engines = _engines(1, engine_model_dir, fake_ray)

@@ -36,6 +36,63 @@ def test_missing_vllm_is_a_clear_error_with_the_install_command(tmp_path, monkey
         VLLMBackend(BackendConfig(model_path=path, num_threads=1))
 
 
+def test_an_engine_the_trainer_sleeps_sleeps_at_level_2_unless_told(tmp_path):
+    """Level 2 (weights discarded, no host copy) where a full sync follows every wake; level 1 otherwise; the
+    engine key wins; anything else is refused."""
+    from backends.vllm_backend import _check_config, sleep_level
+
+    (tmp_path / "config.json").write_text("{}")
+    assert sleep_level(BackendConfig(model_path="m", sleeps_while_training=True)) == 2
+    assert sleep_level(BackendConfig(model_path="m")) == 1
+    assert sleep_level(BackendConfig(model_path="m", sleeps_while_training=True, extra={"sleep_level": 1})) == 1
+    with pytest.raises(BackendError, match=r"BackendConfig.extra\['sleep_level'\] must be 1 or 2, got 3"):
+        _check_config(BackendConfig(model_path=str(tmp_path), extra={"sleep_level": 3}))
+
+
+def test_only_the_tokenizerless_chat_warmup_warning_is_dropped():
+    """vLLM's start-up chat-template warm-up fails for want of the tokenizer we skip, and says so with a traceback; that
+    one record is dropped, any other warm-up failure or message still shows."""
+    import logging
+
+    from backends.vllm_backend import _TOKENIZERLESS_WARMUP
+
+    def record(msg, error):
+        try:
+            raise error
+        except Exception:
+            return logging.LogRecord("vllm.renderers.base", logging.WARNING, "base.py", 380, msg, None,
+                                     sys.exc_info())
+
+    skipped = ValueError("Tokenizer not available when `skip_tokenizer_init=True`")
+    assert not _TOKENIZERLESS_WARMUP.filter(record("Chat template warmup failed", skipped))
+    assert _TOKENIZERLESS_WARMUP.filter(record("Chat template warmup failed", ValueError("bad template")))
+    assert _TOKENIZERLESS_WARMUP.filter(record("Chat template warmup failed", RuntimeError(str(skipped))))
+    assert _TOKENIZERLESS_WARMUP.filter(record("Multi-modal warmup failed", skipped))
+
+
+@requires_vllm
+def test_an_engine_start_logs_no_chat_warmup_traceback(model_dir, monkeypatch):
+    """Starting the installed vLLM with ``skip_tokenizer_init=True`` (as every engine here does) leaves no warning
+    from its renderer's warm-up; without the filter, vLLM 0.32 logs "Chat template warmup failed" and a ValueError
+    traceback at every start. (Records are caught where a logger hands them to its handlers, after its filters:
+    vLLM's start-up re-applies its logging config, which drops handlers added to its loggers before.)"""
+    import logging
+
+    from backends.vllm_backend import VLLMBackend
+
+    seen: list[logging.LogRecord] = []
+    call_handlers = logging.Logger.callHandlers
+
+    def recorded(self, record):
+        if record.name == "vllm.renderers.base" and record.levelno >= logging.WARNING:
+            seen.append(record)
+        return call_handlers(self, record)
+
+    monkeypatch.setattr(logging.Logger, "callHandlers", recorded)
+    VLLMBackend(contract._contract_config("vllm", VLLMBackend, model_dir)).shutdown()
+    assert [r.getMessage() for r in seen] == []
+
+
 def test_device_check_compares_gpu_uuids_not_indices():
     """The check behind the CUDA IPC hand-off, on given UUIDs: the same physical GPU under two indices
     passes; two GPUs are refused with a message naming both devices."""
@@ -509,6 +566,27 @@ def test_cuda_logprobs_match_trainer_with_and_without_truncation(model_dir, refe
                 worst = max(worst, (expected - torch.tensor(c.logprobs)).abs().max().item())
             # fp32 on the GPU: the engine's matmuls may use other reduction orders than the CPU trainer.
             assert worst <= 1e-3, f"T={temperature} top_k={top_k} top_p={top_p}: max abs diff {worst:.2e}"
+    finally:
+        engine.shutdown()
+
+
+@requires_vllm
+@pytest.mark.gpu
+def test_cuda_level_2_sleep_refuses_generate_until_weights_are_pushed(model_dir, prompts):
+    """On CUDA, an engine the trainer sleeps (``sleeps_while_training``) sleeps at level 2: vLLM discards its weights
+    (no copy to host memory), so after the wake ``generate`` is refused until a sync; after one (here from disk)
+    it gives the greedy tokens it gave before sleeping. This proves level 2 is safe in the trainer's order."""
+    engine = VLLMBackend(BackendConfig(model_path=model_dir, device="cuda", max_model_len=contract.MAX_MODEL_LEN,
+                                       sleeps_while_training=True, extra={"gpu_memory_utilization": 0.3}))
+    try:
+        before = contract.greedy(engine, prompts)
+        engine.sleep()
+        engine.wake()
+        with pytest.raises(BackendError, match="slept at level 2"):
+            engine.generate(prompts, SamplingParams(max_new_tokens=4))
+        engine.update_weights_from_disk(model_dir)
+        engine.finish_weight_update(1)
+        assert contract.greedy(engine, prompts) == before
     finally:
         engine.shutdown()
 

@@ -60,6 +60,10 @@ class GatherStaging:
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return self._buffer[:nbytes].view(dtype)
 
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.nbytes
+
 
 def _exchangeable(params: Sequence[torch.nn.Parameter]) -> bool:
     """Whether the shards of these ZeRO-3 parameters can be exchanged straight from ``ds_tensor``.

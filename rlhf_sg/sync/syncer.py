@@ -173,6 +173,7 @@ class WeightSyncer:
         start = time.perf_counter()
         named = named_weights(model)
         self._prepare_plan(named)
+        self._allocate_buffers()
         params = dict(named)
         transport = self._transport
         try:
@@ -248,11 +249,25 @@ class WeightSyncer:
         )
         self._meta, self._plan = meta, plan
         self._buffers = []
-        transport = self._transport
-        fills = any(transport.fills(k) for k in range(len(plan)))
-        if fills:
-            count = min(transport.max_buffers() if self.overlap else 1, len(plan))
-            self._buffers = transport.buffers(max(manifest_bytes(m) for m in plan), count)
+
+    def _allocate_buffers(self) -> None:
+        """The plan's bucket buffers, unless held already (they are freed on a plan change and by
+        :meth:`release_buffers`)."""
+        plan, transport = self._plan, self._transport
+        if self._buffers or not any(transport.fills(k) for k in range(len(plan))):
+            return
+        count = min(transport.max_buffers() if self.overlap else 1, len(plan))
+        self._buffers = transport.buffers(max(manifest_bytes(m) for m in plan), count)
+
+    def release_buffers(self) -> None:
+        """Free the bucket buffers and the gather staging; the next sync allocates them again. Colocated runs
+        call it after each sync, so the engines' KV cache gets that memory back while they generate."""
+        self._buffers = []
+        self._staging = GatherStaging()
+
+    def buffer_bytes(self) -> int:
+        """Bytes this rank holds for syncs between them: bucket buffers and gather staging."""
+        return sum(b.nbytes for b in self._buffers) + self._staging.nbytes
 
     # ---- helpers and lifetime --------------------------------------------------------------
     def _call_mine(self, method: str, *args: Any) -> list[tuple[int, str, Any]]:

@@ -243,7 +243,9 @@ class Cluster:
         1. training states off the device; the actor keeps its ZeRO-3 parameter shards, which the sync gathers;
         2. engine weights on (``wake(("weights",))``), the KV cache still released;
         3. the weight sync: after a release the engine's weights are stale or gone, so one always follows;
-        4. the actor's parameter shards off;
+           with sleeping engines the actor frees its sync buffers after it;
+        4. the actor's parameter shards off; the forward-only groups (reference, reward model) return their
+           allocators' cached blocks;
         5. KV cache on (``wake(("kv_cache",))``): the engines can generate.
 
         Without sleeping engines or offloaded states only step 3 runs. Returns the sync's per-rank stats."""
@@ -258,12 +260,16 @@ class Cluster:
         with timer.phase("weight_sync"):
             if sleeping:
                 self.engines_call("wake", (MEMORY_WEIGHTS,))
-            stats = self.actor.call("sync_weights", version, what=f"weight sync to version {version}")
+            stats = self.actor.call("sync_weights", version, release_buffers=sleeping,
+                                    what=f"weight sync to version {version}")
         if offloading:
             with timer.phase("offload"):
                 self.move_states("offload_states", [self.actor])
         if sleeping:
             with timer.phase("weight_sync"):
+                for group in (self.ref, self.reward_model):
+                    if group is not None:
+                        group.call("release_device_cache", what=f"release_device_cache ({group.spec.role})")
                 still = self.engines_call("wake", (MEMORY_KV_CACHE,))
             if any(still):
                 raise RuntimeError(f"engines still hold released memory after waking every tag: {still}")

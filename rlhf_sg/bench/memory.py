@@ -1,0 +1,82 @@
+"""Device memory per rank for a model shape and a sequence length, from :mod:`rlhf_sg.memory`'s formulas.
+
+``python -m rlhf_sg.bench memory --model-config qwen2.5-7b --seq-len 16384 [--rows 1] [--world-size 8]
+[--device-gib 80] [--memory-fraction 0.9] [--bucket-bytes 536870912]``
+
+``--model-config``: a preset (``qwen2.5-7b``), a model directory or a ``config.json``. Prints, for one rank:
+the dense attention mask of ``--rows`` rows of ``--seq-len`` tokens before (a boolean mask every layer converts
+and keeps its own copy of) and after (one shared copy in the model dtype) and their ratio; the embedded engine's
+KV budget at ``--memory-fraction`` of a ``--device-gib`` device and the rows of ``--seq-len`` tokens it holds;
+the weight-sync buffers of a sending rank; and the ZeRO-3 shards over ``--world-size`` ranks. Nothing is
+allocated: the figures are the formulas ``tests/test_memory.py`` holds to real tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rlhf_sg import memory
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def report(shape: memory.ModelShape, name: str, seq_len: int, rows: int, world_size: int, device_bytes: int,
+           memory_fraction: float, bucket_bytes: int) -> list[str]:
+    """The lines the bench prints."""
+    per_layer = memory.dense_mask_bytes_per_layer(rows, seq_len, shape.dtype_bytes)
+    before = memory.dense_mask_bytes_before(shape, rows, seq_len)
+    after = memory.shared_mask_bytes(rows, seq_len, shape.dtype_bytes)
+    budget = memory.kv_budget_bytes(shape, device_bytes, memory_fraction)
+    row_bytes = memory.kv_cache_bytes(shape, 1, seq_len)
+    kv_rows = max(0, budget) // row_bytes
+    sync = memory.sync_bytes(shape, bucket_bytes)
+    shards = memory.zero3_shard_bytes(shape, world_size)
+    return [
+        f"model {name}: {shape.num_layers} layers, hidden {shape.hidden_size}, {shape.num_heads} heads / "
+        f"{shape.num_kv_heads} KV heads of {shape.head_dim}, intermediate {shape.intermediate_size}, vocab "
+        f"{shape.vocab_size}, {shape.dtype}: {memory.param_count(shape) / 1e9:.2f}e9 parameters "
+        f"({_size(memory.weight_bytes(shape))})",
+        f"per rank, {rows} row(s) of {seq_len} tokens:",
+        f"  dense mask before (bool; each layer keeps its own {shape.dtype} copy, key axis padded to "
+        f"{memory.pad16(seq_len)}): {_size(per_layer)} a layer, {_size(before)} for {shape.num_layers} layers",
+        f"  dense mask after (one shared {shape.dtype} copy, key axis padded to {memory.pad16(seq_len)}): "
+        f"{_size(after)} in all, every layer the same storage",
+        f"  dense mask before / after: {before / after:.1f}x",
+        f"  embedded engine KV cache at --memory-fraction {memory_fraction} of {_size(device_bytes)}: budget "
+        f"{_size(budget)} (after {_size(memory.weight_bytes(shape))} of weights); a row of {seq_len} tokens takes "
+        f"{_size(row_bytes)} ({memory.kv_bytes_per_token(shape)} bytes a token): {kv_rows} rows at once, "
+        f"{_size(kv_rows * row_bytes)}",
+        f"  weight sync (a sending rank): 2 bucket buffers {_size(sync['bucket_buffers'])} + gather staging "
+        f"{_size(sync['gather_staging'])} (bucket = max(--bucket-bytes {bucket_bytes}, largest tensor "
+        f"{memory.largest_tensor_bytes(shape)}))",
+        f"  ZeRO-3 shards over {world_size} ranks: params {_size(shards['params'])}, grads {_size(shards['grads'])}, "
+        f"optimizer {_size(shards['optimizer'])}, total {_size(sum(shards.values()))}",
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from rlhf_sg.config import RolloutConfig
+
+    parser = argparse.ArgumentParser(prog="python -m rlhf_sg.bench memory", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-config", required=True,
+                        help=f"a preset ({', '.join(sorted(memory.PRESETS))}), a model directory or a config.json")
+    parser.add_argument("--seq-len", type=int, default=16384, help="tokens of a packed row / shared-prompt segment")
+    parser.add_argument("--rows", type=int, default=1, help="rows in one forward (microbatch)")
+    parser.add_argument("--world-size", type=int, default=8, help="ZeRO-3 ranks of the model")
+    parser.add_argument("--device-gib", type=float, default=80.0, help="device memory, GiB")
+    parser.add_argument("--memory-fraction", type=float, default=0.9, help="--rollout.memory_fraction")
+    parser.add_argument("--bucket-bytes", type=int, default=RolloutConfig().bucket_bytes, help="--rollout.bucket_bytes")
+    args = parser.parse_args(argv)
+    try:
+        shape = memory.load_shape(args.model_config)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for line in report(shape, args.model_config, args.seq_len, args.rows, args.world_size,
+                       int(args.device_gib * 2**30), args.memory_fraction, args.bucket_bytes):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

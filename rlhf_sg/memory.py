@@ -1,0 +1,157 @@
+"""Device memory of a run, as formulas: attention masks, the embedded engine's KV cache, sync buffers, ZeRO-3 shards.
+
+One place for the byte counts that ``python -m rlhf_sg.bench memory`` prints and ``tests/test_memory.py`` holds
+to real tensors at small sizes. Every count is per rank (one GPU), in bytes.
+
+* Dense attention masks (packed rows with several sequences, shared-prompt segments): a boolean ``[R, 1, L, L]``
+  mask handed to sdpa is converted to the model dtype on every call, and on CUDA its key axis padded to a
+  multiple of 16 (torch's ``preprocess_mask``), and each layer saves its own converted copy for backward:
+  ``layers x R x L x pad16(L) x dtype bytes``. Built once in the model dtype with the key axis allocated to a
+  multiple of 16, every layer passes and saves the same storage: ``R x L x pad16(L) x dtype bytes`` in all.
+* The embedded engine's KV cache (``backends.embedded``): ``rows x tokens x kv_bytes_per_token``, a token being the
+  keys and values of every layer plus one mask column; its budget ``memory_fraction x device bytes - weights``.
+* Weight sync on a sending rank: two bucket buffers (double buffering) and the gather staging buffer, each the
+  size of the largest bucket (``bucket_bytes``, or the largest tensor where one is bigger).
+* ZeRO-3 shards: ``ceil(numel / world)`` elements of every parameter, and as many of gradients, in the model
+  dtype; Adam's two moments in float32, and with a 16-bit model its float32 master copy too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer (Llama / Qwen2 layout) that set its memory."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    dtype: str = "bfloat16"
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 has biases on the q / k / v projections
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+    @classmethod
+    def from_hf_config(cls, config: dict, dtype: str | None = None) -> ModelShape:
+        """From a Hugging Face ``config.json`` (as a dict); ``dtype`` overrides its ``torch_dtype``."""
+        heads = config["num_attention_heads"]
+        return cls(
+            num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"], num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+            dtype=dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16",
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)),
+        )
+
+
+#: model shapes by name, for ``--model-config`` (no download: the sizes of the published config.json)
+PRESETS = {
+    "qwen2.5-7b": ModelShape(num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4, head_dim=128,
+                             intermediate_size=18944, vocab_size=152064, dtype="bfloat16", qkv_bias=True),
+}
+
+
+def load_shape(name_or_path: str) -> ModelShape:
+    """A preset name (:data:`PRESETS`), a model directory holding ``config.json``, or a JSON file: a Hugging Face
+    ``config.json``, or :class:`ModelShape`'s own fields."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
+    if not os.path.isfile(path):
+        raise ValueError(f"--model-config {name_or_path!r}: neither a preset ({', '.join(sorted(PRESETS))}) nor a "
+                         "JSON file or model directory with config.json")
+    with open(path) as f:
+        config = json.load(f)
+    if "num_layers" in config:
+        return ModelShape(**config)
+    return ModelShape.from_hf_config(config)
+
+
+def pad16(n: int) -> int:
+    """``n`` rounded up to a multiple of 16 (the key-axis alignment of torch's memory-efficient sdpa kernel)."""
+    return -(-n // 16) * 16
+
+
+def dense_mask_bytes_per_layer(rows: int, seq_len: int, dtype_bytes: int) -> int:
+    """What one layer saves for backward from a boolean ``[rows, 1, L, L]`` mask: converted to the model dtype and
+    (on CUDA) padded on the key axis to a multiple of 16."""
+    return rows * seq_len * pad16(seq_len) * dtype_bytes
+
+
+def dense_mask_bytes_before(shape: ModelShape, rows: int, seq_len: int) -> int:
+    """Every layer's own converted copy of a boolean mask, held until backward."""
+    return shape.num_layers * dense_mask_bytes_per_layer(rows, seq_len, shape.dtype_bytes)
+
+
+def shared_mask_bytes(rows: int, seq_len: int, dtype_bytes: int) -> int:
+    """One additive mask ``[rows, 1, L, L]`` in the model dtype whose key axis is allocated to a multiple of 16,
+    passed to and saved by every layer as it is (the same storage)."""
+    return rows * seq_len * pad16(seq_len) * dtype_bytes
+
+
+def kv_bytes_per_token(shape: ModelShape) -> int:
+    """One token of one row of the embedded engine's KV buffers: keys and values of every layer, one mask column."""
+    return (shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim + 1) * shape.dtype_bytes
+
+
+def kv_cache_bytes(shape: ModelShape, rows: int, tokens: int) -> int:
+    """The embedded engine's KV buffers for ``rows`` rows of ``tokens`` columns (prompt width + new tokens)."""
+    return rows * tokens * kv_bytes_per_token(shape)
+
+
+def param_numels(shape: ModelShape) -> list[int]:
+    """The element count of every parameter: embeddings, per layer the attention projections (and q / k / v biases),
+    the MLP's three projections and two norms, the final norm, and lm_head unless tied."""
+    h, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
+    q = shape.num_heads * shape.head_dim
+    layer = [h * q, h * kv, h * kv, q * h, *((q, kv, kv) if shape.qkv_bias else ()),
+             *(3 * [h * shape.intermediate_size]), h, h]
+    lm_head = [] if shape.tie_word_embeddings else [shape.vocab_size * h]
+    return [shape.vocab_size * h, *(shape.num_layers * layer), h, *lm_head]
+
+
+def param_count(shape: ModelShape) -> int:
+    return sum(param_numels(shape))
+
+
+def weight_bytes(shape: ModelShape) -> int:
+    return param_count(shape) * shape.dtype_bytes
+
+
+def kv_budget_bytes(shape: ModelShape, device_bytes: int, memory_fraction: float) -> int:
+    """The embedded engine's KV budget on CUDA: ``memory_fraction`` of the device, less the weights."""
+    return int(memory_fraction * device_bytes) - weight_bytes(shape)
+
+
+def largest_tensor_bytes(shape: ModelShape) -> int:
+    """The largest single parameter: the embedding (or lm_head) matrix, or an MLP projection."""
+    return max(shape.vocab_size, shape.intermediate_size) * shape.hidden_size * shape.dtype_bytes
+
+
+def sync_bytes(shape: ModelShape, bucket_bytes: int) -> dict[str, int]:
+    """Weight-sync buffers of a sending trainer rank: two bucket buffers and the gather staging."""
+    bucket = max(bucket_bytes, largest_tensor_bytes(shape))
+    return {"bucket_buffers": 2 * bucket, "gather_staging": bucket}
+
+
+def zero3_shard_bytes(shape: ModelShape, world_size: int) -> dict[str, int]:
+    """One rank's ZeRO-3 partition of parameters, gradients and Adam's states. DeepSpeed partitions every parameter
+    on its own, padded to a multiple of the world size: ``ceil(numel / world)`` elements of each on every rank."""
+    per_rank = sum(-(-n // world_size) for n in param_numels(shape))
+    optimizer = per_rank * (8 if shape.dtype_bytes == 4 else 12)  # m, v (+ the float32 master of 16-bit weights)
+    return {"params": per_rank * shape.dtype_bytes, "grads": per_rank * shape.dtype_bytes, "optimizer": optimizer}

@@ -1,0 +1,167 @@
+"""The memory formulas of :mod:`rlhf_sg.memory` (what ``python -m rlhf_sg.bench memory`` prints) against real tensors
+at small sizes: the masks sdpa saves for backward, the embedded engine's KV buffers, a model's parameters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlhf_sg import memory
+from rlhf_sg.tiny import build_tiny_model, save_tiny_model, tiny_config
+
+
+def _shape(arch: str = "qwen2", dtype: str = "bfloat16") -> memory.ModelShape:
+    config = tiny_config(arch).to_dict()
+    config["model_type"] = arch
+    return memory.ModelShape.from_hf_config(config, dtype=dtype)
+
+
+def _saved_mask_storages(mask: torch.Tensor, layers: int) -> dict[int, int]:
+    """Run ``layers`` sdpa calls with ``mask`` (as a model's layers do) under autograd; the storages of the masks
+    they save for backward, data pointer -> bytes."""
+    rows, length = mask.shape[0], mask.shape[2]
+    query = torch.randn(rows, 4, length, 8, dtype=torch.bfloat16, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 4 and t.shape[1] == 1 and t.shape[2] == length:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hidden = query
+        for _ in range(layers):
+            hidden = torch.nn.functional.scaled_dot_product_attention(hidden, hidden, hidden, attn_mask=mask)
+    return saved
+
+
+def test_dense_mask_formulas_against_what_sdpa_saves():
+    """Before: a boolean mask makes every layer save its own bf16 copy (L = 48, a multiple of 16, where CPU and CUDA
+    agree), ``layers x R x L x L x 2`` bytes in all; the per-layer figure at L = 37 is the converted mask padded to 48
+    as CUDA's kernel pads it. After: one bf16 mask whose key axis is allocated to 48 is saved by every layer as the
+    same storage, ``R x 37 x 48 x 2`` bytes."""
+    shape, rows = _shape(), 2
+    causal = torch.ones(48, 48, dtype=torch.bool).tril()
+    before = _saved_mask_storages(causal.expand(rows, 1, 48, 48).clone(), shape.num_layers)
+    assert len(before) == shape.num_layers
+    assert sum(before.values()) == memory.dense_mask_bytes_before(shape, rows, 48) == 2 * rows * 48 * 48 * 2
+
+    bool_mask = torch.ones(rows, 1, 37, 37, dtype=torch.bool).tril()
+    padded = torch.nn.functional.pad(torch.zeros(rows, 1, 37, 37, dtype=torch.bfloat16)
+                                     .masked_fill(~bool_mask, torch.finfo(torch.bfloat16).min), (0, 48 - 37))
+    assert padded.nbytes == memory.dense_mask_bytes_per_layer(rows, 37, 2)
+
+    shared = torch.zeros(rows, 1, 37, memory.pad16(37), dtype=torch.bfloat16)[..., :37]
+    shared.masked_fill_(~bool_mask, torch.finfo(torch.bfloat16).min)
+    after = _saved_mask_storages(shared, shape.num_layers)
+    assert after == {shared.untyped_storage().data_ptr(): memory.shared_mask_bytes(rows, 37, 2)}
+    assert memory.shared_mask_bytes(rows, 37, 2) == rows * 37 * 48 * 2
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_parameter_formula_equals_the_model(arch):
+    """Every parameter's element count (so the weights and the ZeRO-3 shards, partitioned per parameter) as the
+    real model has them."""
+    model = build_tiny_model(arch, seed=0)
+    shape = _shape(arch, dtype="float32")
+    assert sorted(memory.param_numels(shape)) == sorted(p.numel() for p in model.parameters())
+    assert memory.weight_bytes(shape) == sum(p.nbytes for p in model.parameters())
+    world = 3
+    shards = memory.zero3_shard_bytes(shape, world)
+    assert shards["params"] == sum(-(-p.numel() // world) * 4 for p in model.parameters())
+    assert shards["optimizer"] == 2 * shards["params"]  # fp32 weights: Adam's m and v only
+
+
+def test_kv_formula_equals_the_embedded_engine_buffers(tmp_path, monkeypatch):
+    """The engine's bytes a token (its probe's measure) and the storages of a real decode batch's buffers equal the
+    formula for the model's shape."""
+    from backends.base import BackendConfig, SamplingParams
+    from backends.embedded import EmbeddedBackend, KVBuffers
+
+    path = save_tiny_model(str(tmp_path / "m"), seed=1)
+    engine = EmbeddedBackend(BackendConfig(model_path=path, max_model_len=64, num_threads=1, dtype="bfloat16"))
+    with open(f"{path}/config.json") as f:
+        shape = memory.ModelShape.from_hf_config(json.load(f), dtype="bfloat16")
+    assert engine._kv_bytes_per_token == memory.kv_bytes_per_token(shape)
+    held = []
+    advance = KVBuffers.advance
+
+    def measured(self):
+        if not held:
+            held.append((self.rows, self.capacity, self.storage_bytes()))
+        advance(self)
+
+    monkeypatch.setattr(KVBuffers, "advance", measured)
+    engine.generate([[5, 6, 7], [8, 9]], SamplingParams(n=3, max_new_tokens=10, temperature=0.0))
+    rows, capacity, nbytes = held[0]
+    assert (rows, capacity) == (6, 13)
+    assert nbytes == memory.kv_cache_bytes(shape, rows, capacity)
+
+
+def test_load_shape_from_a_preset_a_model_directory_and_a_json(tmp_path):
+    assert memory.load_shape("qwen2.5-7b").num_kv_heads == 4
+    path = save_tiny_model(str(tmp_path / "m"), seed=1)
+    assert memory.load_shape(path).num_layers == tiny_config().num_hidden_layers
+    own = tmp_path / "shape.json"
+    own.write_text(json.dumps({"num_layers": 2, "hidden_size": 8, "num_heads": 2, "num_kv_heads": 1, "head_dim": 4,
+                               "intermediate_size": 16, "vocab_size": 10}))
+    assert memory.load_shape(str(own)) == memory.ModelShape(2, 8, 2, 1, 4, 16, 10)
+    with pytest.raises(ValueError, match="--model-config 'nope': neither a preset"):
+        memory.load_shape("nope")
+
+
+def test_bench_memory_prints_the_mask_before_and_after(capsys):
+    """The Qwen2.5-7B shape at 16k tokens: 512 MiB of mask a layer, 14 GiB over 28 layers before; one 512 MiB copy
+    after; the 7.62e9 parameters its config.json gives."""
+    from rlhf_sg.bench.memory import main
+
+    main(["--model-config", "qwen2.5-7b", "--seq-len", "16384"])
+    out = capsys.readouterr().out
+    assert "7.62e9 parameters" in out
+    assert "512.0 MiB a layer, 14.00 GiB for 28 layers" in out
+    assert "512.0 MiB in all, every layer the same storage" in out
+    assert "before / after: 28.0x" in out
+
+
+def _shared_prompt_backward_peak(layers: int, rows: int, prompt: int, response: int, device: str) -> int:
+    """Peak device bytes above the model of one shared-prompt segment's forward and backward (a prompt of
+    ``prompt`` tokens and ``rows`` responses of ``response``, one segment) through a bf16 model of ``layers``."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_sg.packing import response_logprobs
+
+    segment = prompt + rows * response
+    config = tiny_config("qwen2", max_len=segment + 16)
+    config.num_hidden_layers = layers
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).train()
+    ids = torch.randint(3, config.vocab_size, (rows, prompt + response), device=device)
+    ids[:, :prompt] = ids[0, :prompt]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    logp = response_logprobs(model, ids, torch.ones_like(ids), response, share_prompts=True, segment_tokens=segment)
+    logp.sum().backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.gpu
+def test_a_16k_token_shared_prompt_backward_holds_one_mask_on_cuda():
+    """On CUDA, in bf16, one shared-prompt segment of 16384 tokens (a 1024-token prompt and 16 responses of 960)
+    forward and backward through the same model at 2 and at 6 layers: the 4 added layers raise the peak by less than
+    one dense-mask copy (``memory.dense_mask_bytes_per_layer``, 512 MiB at 16k tokens), and the 6-layer peak stays
+    within a budget of two shared masks plus 1 GiB of activations. With a boolean mask, which the CUDA kernel
+    converts and pads per layer and every layer keeps for its backward, each added layer costs a whole copy (2 GiB
+    over 4 layers): this proves the layers share one mask storage on the device, which CPU's kernel (no padding)
+    cannot show."""
+    rows, prompt, response = 16, 1024, 960
+    seq_len = prompt + rows * response
+    per_layer = memory.dense_mask_bytes_per_layer(1, seq_len, 2)
+    two, six = (_shared_prompt_backward_peak(layers, rows, prompt, response, "cuda") for layers in (2, 6))
+    assert six - two < per_layer, f"4 more layers took {six - two} bytes; one layer's mask copy is {per_layer}"
+    budget = 2 * memory.shared_mask_bytes(1, seq_len, 2) + 2**30
+    assert six <= budget, f"peak {six} bytes over the budget of {budget}"
