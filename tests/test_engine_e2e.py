@@ -30,9 +30,11 @@ def _need(backend: str) -> None:
         pytest.skip(f"{backend} is not installed here ({ENGINES[backend]} builds its venv)")
 
 
-@pytest.mark.parametrize("algo", ["gae", "grpo"])
 @pytest.mark.parametrize("backend", sorted(ENGINES))
-def test_reward_rises_with_engine(ray_cluster, task, tmp_path, backend, algo):  # noqa: F811
+def test_reward_rises_with_engine(ray_cluster, task, tmp_path, backend, algo="gae"):  # noqa: F811
+    """PPO with a critic learns the task through the engine, whose log-probs stay the trainer's. GRPO through each
+    engine runs in the two tests below (the engine killed and restarted; async rollout); GRPO's learning through
+    the trainer is test_async_rollout.py's (the estimators do not touch the engine)."""
     _need(backend)
     from rlhf_sg.trainer import train
 
