@@ -26,6 +26,7 @@ __all__ = [
     "KL_KINDS",
     "actor_loss",
     "approx_kl",
+    "approx_kl_straight_through",
     "discounted_returns",
     "gae",
     "group_advantages",
@@ -45,6 +46,8 @@ ADVANTAGE_ESTIMATORS = ("gae", "reinforce") + GROUP_KINDS
 AGGREGATIONS = ("token_mean", "seq_mean")
 
 _KL_CLAMP = 10.0
+#: the cap of the straight-through KL's importance weight pi_theta / pi_old (OpenRLHF's KL_IS_WEIGHT_CLIP)
+KL_IS_WEIGHT_CAP = 10.0
 _LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: large enough to never bind in practice, small enough to stay finite
 _WHITEN_EPS = 1e-8
 _GROUP_STD_EPS = 1e-6
@@ -155,6 +158,31 @@ def approx_kl(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> t
         d = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
         kl = torch.expm1(d) - d
     return kl.clamp(-_KL_CLAMP, _KL_CLAMP)
+
+
+def approx_kl_straight_through(
+    logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3", old_logp: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The ``kind`` estimate's value with k2's gradient, importance-weighted: a KL loss term whose expected
+    gradient is that of KL(policy || ref) whatever the estimator and however stale the samples.
+
+    logp, ref_logp, old_logp: [B, T]; old_logp is the policy that sampled the tokens (None: this one).
+    Value: :func:`approx_kl` (kind). Gradient w.r.t. logp: ``w * (logp - ref_logp)`` with
+    ``w = min(exp(logp - old_logp), 10)`` detached. Why: the expected gradient of k1 under the sampling policy
+    is 0 and that of k3 is the gradient of the forward KL(ref || policy); ``(logp - ref) * grad log pi`` has
+    expectation grad KL(policy || ref) under the policy, and ``w`` carries that to tokens drawn by an older
+    policy (a later minibatch or epoch). As OpenRLHF's ``compute_approx_kl(..., unbiased_gradient=True)``.
+    """
+    _check_same_shape("approx_kl_straight_through", logp=logp, ref_logp=ref_logp, old_logp=old_logp)
+    value = approx_kl(logp, ref_logp, kind).detach()
+    log_ratio = logp.float() - ref_logp.float()
+    k2 = 0.5 * log_ratio.square()
+    if old_logp is None:
+        weight = torch.ones_like(log_ratio)
+    else:
+        is_log = (logp.float() - old_logp.float()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        weight = torch.exp(is_log).clamp(max=KL_IS_WEIGHT_CAP)
+    return value + weight.detach() * (k2 - k2.detach())
 
 
 def _last_action_index(fn: str, mask: torch.Tensor) -> torch.Tensor:
@@ -486,7 +514,9 @@ class ActorLossConfig:
     tis_cap: float | None = None
     aggregation: str = "token_mean"
     kl_coef: float = 0.0
-    kl_estimator: str = "k1"
+    kl_estimator: str = "k3"
+    #: the KL term's gradient is k2's, importance-weighted (:func:`approx_kl_straight_through`)
+    kl_straight_through: bool = False
     entropy_coef: float = 0.0
 
 
@@ -520,7 +550,10 @@ def actor_loss(
         aggregation=cfg.aggregation, normalizer=normalizer,
     )
     if cfg.kl_coef > 0:
-        kl = approx_kl(logp, ref_logp, cfg.kl_estimator)
+        if cfg.kl_straight_through:
+            kl = approx_kl_straight_through(logp, ref_logp, cfg.kl_estimator, old_logp)
+        else:
+            kl = approx_kl(logp, ref_logp, cfg.kl_estimator)
         loss = loss + cfg.kl_coef * masked_aggregate(kl, m, cfg.aggregation, normalizer)
         metrics["kl_loss"] = masked_mean(kl.detach(), m)
     if cfg.entropy_coef > 0:

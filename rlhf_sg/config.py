@@ -132,8 +132,13 @@ class TrainConfig:
     lam: float = 0.95
     #: KL to the reference: coefficient (0 = no reference model), estimator, and where it goes
     kl_coef: float = 0.01
-    kl_estimator: str = "k1"
+    #: k1, k2 or k3 (None: k1 in the rewards, k3 in the loss; see :func:`kl_estimator`). k1 is refused in the
+    #: loss, where its expected gradient is 0, unless kl_straight_through gives the loss k2's gradient
+    kl_estimator: str | None = None
     kl_mode: str = "reward"  # "reward" (penalty in the rewards) | "loss" (a term of the actor loss)
+    #: kl_mode loss: the KL term keeps the estimator's value with k2's gradient, importance-weighted by
+    #: min(pi / pi_old, 10) (OpenRLHF's unbiased_gradient): its expected gradient is that of KL(policy || ref)
+    kl_straight_through: bool = False
     kl_target: float | None = None
     kl_horizon: int = 10000
     entropy_coef: float = 0.0
@@ -477,8 +482,16 @@ def validate(cfg: Config) -> Config:
               f"engine_kwargs['{literal}_env'] to its name")
     _need(r.memory_fraction is None or 0 < r.memory_fraction <= 1,
           f"--rollout.memory_fraction must be in (0, 1] (a share of each engine device), got {r.memory_fraction}")
-    _need(t.kl_estimator in KL_KINDS, f"--train.kl_estimator must be one of {list(KL_KINDS)}, got {t.kl_estimator!r}")
+    _need(t.kl_estimator is None or t.kl_estimator in KL_KINDS,
+          f"--train.kl_estimator must be one of {list(KL_KINDS)}, got {t.kl_estimator!r}")
     _need(t.kl_mode in ("reward", "loss"), f"--train.kl_mode must be 'reward' or 'loss', got {t.kl_mode!r}")
+    _need(not (t.kl_mode == "loss" and t.kl_estimator == "k1" and not t.kl_straight_through),
+          "--train.kl_mode loss with --train.kl_estimator k1: k1's gradient is grad log pi, whose expectation "
+          "under the policy is 0, so the KL term would not pull the policy toward the reference; use "
+          "--train.kl_estimator k3 (the loss default) or k2, or add --train.kl_straight_through")
+    _need(not t.kl_straight_through or t.kl_mode == "loss",
+          "--train.kl_straight_through shapes the gradient of the KL term of the loss: it needs "
+          "--train.kl_mode loss (in the rewards the KL has no gradient)")
     _need(t.kl_coef >= 0, f"--train.kl_coef must be >= 0, got {t.kl_coef}")
     _need(t.loss_aggregation in ("token_mean", "seq_mean"),
           f"--train.loss_aggregation must be token_mean or seq_mean, got {t.loss_aggregation!r}")
@@ -617,6 +630,14 @@ def shares_prompts(cfg: Config) -> bool:
     """Whether the trainer's forwards share prompts (``--train.share_prompts``): only with an attention that
     takes the tree mask (``sdpa``, ``eager``); flash-attn varlen kernels cannot keep sibling responses apart."""
     return cfg.train.share_prompts and cfg.model.attn_implementation in ("sdpa", "eager")
+
+
+def kl_estimator(cfg: Config) -> str:
+    """The KL estimator in force: ``--train.kl_estimator``, or k1 in the rewards (an unbiased value, as
+    OpenRLHF and verl use there) and k3 in the loss (verl's default ``low_var_kl``: >= 0, with a gradient)."""
+    if cfg.train.kl_estimator is not None:
+        return cfg.train.kl_estimator
+    return "k3" if cfg.train.kl_mode == "loss" else "k1"
 
 
 def tis_cap(cfg: Config) -> float | None:

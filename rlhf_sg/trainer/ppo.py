@@ -31,6 +31,7 @@ from rlhf_sg.config import (
     Config,
     TrainConfig,
     check_devices,
+    kl_estimator,
     offload_states,
     rollout_is_async,
     shares_prompts,
@@ -317,7 +318,7 @@ class PPOTrainer:
         metrics = {"rollout/logp_gap_engine_vs_trainer":
                    algo.masked_mean((experience.rollout_logp - experience.old_logp).abs(), mask).item()}
         if self.uses_ref:
-            kl = algo.approx_kl(experience.old_logp, experience.ref_logp, t.kl_estimator)
+            kl = algo.approx_kl(experience.old_logp, experience.ref_logp, kl_estimator(self.cfg))
             experience.kl = torch.where(mask, kl, 0.0)
             metrics["kl"] = algo.masked_mean(experience.kl, mask).item()
         return metrics
@@ -347,7 +348,8 @@ class PPOTrainer:
             loss=algo.ActorLossConfig(
                 clip_low=t.clip_low, clip_high=t.clip_high, dual_clip=t.dual_clip, tis_cap=tis_cap(self.cfg),
                 aggregation=t.loss_aggregation, kl_coef=self.kl_ctl.value if kl_in_loss else 0.0,
-                kl_estimator=t.kl_estimator, entropy_coef=t.entropy_coef,
+                kl_estimator=kl_estimator(self.cfg), kl_straight_through=t.kl_straight_through,
+                entropy_coef=t.entropy_coef,
             ),
             temperature=self.cfg.rollout.temperature or 1.0,
             old_logp_from_update=not self.recomputes_old_logp,
