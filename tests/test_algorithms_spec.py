@@ -194,7 +194,8 @@ def test_masked_aggregate_default_normalizer_and_its_rules():
     for bad in (0, -1.0):
         with raises_exactly(f"masked_aggregate: normalizer must be > 0 or None, got {bad}"):
             masked_aggregate(x, m, normalizer=bad)
-    with raises_exactly("masked_aggregate: unknown aggregation 'sum'; expected one of ['token_mean', 'seq_mean']"):
+    with raises_exactly("masked_aggregate: unknown aggregation 'sum'; expected one of ['token_mean', 'seq_mean', "
+                        "'seq_mean_token_sum', 'seq_mean_token_sum_norm']"):
         masked_aggregate(x, m, "sum")
 
 
@@ -392,7 +393,8 @@ def test_a_loss_names_itself_for_an_unknown_aggregation(fn):
     x, m = torch.zeros(1, 2), torch.ones(1, 2)
     call = {"policy_loss": lambda: policy_loss(x, x, x, m, aggregation="mean"),
             "value_loss": lambda: value_loss(x, x, x, m, aggregation="mean")}[fn]
-    with raises_exactly(f"{fn}: unknown aggregation 'mean'; expected one of ['token_mean', 'seq_mean']"):
+    with raises_exactly(f"{fn}: unknown aggregation 'mean'; expected one of ['token_mean', 'seq_mean', "
+                        "'seq_mean_token_sum', 'seq_mean_token_sum_norm']"):
         call()
 
 
