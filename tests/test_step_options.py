@@ -16,7 +16,7 @@ from rlhf_sg.algorithms import (
     policy_loss,
 )
 from rlhf_sg.experience import ActorUpdate, Experience, build_rollout_batch
-from rlhf_sg.trainer.rollout import check_completions_per_prompt, eos_token_ids, has_signal
+from rlhf_sg.trainer.rollout import check_completions_per_prompt, eos_token_ids, groups_with_signal, has_signal
 
 T = torch.tensor
 
@@ -129,8 +129,11 @@ def test_a_score_range_drops_groups_whose_mean_is_outside():
     assert has_signal(T([0.0, 1.0, 1.0]), [0.0, 1.0])
     assert not has_signal(T([0.0, 1.0, 1.0]), [0.0, 0.5])  # mean 2/3
     assert not has_signal(T([1.0, 1.0]), [0.0, 2.0])  # no spread: no signal whatever the range
-    # the same group judged after --train.score_clip 1: 5 and 9 both clip to 1
-    assert has_signal(T([5.0, 9.0])) and not has_signal(T([5.0, 9.0]).clamp(-1, 1))
+    # dynamic sampling judges on the clipped scores: with --train.score_clip 1, 5 and 9 both clip to 1
+    groups = [T([5.0, 9.0]), T([0.0, 0.5]), T([0.25, 0.75])]
+    assert groups_with_signal(groups, None) == [True, True, True]
+    assert groups_with_signal(groups, 1.0) == [False, True, True]
+    assert groups_with_signal(groups, 1.0, [0.3, 1.0]) == [False, False, True]
 
 
 # ---- truncation ------------------------------------------------------------------------------------------------------

@@ -90,6 +90,14 @@ def has_signal(group_scores: torch.Tensor, score_range: list[float] | None = Non
     return True
 
 
+def groups_with_signal(group_scores: list[torch.Tensor], score_clip: float | None,
+                       score_range: list[float] | None = None) -> list[bool]:
+    """Dynamic sampling's verdict on each group ([n] scores, overlong-shaped), judged on the scores the
+    advantages use: clipped to ``score_clip`` first, so a group whose scores all clip alike has no signal."""
+    return [has_signal(sc if score_clip is None else sc.clamp(-score_clip, score_clip), score_range)
+            for sc in group_scores]
+
+
 def eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
     """Every id that ends a completion: the tokenizer's EOS and each ``eos_token_id`` of the model's
     ``generation_config.json`` (often a list for chat models: ``<|im_end|>``, ``<|eot_id|>``), in that order."""
@@ -277,10 +285,7 @@ class RolloutMaker:
                 return prompts, experience, reward_metrics(scores)
             groups += [(p, completions[g * n : (g + 1) * n], scores[g * n : (g + 1) * n])
                        for g, p in enumerate(prompts)]
-            # judged on the scores the advantages use: a group all of whose scores clip alike has no signal
-            clip = t.score_clip
-            signal = [has_signal(sc if clip is None else sc.clamp(-clip, clip), t.dynamic_filtering_range)
-                      for _, _, sc in groups]
+            signal = groups_with_signal([sc for _, _, sc in groups], t.score_clip, t.dynamic_filtering_range)
             if sum(signal) >= want or draws >= t.dynamic_filtering_max_draws:
                 break
         chosen, filler = select_groups(signal, want)
