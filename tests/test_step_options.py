@@ -138,9 +138,9 @@ def test_a_score_range_drops_groups_whose_mean_is_outside():
 
 # ---- truncation ------------------------------------------------------------------------------------------------------
 def test_the_finish_reason_becomes_truncated():
-    batch = build_rollout_batch([[5], [6], [7]], [[8, 9], [9], [1]], [[0.0, 0.0], [0.0], [0.0]], 0,
-                                finish_reasons=["length", "stop", "length"])
-    assert batch.truncated.tolist() == [True, False, True]
+    batch = build_rollout_batch([[5], [6], [7], [8]], [[8, 9], [9], [1], [2]], [[0.0, 0.0], [0.0], [0.0], [0.0]],
+                                0, finish_reasons=["length", "stop", "length", "abort"])
+    assert batch.truncated.tolist() == [True, False, True, False]  # only the engine's "length" is truncation
     assert batch.rows([2, 1]).truncated.tolist() == [True, False]
 
 
@@ -243,3 +243,5 @@ def test_a_prompt_without_exactly_n_completions_is_named():
     with pytest.raises(RuntimeError, match=r"engine 1 returned 1 completion\(s\) for prompt 1 of the call \(token ids "
                                            r"\[4, 5\]\), expected --rollout.n_samples_per_prompt 2"):
         check_completions_per_prompt([2, 1], 2, [[3], [4, 5]], [0, 1])
+    with pytest.raises(RuntimeError, match=r"engine 0 returned 3 completion\(s\) for prompt 0"):
+        check_completions_per_prompt([3, 2], 2, [[3], [4, 5]], [0, 1])
