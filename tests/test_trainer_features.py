@@ -117,7 +117,7 @@ def test_ppo_with_reward_model_chat_template_and_critic_from_it(ray_cluster, tas
 
     cfg = make_cfg((str(templated), task[1]), str(tmp_path / "run"), steps=2, algo="gae", reward__kind="model",
                    reward__function=None, model__reward_pretrain=str(rm_dir), data__apply_chat_template=True,
-                   data__max_prompt_len=24, train__critic_warmup_steps=0)
+                   data__max_prompt_len=24, train__critic_warmup_steps=0, train__advantage_norm="center")
     seen = {}
 
     class Recording(PPOTrainer):
@@ -132,6 +132,7 @@ def test_ppo_with_reward_model_chat_template_and_critic_from_it(ray_cluster, tas
     finally:
         trainer.shutdown()
     assert len(history) == 2 and all("critic/loss" in h and "actor/clip_frac" in h for h in history)
+    assert all(h["critic/grad_norm"] > 0 and h["actor/grad_norm"] > 0 for h in history)
     assert all(text.startswith("Q:") and text.endswith("=A:") for text in seen["prompts"][0])
     scores = torch.cat(seen["scores"])
     # a reward model's scores: real numbers that differ between completions, not the rule's 0 / 0.1 / 1
