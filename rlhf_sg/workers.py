@@ -309,7 +309,9 @@ class ModelWorker:
         the same values); ``{prefix}/lr`` is the rate of the last optimizer step. An optimizer step whose gradient
         norm is not finite (a NaN or Inf in the loss or gradients on any rank) is skipped by DeepSpeed's ZeRO-3
         optimizer on every rank, its gradients dropped and the LR schedule not advanced; ``{prefix}/skipped_updates``
-        counts them, of ``{prefix}/updates``."""
+        counts them, of ``{prefix}/updates``; ``{prefix}/grad_norm`` is the mean global gradient norm before
+        clipping over the updates that were not skipped. Metrics weigh the tokens that count in the loss
+        (:attr:`Experience.loss_rows`)."""
         self.engine.train()
         device = self.device
         skipped_before = self.engine.skipped_steps
