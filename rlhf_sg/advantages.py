@@ -45,7 +45,8 @@ class AdvantageInputs:
     scores: [B] float32, clipped to ``score_clip`` when set; action_mask: [B, T] bool; kl: [B, T] the
     per-token KL estimate (zeros when the KL penalty is not in the rewards); kl_coef: its coefficient
     in the rewards (0 when the penalty is in the loss or off); values: [B, T] critic values (estimators
-    registered with ``needs_critic``) or None; gamma, lam: the run's discount and GAE lambda.
+    registered with ``needs_critic``) or None; gamma, lam: the run's discount and GAE lambda; norm: how the
+    whitened estimators normalise (``--train.advantage_norm``: whiten, center or none).
     """
 
     scores: torch.Tensor
@@ -56,6 +57,7 @@ class AdvantageInputs:
     gamma: float = 1.0
     lam: float = 1.0
     values: torch.Tensor | None = None
+    norm: str = "whiten"
 
     def token_rewards(self, sequence_scores: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T] rewards: ``sequence_scores`` ([B], default :attr:`scores`) on each row's last action token
@@ -129,14 +131,14 @@ def _gae(inputs: AdvantageInputs):
     """PPO: GAE over the KL-shaped token rewards and the critic's values, whitened over the batch's tokens."""
     advantages, returns = algo.gae(inputs.token_rewards(), inputs.values, inputs.action_mask, inputs.gamma,
                                    inputs.lam)
-    return algo.masked_whiten(advantages, inputs.action_mask), returns
+    return algo.normalize_advantages(advantages, inputs.action_mask, inputs.norm), returns
 
 
 @register_advantage_estimator("reinforce")
 def _reinforce(inputs: AdvantageInputs):
     """REINFORCE++: discounted returns of the KL-shaped token rewards, whitened over the batch's tokens."""
     returns = algo.discounted_returns(inputs.token_rewards(), inputs.action_mask, inputs.gamma)
-    return algo.masked_whiten(returns, inputs.action_mask), None
+    return algo.normalize_advantages(returns, inputs.action_mask, inputs.norm), None
 
 
 def _register_group(kind: str) -> None:
@@ -157,5 +159,5 @@ for _kind in ("grpo", "dr_grpo", "rloo"):
 def _reinforce_baseline(inputs: AdvantageInputs):
     """REINFORCE++ with a group baseline (:func:`rlhf_sg.algorithms.reinforce_baseline_advantages`)."""
     advantages = algo.reinforce_baseline_advantages(inputs.scores, inputs.kl, inputs.action_mask, inputs.group_size,
-                                                    inputs.kl_coef, 1.0)
+                                                    inputs.kl_coef, 1.0, norm=inputs.norm)
     return advantages, None

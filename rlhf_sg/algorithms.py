@@ -26,12 +26,15 @@ __all__ = [
     "KL_KINDS",
     "actor_loss",
     "approx_kl",
+    "approx_kl_straight_through",
     "discounted_returns",
     "gae",
     "group_advantages",
     "masked_aggregate",
     "masked_mean",
     "masked_whiten",
+    "normalize_advantages",
+    "overlong_penalty",
     "policy_loss",
     "reinforce_baseline_advantages",
     "shape_rewards",
@@ -42,9 +45,19 @@ KL_KINDS = ("k1", "k2", "k3")
 GROUP_KINDS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")
 #: every estimator the trainer accepts; "gae" needs a critic, "reinforce" (REINFORCE++) does not
 ADVANTAGE_ESTIMATORS = ("gae", "reinforce") + GROUP_KINDS
-AGGREGATIONS = ("token_mean", "seq_mean")
+#: token_mean: the step's token mean; seq_mean: the mean of each row's token mean; seq_mean_token_sum: the mean of
+#: each row's token sum (verl); seq_mean_token_sum_norm: that over a constant token budget (Dr.GRPO)
+AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+#: how the whitened estimators (gae, reinforce, reinforce_baseline) normalise their advantages over the batch's
+#: tokens: whiten (mean 0, std 1), center (mean 0 only: OpenRLHF's no_std_norm), none
+ADVANTAGE_NORMS = ("whiten", "center", "none")
+#: truncated importance sampling: truncate clamps the weight into [low, cap]; mask zeroes the tokens whose
+#: weight falls outside (ICEPOP)
+TIS_MODES = ("truncate", "mask")
 
 _KL_CLAMP = 10.0
+#: the cap of the straight-through KL's importance weight pi_theta / pi_old (OpenRLHF's KL_IS_WEIGHT_CLIP)
+KL_IS_WEIGHT_CAP = 10.0
 _LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: large enough to never bind in practice, small enough to stay finite
 _WHITEN_EPS = 1e-8
 _GROUP_STD_EPS = 1e-6
@@ -132,6 +145,19 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     return torch.where(m, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
+def normalize_advantages(x: torch.Tensor, mask: torch.Tensor, norm: str = "whiten") -> torch.Tensor:
+    """Advantages normalised over the masked positions: ``whiten`` (:func:`masked_whiten`), ``center``
+    (``x - mean``) or ``none`` (``x``, 0 where masked out). x, mask: [B, T]."""
+    _check_kind("normalize_advantages", "norm", norm, ADVANTAGE_NORMS)
+    _check_same_shape("normalize_advantages", x=x, mask=mask)
+    m = _as_bool_mask("normalize_advantages", mask)
+    if norm == "whiten":
+        return masked_whiten(x, m)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    out = x - masked_mean(x, m) if norm == "center" else x
+    return torch.where(m, out, zero)
+
+
 # ---- KL and rewards ------------------------------------------------------------------------------
 
 
@@ -155,6 +181,45 @@ def approx_kl(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> t
         d = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
         kl = torch.expm1(d) - d
     return kl.clamp(-_KL_CLAMP, _KL_CLAMP)
+
+
+def approx_kl_straight_through(
+    logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3", old_logp: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The ``kind`` estimate's value with k2's gradient, importance-weighted: a KL loss term whose expected
+    gradient is that of KL(policy || ref) whatever the estimator and however stale the samples.
+
+    logp, ref_logp, old_logp: [B, T]; old_logp is the policy that sampled the tokens (None: this one).
+    Value: :func:`approx_kl` (kind). Gradient w.r.t. logp: ``w * (logp - ref_logp)`` with
+    ``w = min(exp(logp - old_logp), 10)`` detached. Why: the expected gradient of k1 under the sampling policy
+    is 0 and that of k3 is the gradient of the forward KL(ref || policy); ``(logp - ref) * grad log pi`` has
+    expectation grad KL(policy || ref) under the policy, and ``w`` carries that to tokens drawn by an older
+    policy (a later minibatch or epoch). As OpenRLHF's ``compute_approx_kl(..., unbiased_gradient=True)``.
+    """
+    _check_same_shape("approx_kl_straight_through", logp=logp, ref_logp=ref_logp, old_logp=old_logp)
+    value = approx_kl(logp, ref_logp, kind).detach()
+    log_ratio = logp.float() - ref_logp.float()
+    k2 = 0.5 * log_ratio.square()
+    if old_logp is None:
+        weight = torch.ones_like(log_ratio)
+    else:
+        is_log = (logp.float() - old_logp.float()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        weight = torch.exp(is_log).clamp(max=KL_IS_WEIGHT_CAP)
+    return value + weight.detach() * (k2 - k2.detach())
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_len: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to each completion's score.
+
+    lengths: [B] completion lengths in tokens. With ``expected = max_new_tokens - buffer_len``:
+    ``min(-(length - expected) / buffer_len * factor, 0)``: 0 up to ``expected``, falling linearly to ``-factor``
+    at ``max_new_tokens``. Returns [B] float32.
+    """
+    if not 0 < buffer_len <= max_new_tokens:
+        raise ValueError(f"overlong_penalty: buffer_len must be in (0, max_new_tokens = {max_new_tokens}], "
+                         f"got {buffer_len}")
+    exceed = lengths.float() - (max_new_tokens - buffer_len)
+    return (-exceed / buffer_len * factor).clamp(max=0.0)
 
 
 def _last_action_index(fn: str, mask: torch.Tensor) -> torch.Tensor:
@@ -295,6 +360,7 @@ def reinforce_baseline_advantages(
     kl_coef: float,
     gamma: float = 1.0,
     score_clip: float | None = None,
+    norm: str = "whiten",
 ) -> torch.Tensor:
     """REINFORCE++ with a group baseline, per token.
 
@@ -302,13 +368,14 @@ def reinforce_baseline_advantages(
     1. each score (clipped to ``[-score_clip, score_clip]`` when given) minus its group's mean;
     2. token rewards: that on the last action token, ``- kl_coef * kl`` on every action token;
     3. returns ``G_t = r_t + gamma * G_{t+1}``;
-    4. whitened with the mean and (biased) variance over every action token of the batch.
+    4. whitened with the mean and (biased) variance over every action token of the batch (``norm``: see
+       :func:`normalize_advantages`).
     Returns [B, T] float32, 0 where action_mask is 0.
     """
     clipped = _clip_scores("reinforce_baseline_advantages", scores, score_clip)
     baselined = group_advantages(clipped, group_size, "reinforce_baseline")
     rewards = shape_rewards(baselined, kl, action_mask, kl_coef)
-    return masked_whiten(discounted_returns(rewards, action_mask, gamma), action_mask)
+    return normalize_advantages(discounted_returns(rewards, action_mask, gamma), action_mask, norm)
 
 
 def _clip_scores(fn: str, scores: torch.Tensor, score_clip: float | None) -> torch.Tensor:
@@ -323,13 +390,21 @@ def _clip_scores(fn: str, scores: torch.Tensor, score_clip: float | None) -> tor
 
 
 def masked_aggregate(
-    per_token: torch.Tensor, action_mask: torch.Tensor, aggregation: str = "token_mean", normalizer: float | None = None
+    per_token: torch.Tensor,
+    action_mask: torch.Tensor,
+    aggregation: str = "token_mean",
+    normalizer: float | None = None,
+    token_budget: int | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss term to a scalar, as every loss term of a PPO step is reduced.
 
-    per_token, action_mask: [B, T]. token_mean: sum over action tokens / (their number, or ``normalizer``);
-    seq_mean: sum over rows of each row's token mean / (the rows, or ``normalizer``). With the normalizer
-    of the whole optimizer step, micro-batches of any split add up to the same value.
+    per_token, action_mask: [B, T]. With N = ``normalizer`` (default: the action tokens for token_mean, the
+    rows otherwise):
+      token_mean               sum over action tokens / N
+      seq_mean                 sum over rows of each row's token mean / N
+      seq_mean_token_sum       sum over rows of each row's token sum / N                  (verl)
+      seq_mean_token_sum_norm  the same / ``token_budget``, a constant (--rollout.max_new_tokens) (Dr.GRPO)
+    With the normalizer of the whole optimizer step, micro-batches of any split add up to the same value.
     """
     fn = "masked_aggregate"
     _check_2d(fn, "per_token", per_token)
@@ -337,16 +412,24 @@ def masked_aggregate(
     _check_normalizer(fn, normalizer)
     m = _as_bool_mask(fn, action_mask)
     _check_rows_nonempty(fn, m)
-    return _aggregate(fn, per_token, m, aggregation, normalizer)
+    return _aggregate(fn, per_token, m, aggregation, normalizer, token_budget)
 
 
-def _aggregate(fn: str, per_token: torch.Tensor, m: torch.Tensor, aggregation: str, normalizer: float | None):
+def _aggregate(fn: str, per_token: torch.Tensor, m: torch.Tensor, aggregation: str, normalizer: float | None,
+               token_budget: int | None = None):
     _check_kind(fn, "aggregation", aggregation, AGGREGATIONS)
+    if aggregation == "seq_mean_token_sum_norm" and not (token_budget and token_budget > 0):
+        raise ValueError(f"{fn}: seq_mean_token_sum_norm divides by a constant token budget; pass token_budget > 0 "
+                         f"(the run's --rollout.max_new_tokens), got {token_budget}")
     per_token = torch.where(m, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
     if aggregation == "token_mean":
         denom = m.sum() if normalizer is None else normalizer
         return per_token.sum() / denom
-    per_seq = per_token.sum(dim=1) / m.sum(dim=1)
+    per_seq = per_token.sum(dim=1)
+    if aggregation == "seq_mean":
+        per_seq = per_seq / m.sum(dim=1)
+    elif aggregation == "seq_mean_token_sum_norm":
+        per_seq = per_seq / token_budget
     denom = per_seq.numel() if normalizer is None else normalizer
     return per_seq.sum() / denom
 
@@ -368,6 +451,9 @@ def policy_loss(
     tis_cap: float | None = None,
     aggregation: str = "token_mean",
     normalizer: float | None = None,
+    tis_low: float | None = None,
+    tis_mode: str = "truncate",
+    token_budget: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped PPO surrogate, with clip-higher, dual clip and truncated importance sampling.
 
@@ -376,8 +462,10 @@ def policy_loss(
     ratio = exp(logp - old_logp) (log-ratio clamped to +-20), per token
       loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
     dual_clip = c > 1: for A < 0 the loss is also capped at -c * A (Ye et al. 2020).
-    rollout_logp + tis_cap: multiply each token's loss by min(exp(old_logp - rollout_logp), tis_cap),
-    detached, to correct for the engine sampling from slightly different numerics than the trainer.
+    rollout_logp + tis_cap: multiply each token's loss by w = exp(old_logp - rollout_logp), detached, to
+    correct for the engine sampling from slightly different numerics (or older weights) than the trainer:
+    tis_mode truncate uses clamp(w, tis_low, tis_cap); tis_mode mask uses w inside [tis_low, tis_cap] and 0
+    outside (ICEPOP); tis_low None is no lower bound.
     aggregation: "token_mean" (sum over tokens / number of action tokens) or "seq_mean" (mean over
     rows of each row's token mean). normalizer overrides the denominator (action tokens or rows)
     so that micro-batches of one optimizer step add up to one exact mean.
@@ -399,6 +487,9 @@ def policy_loss(
         raise ValueError(f"{fn}: rollout_logp and tis_cap go together; pass both for truncated IS or neither")
     if tis_cap is not None and tis_cap <= 0:
         raise ValueError(f"{fn}: tis_cap must be > 0, got {tis_cap}")
+    if tis_low is not None and (tis_cap is None or not 0 <= tis_low < tis_cap):
+        raise ValueError(f"{fn}: tis_low needs tis_cap and 0 <= tis_low < tis_cap, got {tis_low}, {tis_cap}")
+    _check_kind(fn, "tis_mode", tis_mode, TIS_MODES)
     _check_normalizer(fn, normalizer)
     m = _as_bool_mask(fn, action_mask)
     _check_rows_nonempty(fn, m)
@@ -419,10 +510,16 @@ def policy_loss(
     if rollout_logp is not None:
         is_log = torch.where(m, old_logp.float() - rollout_logp.float(), zero)
         is_log = is_log.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-        weight = torch.exp(is_log).clamp(max=tis_cap).detach()
+        raw = torch.exp(is_log).detach()
+        if tis_mode == "truncate":
+            weight = raw.clamp(min=tis_low, max=tis_cap)
+        else:
+            inside = (raw <= tis_cap) & (raw >= (tis_low if tis_low is not None else 0.0))
+            weight = torch.where(inside, raw, zero)
+            metrics["tis_masked_frac"] = masked_mean((~inside).float(), m).detach()
         loss_tok = loss_tok * weight
         metrics["tis_weight_mean"] = masked_mean(weight, m).detach()
-    loss = _aggregate(fn, loss_tok, m, aggregation, normalizer)
+    loss = _aggregate(fn, loss_tok, m, aggregation, normalizer, token_budget)
     with torch.no_grad():
         metrics["clip_frac"] = masked_mean((surr2 < surr1).float(), m)
         metrics["dual_clip_frac"] = masked_mean(dual_active.float(), m)
@@ -439,6 +536,7 @@ def value_loss(
     clip: float | None = None,
     aggregation: str = "token_mean",
     normalizer: float | None = None,
+    token_budget: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Critic loss ``0.5 * max((v - R)^2, (v_clip - R)^2)`` with
     ``v_clip = old_values + clamp(v - old_values, -clip, clip)`` (clip=None: plain 0.5 * (v - R)^2).
@@ -467,7 +565,7 @@ def value_loss(
         clipped = (v_clip - ret).square()
         loss_tok = 0.5 * torch.maximum(unclipped, clipped)
         clipped_active = clipped > unclipped
-    loss = _aggregate(fn, loss_tok, m, aggregation, normalizer)
+    loss = _aggregate(fn, loss_tok, m, aggregation, normalizer, token_budget)
     with torch.no_grad():
         metrics = {"clip_frac": masked_mean(clipped_active.float(), m), "value_mean": masked_mean(v, m)}
     return loss, metrics
@@ -484,9 +582,15 @@ class ActorLossConfig:
     clip_high: float = 0.2
     dual_clip: float | None = None
     tis_cap: float | None = None
+    tis_low: float | None = None
+    tis_mode: str = "truncate"
     aggregation: str = "token_mean"
+    #: the constant divisor of seq_mean_token_sum_norm (--rollout.max_new_tokens)
+    token_budget: int | None = None
     kl_coef: float = 0.0
-    kl_estimator: str = "k1"
+    kl_estimator: str = "k3"
+    #: the KL term's gradient is k2's, importance-weighted (:func:`approx_kl_straight_through`)
+    kl_straight_through: bool = False
     entropy_coef: float = 0.0
 
 
@@ -517,14 +621,18 @@ def actor_loss(
     loss, metrics = policy_loss(
         logp, old_logp, advantages, m, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
         rollout_logp=rollout_logp if cfg.tis_cap is not None else None, tis_cap=cfg.tis_cap,
-        aggregation=cfg.aggregation, normalizer=normalizer,
+        aggregation=cfg.aggregation, normalizer=normalizer, tis_low=cfg.tis_low, tis_mode=cfg.tis_mode,
+        token_budget=cfg.token_budget,
     )
     if cfg.kl_coef > 0:
-        kl = approx_kl(logp, ref_logp, cfg.kl_estimator)
-        loss = loss + cfg.kl_coef * masked_aggregate(kl, m, cfg.aggregation, normalizer)
+        if cfg.kl_straight_through:
+            kl = approx_kl_straight_through(logp, ref_logp, cfg.kl_estimator, old_logp)
+        else:
+            kl = approx_kl(logp, ref_logp, cfg.kl_estimator)
+        loss = loss + cfg.kl_coef * masked_aggregate(kl, m, cfg.aggregation, normalizer, cfg.token_budget)
         metrics["kl_loss"] = masked_mean(kl.detach(), m)
     if cfg.entropy_coef > 0:
-        loss = loss - cfg.entropy_coef * masked_aggregate(entropy, m, cfg.aggregation, normalizer)
+        loss = loss - cfg.entropy_coef * masked_aggregate(entropy, m, cfg.aggregation, normalizer, cfg.token_budget)
     metrics["entropy"] = masked_mean(entropy.detach(), m)
     return loss, metrics
 

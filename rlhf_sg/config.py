@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_sg.advantages import advantage_estimator, advantage_estimators
-from rlhf_sg.algorithms import KL_KINDS
+from rlhf_sg.algorithms import ADVANTAGE_NORMS, AGGREGATIONS, KL_KINDS, TIS_MODES
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 #: --data.overlong_prompts: what happens to a prompt over --data.max_prompt_len (rlhf_sg.data.load_prompts)
@@ -133,23 +133,48 @@ class TrainConfig:
     lam: float = 0.95
     #: KL to the reference: coefficient (0 = no reference model), estimator, and where it goes
     kl_coef: float = 0.01
-    kl_estimator: str = "k1"
+    #: k1, k2 or k3 (None: k1 in the rewards, k3 in the loss; see :func:`kl_estimator`). k1 is refused in the
+    #: loss, where its expected gradient is 0, unless kl_straight_through gives the loss k2's gradient
+    kl_estimator: str | None = None
     kl_mode: str = "reward"  # "reward" (penalty in the rewards) | "loss" (a term of the actor loss)
+    #: kl_mode loss: the KL term keeps the estimator's value with k2's gradient, importance-weighted by
+    #: min(pi / pi_old, 10) (OpenRLHF's unbiased_gradient): its expected gradient is that of KL(policy || ref)
+    kl_straight_through: bool = False
     kl_target: float | None = None
     kl_horizon: int = 10000
     entropy_coef: float = 0.0
+    #: how every loss term is reduced: token_mean, seq_mean (each row's token mean, then the rows' mean),
+    #: seq_mean_token_sum (verl: each row's token sum, then the rows' mean), seq_mean_token_sum_norm (Dr.GRPO:
+    #: that over the constant --rollout.max_new_tokens)
     loss_aggregation: str = "token_mean"
+    #: how gae / reinforce / reinforce_baseline normalise their advantages over the batch's tokens: whiten,
+    #: center (subtract the mean only: OpenRLHF's no_std_norm) or none (the group estimators never whiten)
+    advantage_norm: str = "whiten"
+    #: take the completions the engines cut at --rollout.max_new_tokens out of the actor's and critic's
+    #: losses and their normaliser (their scores still count in their group's baseline); the truncation
+    #: rate is logged as rollout/truncated_frac either way
+    mask_truncated: bool = False
     #: clip each score to [-score_clip, score_clip] before any baseline or shaping (every estimator)
     score_clip: float | None = None
     #: truncated importance sampling against the engine's log-probs (None: off in sync rollout, 2.0 with
     #: --rollout.mode async, where samples come from older weights)
     tis_cap: float | None = None
+    #: a lower bound of the TIS weight (None: none; needs a cap in force)
+    tis_low: float | None = None
+    #: truncate (clamp the weight into [tis_low, tis_cap]) or mask (tokens whose weight falls outside count 0:
+    #: ICEPOP)
+    tis_mode: str = "truncate"
     #: drop groups whose scores are all equal (no signal for group estimators) and draw more prompts until
     #: the step's batch is full again (DAPO's dynamic sampling); needs n_samples_per_prompt >= 2
     dynamic_filtering: bool = False
     #: with dynamic_filtering, at most this many generation rounds per step; if the batch is still not full,
-    #: it is filled up with filtered groups (logged as rollout/unfiltered_groups)
+    #: it is filled up with filtered groups (logged as rollout/unfiltered_groups), which run through the
+    #: forwards but stay out of the losses and their normaliser: they would only dilute the step's gradient
     dynamic_filtering_max_draws: int = 4
+    #: with dynamic_filtering, also drop a group whose mean score is not strictly inside (lo, hi) (OpenRLHF's
+    #: dynamic_filtering_range; e.g. 0,1 for pass/fail scores); groups are judged on the scores the
+    #: advantages use (after the overlong penalty and --train.score_clip). Empty: off
+    dynamic_filtering_range: list[float] = field(default_factory=list)
     #: critic-only steps before the actor starts training (PPO)
     critic_warmup_steps: int = 0
     seed: int = 42
@@ -212,6 +237,11 @@ class RewardConfig:
     timeout_s: float | None = None
     #: times a remote scorer that is down, slow or answers 5xx is asked again (waiting 1, 2, 4, ... s)
     retries: int = 3
+    #: DAPO's overlong reward shaping: a completion longer than max_new_tokens - overlong_buffer_len tokens gets
+    #: min(-(length - (max_new_tokens - buffer)) / buffer * overlong_penalty_factor, 0) added to its score
+    #: (None: off)
+    overlong_buffer_len: int | None = None
+    overlong_penalty_factor: float = 1.0
 
 
 @dataclass
@@ -478,11 +508,36 @@ def validate(cfg: Config) -> Config:
               f"engine_kwargs['{literal}_env'] to its name")
     _need(r.memory_fraction is None or 0 < r.memory_fraction <= 1,
           f"--rollout.memory_fraction must be in (0, 1] (a share of each engine device), got {r.memory_fraction}")
-    _need(t.kl_estimator in KL_KINDS, f"--train.kl_estimator must be one of {list(KL_KINDS)}, got {t.kl_estimator!r}")
+    _need(t.kl_estimator is None or t.kl_estimator in KL_KINDS,
+          f"--train.kl_estimator must be one of {list(KL_KINDS)}, got {t.kl_estimator!r}")
     _need(t.kl_mode in ("reward", "loss"), f"--train.kl_mode must be 'reward' or 'loss', got {t.kl_mode!r}")
+    _need(not (t.kl_mode == "loss" and t.kl_estimator == "k1" and not t.kl_straight_through),
+          "--train.kl_mode loss with --train.kl_estimator k1: k1's gradient is grad log pi, whose expectation "
+          "under the policy is 0, so the KL term would not pull the policy toward the reference; use "
+          "--train.kl_estimator k3 (the loss default) or k2, or add --train.kl_straight_through")
+    _need(not t.kl_straight_through or t.kl_mode == "loss",
+          "--train.kl_straight_through shapes the gradient of the KL term of the loss: it needs "
+          "--train.kl_mode loss (in the rewards the KL has no gradient)")
     _need(t.kl_coef >= 0, f"--train.kl_coef must be >= 0, got {t.kl_coef}")
-    _need(t.loss_aggregation in ("token_mean", "seq_mean"),
-          f"--train.loss_aggregation must be token_mean or seq_mean, got {t.loss_aggregation!r}")
+    _need(t.loss_aggregation in AGGREGATIONS,
+          f"--train.loss_aggregation must be one of {list(AGGREGATIONS)}, got {t.loss_aggregation!r}")
+    _need(t.advantage_norm in ADVANTAGE_NORMS,
+          f"--train.advantage_norm must be one of {list(ADVANTAGE_NORMS)}, got {t.advantage_norm!r}")
+    _need(t.tis_mode in TIS_MODES, f"--train.tis_mode must be one of {list(TIS_MODES)}, got {t.tis_mode!r}")
+    _need(t.tis_low is None or (tis_cap(cfg) is not None and 0 <= t.tis_low < tis_cap(cfg)),
+          f"--train.tis_low {t.tis_low}: a lower bound of the TIS weight needs a cap in force (--train.tis_cap, or "
+          f"async rollout's {ASYNC_TIS_CAP}) above it, and must be >= 0; the cap is {tis_cap(cfg)}")
+    rng = t.dynamic_filtering_range
+    _need(not rng or (len(rng) == 2 and rng[0] < rng[1]),
+          f"--train.dynamic_filtering_range takes two scores lo,hi with lo < hi (a group is kept when its mean score "
+          f"is strictly inside), got {rng}")
+    _need(not rng or t.dynamic_filtering, "--train.dynamic_filtering_range needs --train.dynamic_filtering")
+    if rw.overlong_buffer_len is not None:
+        _need(0 < rw.overlong_buffer_len <= r.max_new_tokens,
+              f"--reward.overlong_buffer_len must be in (0, --rollout.max_new_tokens = {r.max_new_tokens}], got "
+              f"{rw.overlong_buffer_len}")
+    _need(rw.overlong_penalty_factor >= 0,
+          f"--reward.overlong_penalty_factor must be >= 0, got {rw.overlong_penalty_factor}")
     for flag, v in (("--train.actor_num_ranks", t.actor_num_ranks), ("--train.critic_num_ranks", t.critic_num_ranks),
                     ("--train.ref_num_ranks", t.ref_num_ranks), ("--rollout.num_engines", r.num_engines),
                     ("--rollout.prompts_per_step", r.prompts_per_step), ("--train.max_steps", t.max_steps),
@@ -618,6 +673,14 @@ def shares_prompts(cfg: Config) -> bool:
     """Whether the trainer's forwards share prompts (``--train.share_prompts``): only with an attention that
     takes the tree mask (``sdpa``, ``eager``); flash-attn varlen kernels cannot keep sibling responses apart."""
     return cfg.train.share_prompts and cfg.model.attn_implementation in ("sdpa", "eager")
+
+
+def kl_estimator(cfg: Config) -> str:
+    """The KL estimator in force: ``--train.kl_estimator``, or k1 in the rewards (an unbiased value, as
+    OpenRLHF and verl use there) and k3 in the loss (verl's default ``low_var_kl``: >= 0, with a gradient)."""
+    if cfg.train.kl_estimator is not None:
+        return cfg.train.kl_estimator
+    return "k3" if cfg.train.kl_mode == "loss" else "k1"
 
 
 def tis_cap(cfg: Config) -> float | None:

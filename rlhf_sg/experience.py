@@ -36,6 +36,11 @@ class Experience:
     action_mask: torch.Tensor  #: [B, T] bool, the tokens the policy chose
     rollout_logp: torch.Tensor  #: [B, T] float32, the engine's log-probs of them
     weight_version: torch.Tensor | None = None  #: [B] int64, the engine weights that sampled each completion
+    #: [B] bool, the engine stopped the completion at --rollout.max_new_tokens (finish reason "length")
+    truncated: torch.Tensor | None = None
+    #: [B] bool, the rows whose tokens count in the actor's and critic's losses and their normaliser (None: all);
+    #: the others still run through every forward (--train.mask_truncated, dynamic sampling's filler groups)
+    loss_rows: torch.Tensor | None = None
     scores: torch.Tensor | None = None  #: [B] float32, the reward of each completion
     ref_logp: torch.Tensor | None = None  #: [B, T] reference model log-probs
     values: torch.Tensor | None = None  #: [B, T] critic values before the update
@@ -117,11 +122,13 @@ def build_rollout_batch(
     rollout_logps: list[list[float]],
     pad_id: int,
     weight_versions: list[int] | None = None,
+    finish_reasons: list[str] | None = None,
 ) -> Experience:
     """The engines' samples as an :class:`Experience`: left-padded prompts and right-padded responses.
 
     prompts[i], responses[i], rollout_logps[i]: sample i's prompt ids, completion ids and the engine's
-    log-prob of each completion token; weight_versions[i]: the engine weights that sampled it.
+    log-prob of each completion token; weight_versions[i]: the engine weights that sampled it;
+    finish_reasons[i]: why the engine stopped it ("length" marks it ``truncated``).
     """
     B = len(prompts)
     P = max(len(p) for p in prompts)
@@ -141,4 +148,5 @@ def build_rollout_batch(
     return Experience(
         sequences=sequences, attention_mask=attention_mask, action_mask=action_mask, rollout_logp=rollout_logp,
         weight_version=None if weight_versions is None else torch.as_tensor(weight_versions, dtype=torch.long),
+        truncated=None if finish_reasons is None else torch.tensor([f == "length" for f in finish_reasons]),
     )

@@ -12,6 +12,7 @@ device, packs them (no compute on padding) and returns its results by global row
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -119,11 +120,31 @@ def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate,
     # a single update on fresh samples: the policy that sampled is the one being trained, so the old
     # log-probs are this forward's own
     old_logp = logp.detach() if update.old_logp_from_update else mb.old_logp
+    keep, scale = _rows_in_loss(mb)
+    if keep is not None:
+        logp, entropy, old_logp, mb = logp[keep], entropy[keep], old_logp[keep], mb.rows(keep)
     loss, metrics = actor_loss(logp, entropy, old_logp, mb.advantages, mb.action_mask, update.loss, normalizer,
                                rollout_logp=mb.rollout_logp, ref_logp=mb.ref_logp)
     if update.old_logp_from_update:
         metrics["logp_gap_engine_vs_trainer"] = masked_mean((mb.rollout_logp - old_logp).abs(), mb.action_mask)
-    return loss, metrics
+    return loss * scale, metrics
+
+
+def _rows_in_loss(mb: Experience) -> tuple[list[int] | None, float]:
+    """The rows of a micro-batch that count in the loss (:attr:`Experience.loss_rows`; None: all) and the
+    loss's scale: 0 when no row counts, the loss then computed over all rows so that every rank runs the same
+    collective backward and reports the same metric names (with no tokens behind them)."""
+    if mb.loss_rows is None or bool(mb.loss_rows.all()):
+        return None, 1.0
+    if not bool(mb.loss_rows.any()):
+        return None, 0.0
+    return mb.loss_rows.nonzero().flatten().tolist(), 1.0
+
+
+def loss_tokens(mb: Experience) -> torch.Tensor:
+    """The action tokens of a micro-batch that count in the loss: the weight of its metrics."""
+    mask = mb.action_mask if mb.loss_rows is None else mb.action_mask & mb.loss_rows[:, None]
+    return mask.sum().float()
 
 
 def critic_microbatch_loss(model, mb: Experience, update: CriticUpdate,
@@ -134,10 +155,13 @@ def critic_microbatch_loss(model, mb: Experience, update: CriticUpdate,
 
     values = critic_values(model, mb.sequences, mb.attention_mask, mb.response_width,
                            share_prompts=update.share_prompts)
+    keep, scale = _rows_in_loss(mb)
+    if keep is not None:
+        values, mb = values[keep], mb.rows(keep)
     loss, metrics = value_loss(values, mb.values, mb.returns, mb.action_mask, clip=update.value_clip,
                                aggregation="token_mean", normalizer=normalizer)
     metrics["loss"] = loss.detach() * normalizer / mb.action_mask.sum()
-    return loss, metrics
+    return loss * scale, metrics
 
 
 class ModelWorker:
@@ -285,26 +309,34 @@ class ModelWorker:
         the same values); ``{prefix}/lr`` is the rate of the last optimizer step. An optimizer step whose gradient
         norm is not finite (a NaN or Inf in the loss or gradients on any rank) is skipped by DeepSpeed's ZeRO-3
         optimizer on every rank, its gradients dropped and the LR schedule not advanced; ``{prefix}/skipped_updates``
-        counts them, of ``{prefix}/updates``."""
+        counts them, of ``{prefix}/updates``; ``{prefix}/grad_norm`` is the mean global gradient norm before
+        clipping over the updates that were not skipped. Metrics weigh the tokens that count in the loss
+        (:attr:`Experience.loss_rows`)."""
         self.engine.train()
         device = self.device
         skipped_before = self.engine.skipped_steps
         sums: dict[str, torch.Tensor] = {}
         weights: dict[str, torch.Tensor] = {}
-        lr = 0.0
+        lr, grad_norms = 0.0, []
         for step in steps:
             for i, micro in enumerate(step.plan):
                 self.engine.set_gradient_accumulation_boundary(i == len(step.plan) - 1)
                 mb = experience.rows(micro).to(device)
                 loss, metrics = micro_loss(mb, step.normalizer)
                 self.engine.backward(loss, scale_wrt_gas=False)
-                tokens = mb.action_mask.sum().float()
+                tokens = loss_tokens(mb)
                 for k, v in metrics.items():
                     sums[k] = sums[k] + v.detach() * tokens if k in sums else v.detach() * tokens
                     weights[k] = weights[k] + tokens if k in weights else tokens
             lr = float(self.engine.get_lr()[0])
             self.engine.step()
+            # the global norm before clipping (the same on every rank); inf on a skipped step
+            norm = self.engine.get_global_grad_norm()
+            if norm is not None and math.isfinite(float(norm)):
+                grad_norms.append(float(norm))
         means = allreduce_weighted_means(sums, weights, self.spec.timeout_s)
+        if grad_norms:
+            means["grad_norm"] = sum(grad_norms) / len(grad_norms)
         return {**{f"{prefix}/{k}": v for k, v in means.items()}, f"{prefix}/lr": lr,
                 f"{prefix}/updates": float(len(steps)),
                 f"{prefix}/skipped_updates": float(self.engine.skipped_steps - skipped_before)}

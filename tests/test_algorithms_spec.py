@@ -194,7 +194,8 @@ def test_masked_aggregate_default_normalizer_and_its_rules():
     for bad in (0, -1.0):
         with raises_exactly(f"masked_aggregate: normalizer must be > 0 or None, got {bad}"):
             masked_aggregate(x, m, normalizer=bad)
-    with raises_exactly("masked_aggregate: unknown aggregation 'sum'; expected one of ['token_mean', 'seq_mean']"):
+    with raises_exactly("masked_aggregate: unknown aggregation 'sum'; expected one of ['token_mean', 'seq_mean', "
+                        "'seq_mean_token_sum', 'seq_mean_token_sum_norm']"):
         masked_aggregate(x, m, "sum")
 
 
@@ -352,7 +353,7 @@ def test_actor_loss_small_coefficients_count_and_zero_coefficients_need_nothing(
     logp, entropy, old, adv, mask, ref, rollout = _actor_inputs()
     base, _ = actor_loss(logp, entropy, old, adv, mask, ActorLossConfig(), 5.0)
     with_kl, metrics = actor_loss(logp, entropy, old, adv, mask, ActorLossConfig(kl_coef=0.5), 5.0, ref_logp=ref)
-    kl = approx_kl(logp, ref)  # the default estimator, k1
+    kl = approx_kl(logp, ref, "k3")  # the loss's default estimator (k1's expected gradient is 0)
     assert with_kl.item() == pytest.approx(base.item() + 0.5 * kl[mask.bool()].sum().item() / 5, abs=1e-6)
     assert "kl_loss" in metrics
     with_entropy, _ = actor_loss(logp, entropy, old, adv, mask, ActorLossConfig(entropy_coef=0.5), 5.0)
@@ -392,7 +393,8 @@ def test_a_loss_names_itself_for_an_unknown_aggregation(fn):
     x, m = torch.zeros(1, 2), torch.ones(1, 2)
     call = {"policy_loss": lambda: policy_loss(x, x, x, m, aggregation="mean"),
             "value_loss": lambda: value_loss(x, x, x, m, aggregation="mean")}[fn]
-    with raises_exactly(f"{fn}: unknown aggregation 'mean'; expected one of ['token_mean', 'seq_mean']"):
+    with raises_exactly(f"{fn}: unknown aggregation 'mean'; expected one of ['token_mean', 'seq_mean', "
+                        "'seq_mean_token_sum', 'seq_mean_token_sum_norm']"):
         call()
 
 

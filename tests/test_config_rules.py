@@ -11,6 +11,7 @@ from rlhf_sg.config import (
     ConfigError,
     _coerce,
     apply_overrides,
+    kl_estimator,
     load_yaml,
     optimizer_steps,
     validate,
@@ -85,10 +86,37 @@ RULES = [
      "--train.kl_estimator must be one of ['k1', 'k2', 'k3'], got 'k9'"),
     ({'train.kl_mode': 'both'},
      "--train.kl_mode must be 'reward' or 'loss', got 'both'"),
+    ({'train.kl_mode': 'loss', 'train.kl_estimator': 'k1'},
+     "--train.kl_mode loss with --train.kl_estimator k1: k1's gradient is grad log pi, whose expectation "
+     "under the policy is 0, so the KL term would not pull the policy toward the reference; use "
+     "--train.kl_estimator k3 (the loss default) or k2, or add --train.kl_straight_through"),
+    ({'train.kl_straight_through': True},
+     "--train.kl_straight_through shapes the gradient of the KL term of the loss: it needs "
+     "--train.kl_mode loss (in the rewards the KL has no gradient)"),
     ({'train.kl_coef': -0.1},
      '--train.kl_coef must be >= 0, got -0.1'),
     ({'train.loss_aggregation': 'sum'},
-     "--train.loss_aggregation must be token_mean or seq_mean, got 'sum'"),
+     "--train.loss_aggregation must be one of ['token_mean', 'seq_mean', 'seq_mean_token_sum', "
+     "'seq_mean_token_sum_norm'], got 'sum'"),
+    ({'train.advantage_norm': 'std'},
+     "--train.advantage_norm must be one of ['whiten', 'center', 'none'], got 'std'"),
+    ({'train.tis_mode': 'clip'},
+     "--train.tis_mode must be one of ['truncate', 'mask'], got 'clip'"),
+    ({'train.tis_low': 0.5},
+     "--train.tis_low 0.5: a lower bound of the TIS weight needs a cap in force (--train.tis_cap, or async "
+     "rollout's 2.0) above it, and must be >= 0; the cap is None"),
+    ({'train.tis_low': 2.0, 'train.tis_cap': 2.0},
+     "--train.tis_low 2.0: a lower bound of the TIS weight needs a cap in force (--train.tis_cap, or async "
+     "rollout's 2.0) above it, and must be >= 0; the cap is 2.0"),
+    ({'train.dynamic_filtering': True, 'rollout.n_samples_per_prompt': 2, 'train.dynamic_filtering_range': [1.0, 0.0]},
+     "--train.dynamic_filtering_range takes two scores lo,hi with lo < hi (a group is kept when its mean score is "
+     "strictly inside), got [1.0, 0.0]"),
+    ({'train.dynamic_filtering_range': [0.0, 1.0]},
+     "--train.dynamic_filtering_range needs --train.dynamic_filtering"),
+    ({'reward.overlong_buffer_len': 0},
+     "--reward.overlong_buffer_len must be in (0, --rollout.max_new_tokens = 64], got 0"),
+    ({'reward.overlong_penalty_factor': -1.0},
+     "--reward.overlong_penalty_factor must be >= 0, got -1.0"),
     ({'data.overlong_prompts': 'cut'},
      "--data.overlong_prompts must be one of ['error', 'drop', 'truncate'], got 'cut'"),
     ({'train.num_minibatches': 5},
@@ -216,7 +244,16 @@ PASSING_BOUNDARIES = [
     {"rollout.memory_fraction": 0.01},
     {"train.kl_coef": 0.0},
     {"train.kl_mode": "loss"},
+    {"train.kl_mode": "loss", "train.kl_estimator": "k2"},
+    {"train.kl_mode": "loss", "train.kl_estimator": "k1", "train.kl_straight_through": True},
+    {"train.kl_mode": "reward", "train.kl_estimator": "k1"},
     {"train.loss_aggregation": "seq_mean"},
+    {"train.loss_aggregation": "seq_mean_token_sum_norm"},
+    {"train.advantage_norm": "none"},
+    {"train.tis_low": 0.0, "train.tis_cap": 2.0, "train.tis_mode": "mask"},
+    {"train.dynamic_filtering": True, "rollout.n_samples_per_prompt": 2, "train.dynamic_filtering_range": [0.0, 1.0]},
+    {"reward.overlong_buffer_len": 64, "reward.overlong_penalty_factor": 0.0},
+    {"train.mask_truncated": True},
     {"rollout.prompts_per_step": 1, "rollout.n_samples_per_prompt": 2, "train.actor_num_ranks": 2},
     {"rollout.prompts_per_step": 1, "rollout.n_samples_per_prompt": 1, "train.actor_num_ranks": 1},
     {"train.num_minibatches": 4, "train.actor_num_ranks": 8},
@@ -865,3 +902,11 @@ def test_prompts_are_shared_only_when_asked_and_the_attention_takes_a_mask(base,
 
     cfg = validate(base({'train.share_prompts': share, 'model.attn_implementation': attn}))
     assert shares_prompts(cfg) is shared
+
+
+@pytest.mark.parametrize("mode, estimator, expected", [("reward", None, "k1"), ("loss", None, "k3"),
+                                                       ("reward", "k3", "k3"), ("loss", "k2", "k2")])
+def test_the_kl_estimator_defaults_by_mode_and_a_set_one_is_kept(base, mode, estimator, expected):
+    """Unset, the rewards keep k1 (as before) and the loss gets k3, whose gradient is not 0 in expectation."""
+    cfg = validate(base({"train.kl_mode": mode, "train.kl_estimator": estimator}))
+    assert kl_estimator(cfg) == expected

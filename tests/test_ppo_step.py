@@ -153,6 +153,9 @@ def test_dynamic_sampling_draws_prompts_until_the_batch_is_full(model_dir, tmp_p
     assert batch.scores.tolist() == [float(i % N) if expected[i // N] in SIGNAL else 0.0 for i in range(2 * N)]
     assert metrics["rollout/sample_draws"] == draws
     assert metrics["rollout/unfiltered_groups"] == filler
+    # a filler group runs through the forwards but stays out of the losses and their normaliser
+    assert batch.loss_rows.tolist() == [True] * N + [not filler] * N
+    assert batch.truncated is not None
     assert metrics["rollout/groups_kept_frac"] == pytest.approx((2 if draws == 3 else 1) / (2 * draws))
     assert timer.end_step()["generate"] > 0
 
@@ -591,3 +594,30 @@ def test_without_shared_prompts_the_minibatches_are_the_row_shuffle():
     update_plans(exp, 1, t, a, share_prompts=False)
     update_plans(exp, 1, t, b, share_prompts=True)
     assert a.getstate() == b.getstate()
+
+
+def _update_with_loss_rows(model_path: str, loss_rows: list[bool]) -> dict:
+    """One ZeRO-3 update with ``loss_rows`` set; its metrics and the log-probs before and after."""
+    import torch.distributed as dist
+
+    worker, batch, plan = actor_rank(model_path)
+    try:
+        batch.old_logp = worker.forward(batch, plan)[1]
+        batch.loss_rows = torch.tensor(loss_rows)
+        metrics = worker.train_actor(batch, one_step(plan, batch), PLAIN_UPDATE)
+        return {"metrics": metrics, "before": batch.old_logp, "after": worker.forward(batch, plan)[1]}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_actor_logs_its_gradient_norm_and_rows_out_of_the_loss_move_nothing(model_dir):
+    """``actor/grad_norm`` is DeepSpeed's global norm before clipping: positive after a real update, 0 when no
+    row counts in the loss (``Experience.loss_rows`` all False: truncated samples or filler groups), in which case
+    the weights stay as they were although every rank ran its forward and backward."""
+    trained = in_fresh_process(_update_with_loss_rows, model_dir, [True, False, True, True])
+    assert trained["metrics"]["actor/grad_norm"] > 0
+    assert not torch.equal(trained["before"], trained["after"])
+    frozen = in_fresh_process(_update_with_loss_rows, model_dir, [False, False, False, False])
+    assert frozen["metrics"]["actor/grad_norm"] == 0.0
+    torch.testing.assert_close(frozen["before"], frozen["after"], rtol=0, atol=0)

@@ -57,6 +57,8 @@ def test_grpo_with_remote_reward_kl_loss_tis_profiler_tensorboard_and_export(ray
     out = tmp_path / "run"
     cfg = make_cfg(task, str(out), steps=2, algo="grpo", reward__kind="remote", reward__url=reward_server,
                    reward__function=None, train__kl_mode="loss", train__kl_coef=0.05, train__tis_cap=2.0,
+                   train__tis_low=0.5, train__tis_mode="mask", train__kl_straight_through=True,
+                   train__loss_aggregation="seq_mean_token_sum_norm", reward__overlong_buffer_len=2,
                    train__lr_scheduler="linear", log__profile_step=0, log__tensorboard=True, log__export_hf=True)
     _RewardHandler.calls = 0
     trainer = PPOTrainer(cfg)
@@ -71,6 +73,9 @@ def test_grpo_with_remote_reward_kl_loss_tis_profiler_tensorboard_and_export(ray
         trainer.shutdown()
     assert _RewardHandler.calls == 2  # one scoring request per step
     assert all("actor/kl_loss" in h for h in history)  # the KL went into the loss, not the reward
+    # the step options reach the run: the truncation rate, the actor's gradient norm, the TIS mask
+    assert all(0 <= h["rollout/truncated_frac"] <= 1 and h["actor/grad_norm"] > 0 for h in history)
+    assert all("actor/tis_masked_frac" in h for h in history)
     # one optimizer step a step, decaying linearly to 0 after the run's two steps
     assert [h["actor/lr"] for h in history] == pytest.approx([cfg.train.actor_lr, cfg.train.actor_lr / 2])
     # one update per batch and no KL in the rewards: no separate old-log-prob pass, the update measured
@@ -112,7 +117,7 @@ def test_ppo_with_reward_model_chat_template_and_critic_from_it(ray_cluster, tas
 
     cfg = make_cfg((str(templated), task[1]), str(tmp_path / "run"), steps=2, algo="gae", reward__kind="model",
                    reward__function=None, model__reward_pretrain=str(rm_dir), data__apply_chat_template=True,
-                   data__max_prompt_len=24, train__critic_warmup_steps=0)
+                   data__max_prompt_len=24, train__critic_warmup_steps=0, train__advantage_norm="center")
     seen = {}
 
     class Recording(PPOTrainer):
@@ -127,6 +132,7 @@ def test_ppo_with_reward_model_chat_template_and_critic_from_it(ray_cluster, tas
     finally:
         trainer.shutdown()
     assert len(history) == 2 and all("critic/loss" in h and "actor/clip_frac" in h for h in history)
+    assert all(h["critic/grad_norm"] > 0 and h["actor/grad_norm"] > 0 for h in history)
     assert all(text.startswith("Q:") and text.endswith("=A:") for text in seen["prompts"][0])
     scores = torch.cat(seen["scores"])
     # a reward model's scores: real numbers that differ between completions, not the rule's 0 / 0.1 / 1

@@ -31,6 +31,7 @@ from rlhf_sg.config import (
     Config,
     TrainConfig,
     check_devices,
+    kl_estimator,
     offload_states,
     rollout_is_async,
     shares_prompts,
@@ -44,7 +45,7 @@ from rlhf_sg.trainer import checkpoint
 from rlhf_sg.trainer.async_rollout import AsyncRollout
 from rlhf_sg.trainer.cluster import Cluster
 from rlhf_sg.trainer.layout import Layout
-from rlhf_sg.trainer.rollout import EngineFailure, RolloutMaker, check_staleness
+from rlhf_sg.trainer.rollout import EngineFailure, RolloutMaker, check_staleness, eos_token_ids
 from rlhf_sg.trainer.run_log import RunLog
 from rlhf_sg.workers import wait_ranks
 
@@ -76,7 +77,8 @@ def update_plans(experience: Experience, world: int, t: TrainConfig, rng: random
                  normalize_rows: bool = False, share_prompts: bool = False) -> list[list[OptimizerStep]]:
     """Per rank, its part of every optimizer step of the ``ppo_epochs`` epochs: each epoch shuffles the rows
     (with ``rng``) into ``num_minibatches`` minibatches, one optimizer step each. The normaliser is the
-    minibatch's action tokens (rows with ``normalize_rows``) over ``world``. ``share_prompts``: the samples of
+    minibatch's action tokens (rows with ``normalize_rows``) over ``world``, counting only the rows in
+    :attr:`Experience.loss_rows` (1 when none counts: the loss is then 0). ``share_prompts``: the samples of
     one prompt are shuffled as one unit, so a minibatch holds whole groups wherever the minibatch size allows
     (the prompt is then computed once for all of them), and micro-batches are as :func:`microbatch_plans`
     makes them for shared-prompt forwards."""
@@ -97,7 +99,9 @@ def update_plans(experience: Experience, world: int, t: TrainConfig, rng: random
         order = [b for unit in shuffled for b in unit]
         for k in range(num_mb):
             rows = sorted(order[k * B // num_mb : (k + 1) * B // num_mb])
-            tokens = len(rows) if normalize_rows else float(experience.action_mask[rows].sum())
+            counted = rows if experience.loss_rows is None else [b for b in rows if experience.loss_rows[b]]
+            tokens = len(counted) if normalize_rows else float(experience.action_mask[counted].sum())
+            tokens = tokens or 1.0
             for rank, plan in enumerate(microbatch_plans(experience, world, t.max_tokens_per_microbatch, rows,
                                                                 share_prompts)):
                 per_rank[rank].append(OptimizerStep(plan=plan, normalizer=tokens / world))
@@ -173,9 +177,9 @@ class PPOTrainer:
         with open(os.path.join(cfg.log.output_dir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
         self.cluster.start()
-        eos_id = self.tokenizer.eos_token_id
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_id
-        self.rollout = RolloutMaker(cfg, self.cluster.engines, self.stream, eos_id, pad_id, self.compute_rewards,
+        eos_ids = eos_token_ids(cfg.model.pretrain, self.tokenizer)
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_ids[0]
+        self.rollout = RolloutMaker(cfg, self.cluster.engines, self.stream, eos_ids, pad_id, self.compute_rewards,
                                     restart=lambda i: self.cluster.restart_engine(i, self.weight_version))
         if cfg.log.resume:
             self._resume()
@@ -219,6 +223,7 @@ class PPOTrainer:
 
         metrics.update(self.score(experience, timer))  # reference log-probs, values, old log-probs, KL
         self.compute_advantages(experience)
+        metrics.update(self.mask_truncated(experience))
         self.on_experience(experience)
         with timer.phase("train"):
             # a KL the scoring forwards measured (the sampling policy's) stands over the one the update's loss saw
@@ -317,7 +322,7 @@ class PPOTrainer:
         metrics = {"rollout/logp_gap_engine_vs_trainer":
                    algo.masked_mean((experience.rollout_logp - experience.old_logp).abs(), mask).item()}
         if self.uses_ref:
-            kl = algo.approx_kl(experience.old_logp, experience.ref_logp, t.kl_estimator)
+            kl = algo.approx_kl(experience.old_logp, experience.ref_logp, kl_estimator(self.cfg))
             experience.kl = torch.where(mask, kl, 0.0)
             metrics["kl"] = algo.masked_mean(experience.kl, mask).item()
         return metrics
@@ -335,9 +340,21 @@ class PPOTrainer:
             scores=scores.float(), action_mask=experience.action_mask,
             kl=experience.kl if kl_in_reward else torch.zeros_like(experience.rollout_logp),
             kl_coef=self.kl_ctl.value if kl_in_reward else 0.0, group_size=self.cfg.rollout.n_samples_per_prompt,
-            gamma=t.gamma, lam=t.lam, values=experience.values,
+            gamma=t.gamma, lam=t.lam, values=experience.values, norm=t.advantage_norm,
         )
         experience.advantages, experience.returns = self.estimator(inputs)
+
+    def mask_truncated(self, experience: Experience) -> dict[str, float]:
+        """Log the share of completions the engines cut at ``--rollout.max_new_tokens``; with
+        ``--train.mask_truncated`` take them out of the actor's and critic's losses and their normaliser (their
+        scores still count in their group's baseline, as TRL's ``mask_truncated_completions``)."""
+        if experience.truncated is None:
+            return {}
+        truncated = experience.truncated.bool()
+        if self.cfg.train.mask_truncated:
+            rows = torch.ones_like(truncated) if experience.loss_rows is None else experience.loss_rows.bool()
+            experience.loss_rows = rows & ~truncated
+        return {"rollout/truncated_frac": truncated.float().mean().item()}
 
     def actor_update(self) -> ActorUpdate:
         """This step's policy-update settings (the KL coefficient is the controller's current value)."""
@@ -346,8 +363,10 @@ class PPOTrainer:
         return ActorUpdate(
             loss=algo.ActorLossConfig(
                 clip_low=t.clip_low, clip_high=t.clip_high, dual_clip=t.dual_clip, tis_cap=tis_cap(self.cfg),
+                tis_low=t.tis_low, tis_mode=t.tis_mode, token_budget=self.cfg.rollout.max_new_tokens,
                 aggregation=t.loss_aggregation, kl_coef=self.kl_ctl.value if kl_in_loss else 0.0,
-                kl_estimator=t.kl_estimator, entropy_coef=t.entropy_coef,
+                kl_estimator=kl_estimator(self.cfg), kl_straight_through=t.kl_straight_through,
+                entropy_coef=t.entropy_coef,
             ),
             temperature=self.cfg.rollout.temperature or 1.0,
             old_logp_from_update=not self.recomputes_old_logp,
@@ -366,7 +385,7 @@ class PPOTrainer:
                       for i, w in enumerate(cluster.critic.workers)]
         if not (self.uses_critic and self.step < t.critic_warmup_steps):
             steps = update_plans(experience, t.actor_num_ranks, t, self.rng,
-                                 normalize_rows=t.loss_aggregation == "seq_mean", share_prompts=self.share_prompts)
+                                 normalize_rows=t.loss_aggregation != "token_mean", share_prompts=self.share_prompts)
             update = self.actor_update()
             calls += [("actor", i, w.train_actor.remote(ref, steps[i], update))
                       for i, w in enumerate(cluster.actor.workers)]

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -75,10 +77,50 @@ def continue_completion(before, after, budget: int):
     return Completion(before.token_ids + tokens, before.logprobs + logprobs, finish, version, before.prompt_index)
 
 
-def has_signal(group_scores: torch.Tensor) -> bool:
+def has_signal(group_scores: torch.Tensor, score_range: list[float] | None = None) -> bool:
     """Whether a group's scores ([n], one prompt's samples) differ: a group of equal scores gets zero
-    advantage from every group estimator, so it costs training compute and teaches nothing."""
-    return bool((group_scores.max() - group_scores.min()) > 0)
+    advantage from every group estimator, so it costs training compute and teaches nothing. With
+    ``score_range`` (lo, hi) the group's mean must also lie strictly inside it (OpenRLHF's
+    ``dynamic_filtering_range``: e.g. drop prompts every sample solves or none does)."""
+    if not bool((group_scores.max() - group_scores.min()) > 0):
+        return False
+    if score_range:
+        lo, hi = score_range
+        return lo < group_scores.float().mean().item() < hi
+    return True
+
+
+def groups_with_signal(group_scores: list[torch.Tensor], score_clip: float | None,
+                       score_range: list[float] | None = None) -> list[bool]:
+    """Dynamic sampling's verdict on each group ([n] scores, overlong-shaped), judged on the scores the
+    advantages use: clipped to ``score_clip`` first, so a group whose scores all clip alike has no signal."""
+    return [has_signal(sc if score_clip is None else sc.clamp(-score_clip, score_clip), score_range)
+            for sc in group_scores]
+
+
+def eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
+    """Every id that ends a completion: the tokenizer's EOS and each ``eos_token_id`` of the model's
+    ``generation_config.json`` (often a list for chat models: ``<|im_end|>``, ``<|eot_id|>``), in that order."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids += [eos] if isinstance(eos, int) else [int(e) for e in eos or []]
+    return tuple(dict.fromkeys(ids))
+
+
+def check_completions_per_prompt(counts: list[int], n: int, prompts: list[list[int]], engine_of: list[int]) -> None:
+    """Every prompt must come back with exactly ``n`` completions: the group estimators and dynamic sampling
+    read each prompt's samples as one contiguous group of n."""
+    for j, count in enumerate(counts):
+        if count != n:
+            head = prompts[j][:16]
+            raise RuntimeError(
+                f"engine {engine_of[j]} returned {count} completion(s) for prompt {j} of the call (token ids "
+                f"{head}{'...' if len(prompts[j]) > 16 else ''}), expected --rollout.n_samples_per_prompt {n}; "
+                "the backend's generate must return n completions per prompt, prompt-major"
+            )
 
 
 def select_groups(signal: list[bool], want: int) -> tuple[list[int], int]:
@@ -113,10 +155,12 @@ class RolloutMaker:
     through ``restart`` and its prompts are generated again, with the same seed; ``restarts`` counts them.
     After ``--rollout.max_engine_restarts`` restarts of one engine in a row, :class:`EngineFailure`."""
 
-    def __init__(self, cfg: Config, engines: list, stream: PromptStream, eos_id: int, pad_id: int, score: ScoreFn,
-                 restart: RestartFn | None = None, on_policy: bool = True):
+    def __init__(self, cfg: Config, engines: list, stream: PromptStream, eos_id: int | tuple[int, ...], pad_id: int,
+                 score: ScoreFn, restart: RestartFn | None = None, on_policy: bool = True):
         self.cfg, self.engines, self.stream, self.score = cfg, engines, stream, score
-        self.eos_id, self.pad_id, self.restart = eos_id, pad_id, restart
+        #: every EOS id (:func:`eos_token_ids`), each a stop token of the engines
+        self.eos_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+        self.pad_id, self.restart = pad_id, restart
         self.on_policy = on_policy  # every completion must come from the trainer's weights (sync rollout)
         self.restarts = 0  # engine restarts so far
         self.continued = 0  # completions cut short at a weight sync and continued after it (partial rollout)
@@ -131,7 +175,8 @@ class RolloutMaker:
         r = self.cfg.rollout
         return SamplingParams(
             n=r.n_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-            max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(r.stop_token_ids) + (self.eos_id,),
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=tuple(dict.fromkeys(tuple(r.stop_token_ids) + self.eos_ids)),
         )
 
     def generate(self, prompts: list[Prompt], step: int, draw: int = 0) -> list:
@@ -188,6 +233,9 @@ class RolloutMaker:
                 for c in result:
                     by_prompt.setdefault(pending[i][c.prompt_index], []).append(c)
                 del pending[i]
+        engine_of = {j: i for i, shard in shards.items() for j in shard}
+        check_completions_per_prompt([len(by_prompt.get(j, [])) for j in range(len(prompts))], params.n, prompts,
+                                     [engine_of[j] for j in range(len(prompts))])
         return [c for j in range(len(prompts)) for c in by_prompt[j]]
 
     def _restart(self, index: int, died: Exception) -> None:
@@ -231,12 +279,13 @@ class RolloutMaker:
             experience = self._experience(prompts, completions)
             with timer.phase("reward"):
                 scores = self.score(prompts, completions, experience)
+            scores = self.shape_scores(scores, experience)
             if not t.dynamic_filtering:
                 experience.scores = scores
                 return prompts, experience, reward_metrics(scores)
             groups += [(p, completions[g * n : (g + 1) * n], scores[g * n : (g + 1) * n])
                        for g, p in enumerate(prompts)]
-            signal = [has_signal(sc) for _, _, sc in groups]
+            signal = groups_with_signal([sc for _, _, sc in groups], t.score_clip, t.dynamic_filtering_range)
             if sum(signal) >= want or draws >= t.dynamic_filtering_max_draws:
                 break
         chosen, filler = select_groups(signal, want)
@@ -246,6 +295,8 @@ class RolloutMaker:
         prompts = [groups[g][0] for g in chosen]
         experience = self._experience(prompts, [c for g in chosen for c in groups[g][1]])
         experience.scores = torch.cat([groups[g][2] for g in chosen])
+        # filler groups run through the forwards but stay out of the losses and their normaliser
+        experience.loss_rows = torch.tensor([signal[g] for g in chosen for _ in range(n)])
         metrics = reward_metrics(torch.cat([sc for _, _, sc in groups]))
         metrics.update({"rollout/sample_draws": draws, "rollout/groups_kept_frac": sum(signal) / len(signal),
                         "rollout/unfiltered_groups": filler})
@@ -259,4 +310,17 @@ class RolloutMaker:
             [c.logprobs for c in completions],
             self.pad_id,
             weight_versions=[c.weight_version for c in completions],
+            finish_reasons=[c.finish_reason for c in completions],
         )
+
+    def shape_scores(self, scores: torch.Tensor, experience: Experience) -> torch.Tensor:
+        """The reward's scores [B] with DAPO's overlong penalty added (``--reward.overlong_buffer_len``):
+        :func:`rlhf_sg.algorithms.overlong_penalty` of each completion's length."""
+        from rlhf_sg.algorithms import overlong_penalty
+
+        rw = self.cfg.reward
+        if rw.overlong_buffer_len is None:
+            return scores
+        lengths = experience.action_mask.sum(dim=1)
+        return scores.float() + overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, rw.overlong_buffer_len,
+                                                 rw.overlong_penalty_factor)
