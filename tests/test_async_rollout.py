@@ -318,6 +318,27 @@ def _async_cfg(task, out, steps, algo="grpo", **rollout):
     return cfg
 
 
+def _run_recording_versions(cfg) -> tuple[list[dict], list[tuple[int, list[int]]]]:
+    """Train ``cfg`` on the quickstart reward; the history and, per step, the weight version of every sample."""
+    import arith_task
+
+    from rlhf_sg.trainer import PPOTrainer
+
+    versions = []
+
+    class Recording(PPOTrainer):
+        def on_experience(self, experience):
+            versions.append((self.step, experience.weight_version.tolist()))
+
+    trainer = Recording(cfg, reward_fn=arith_task.addition_reward)
+    try:
+        trainer.setup()
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    return history, versions
+
+
 def _check_staleness_bound(history, versions, steps, max_staleness):
     assert len(history) == steps and history[-1]["weight_version"] == steps
     for step, vs in versions:
@@ -333,25 +354,10 @@ def test_async_run_keeps_every_sample_within_the_staleness_bound(ray_cluster, ta
     ``max_staleness`` versions behind the trainer's (the trainer checks each sample; here also from the logged
     metrics), batches do get stale (the overlap is real), and the weight version advances once per step. The
     default (bound 1, partial rollout) is held to the same checks by the learning run below."""
-    import arith_task
-
-    from rlhf_sg.trainer import PPOTrainer
-
     steps = 4
     cfg = _async_cfg(task, str(tmp_path / "run"), steps, max_staleness=max_staleness, partial_rollout=False,
                      max_new_tokens=8)
-    versions = []
-
-    class Recording(PPOTrainer):
-        def on_experience(self, experience):
-            versions.append((self.step, experience.weight_version.tolist()))
-
-    trainer = Recording(cfg, reward_fn=arith_task.addition_reward)
-    try:
-        trainer.setup()
-        history = trainer.fit()
-    finally:
-        trainer.shutdown()
+    history, versions = _run_recording_versions(cfg)
     _check_staleness_bound(history, versions, steps, max_staleness)
 
 
@@ -359,25 +365,10 @@ def test_async_run_keeps_every_sample_within_the_staleness_bound(ray_cluster, ta
 def test_async_run_learns_the_quickstart_task(ray_cluster, task, tmp_path):
     """GRPO in async mode with its defaults (staleness bound 1, partial rollout) learns the task, and every
     sample keeps within the bound (the checks of the test above)."""
-    import arith_task
-
-    from rlhf_sg.trainer import PPOTrainer
-
     steps = 16
     cfg = _async_cfg(task, str(tmp_path / "learn"), steps)
     assert cfg.rollout.max_staleness == 1 and cfg.rollout.partial_rollout
-    versions = []
-
-    class Recording(PPOTrainer):
-        def on_experience(self, experience):
-            versions.append((self.step, experience.weight_version.tolist()))
-
-    trainer = Recording(cfg, reward_fn=arith_task.addition_reward)
-    try:
-        trainer.setup()
-        history = trainer.fit()
-    finally:
-        trainer.shutdown()
+    history, versions = _run_recording_versions(cfg)
     rewards = [h["reward/mean"] for h in history]
     # the sync-mode test's margin (128 samples a step: the step mean's noise is ~0.04)
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.05, rewards
