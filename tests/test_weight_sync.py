@@ -198,15 +198,14 @@ def odd_model(seed: int = 0, vocab_size: int | None = None):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A 2-rank ZeRO-3 trainer and 2 embedded engines over one saved tiny Qwen2."""
+def cluster(ray_cluster, tmp_path_factory):
+    """A 2-rank ZeRO-3 trainer and 2 embedded engines over one saved tiny Qwen2, on the session's Ray."""
     from rlhf_sg.bench.weight_sync import start_trainer_ranks
     from rlhf_sg.engine_actor import start_engine_actors
     from rlhf_sg.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("weight_sync")
     model_path = save_tiny_model(str(root / "model"), model=odd_model())
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     backend = f"{os.path.abspath(__file__)}:ResetCountingBackend"
     config = BackendConfig(model_path=model_path, num_threads=1, extra={"reset_log_dir": str(root)})
     engines = start_engine_actors(backend, config, 2)
@@ -214,7 +213,8 @@ def cluster(tmp_path_factory):
     ranks = start_trainer_ranks(model_path, 2, timeout_s=600.0)  # start-up on a busy CI box is slow
     state = {"version": 0}
     yield {"model_path": model_path, "engines": engines, "ranks": ranks, "logs": logs, "state": state}
-    ray.shutdown()
+    for actor in [*engines, *ranks]:
+        ray.kill(actor)
 
 
 def _get(refs):
