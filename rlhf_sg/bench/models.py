@@ -2,7 +2,8 @@
 
 For each family of :data:`rlhf_sg.tiny.FAMILIES` (tiny random-weight float32 models built from their config
 classes) and each training layout, the largest |Δ| between what the layout gives and what each row gives alone
-through the model's own forward: response log-probs, their entropy, and the gradient of the summed log-probs.
+through the model's own forward: response log-probs, their entropy, the values of a critic head on the same
+backbone (:class:`rlhf_sg.models.ValueHeadModel`), and the gradient of the summed log-probs.
 
 Layouts: ``packed`` (sequences bin-packed into rows with a block-causal mask, ``share_prompts=False``) and
 ``shared`` (rows with one prompt compute it once, ``share_prompts=True``). A layout prints ``exact`` when every
@@ -40,12 +41,13 @@ def rollout_batch(vocab: int = 128, seed: int = 0) -> tuple[torch.Tensor, torch.
     return sequences, mask, response_width
 
 
-def alone(model, sequences: torch.Tensor, mask: torch.Tensor, response_width: int):
-    """Log-probs and entropy [B, T] of each row run alone (its real tokens only) through ``model``'s forward."""
+def alone(model, sequences: torch.Tensor, mask: torch.Tensor, response_width: int, critic=None):
+    """Log-probs, entropy and (with a ``critic``) values [B, T] of each row run alone (its real tokens only)
+    through the model's own forward."""
     prompt_width = sequences.shape[1] - response_width
     logp = torch.zeros(sequences.shape[0], response_width)
     entropy = torch.zeros_like(logp)
-    rows_logp, rows_entropy = [], []
+    rows_logp, rows_entropy, rows_values = [], [], []
     for b in range(sequences.shape[0]):
         real = mask[b].bool()
         ids = sequences[b][real][None]
@@ -56,10 +58,15 @@ def alone(model, sequences: torch.Tensor, mask: torch.Tensor, response_width: in
         logsm = logits.log_softmax(-1)
         rows_logp.append((b, n, logsm.gather(-1, ids[0, p : p + n, None])[:, 0]))
         rows_entropy.append(-(logsm.exp() * logsm).sum(-1))
-    for (b, n, lp), ent in zip(rows_logp, rows_entropy):
-        logp = logp.index_put((torch.tensor([b]), torch.arange(n)), lp)
-        entropy = entropy.index_put((torch.tensor([b]), torch.arange(n)), ent)
-    return logp, entropy
+        if critic is not None:
+            rows_values.append(critic(input_ids=ids, use_cache=False)[0, p - 1 : p - 1 + n].detach())
+    values = torch.zeros_like(logp)
+    for (b, n, lp), ent, val in zip(rows_logp, rows_entropy, rows_values or [None] * len(rows_logp)):
+        index = (torch.tensor([b]), torch.arange(n))
+        logp, entropy = logp.index_put(index, lp), entropy.index_put(index, ent)
+        if val is not None:
+            values = values.index_put(index, val)
+    return logp, entropy, values
 
 
 def _grads(model, loss: torch.Tensor) -> list[torch.Tensor]:
@@ -68,14 +75,16 @@ def _grads(model, loss: torch.Tensor) -> list[torch.Tensor]:
             for g, p in zip(torch.autograd.grad(loss, params, allow_unused=True), params)]
 
 
-def check_family(family: str) -> dict[str, tuple[str, float]]:
-    """layout -> (verdict, max |Δ| over log-probs, entropy and gradients) for ``family``."""
-    from rlhf_sg.packing import one_sequence_per_row_reason, response_logprobs
+def check_family(family: str) -> dict[str, tuple[str, float, float]]:
+    """layout -> (verdict, max |Δlogp|, max |Δ| over log-probs, entropy, values and gradients) for ``family``."""
+    from rlhf_sg.models import ValueHeadModel
+    from rlhf_sg.packing import critic_values, one_sequence_per_row_reason, response_logprobs
     from rlhf_sg.tiny import tiny_family_model
 
     model = tiny_family_model(family)
+    critic = ValueHeadModel(model.base_model)
     sequences, mask, width = rollout_batch(model.config.vocab_size)
-    ref_logp, ref_entropy = alone(model, sequences, mask, width)
+    ref_logp, ref_entropy, ref_values = alone(model, sequences, mask, width, critic)
     ref_grads = _grads(model, ref_logp.sum())
     ref_logp, ref_entropy = ref_logp.detach(), ref_entropy.detach()
     out = {}
@@ -83,17 +92,21 @@ def check_family(family: str) -> dict[str, tuple[str, float]]:
         try:
             logp, entropy = response_logprobs(model, sequences, mask, width, with_entropy=True,
                                               share_prompts=layout == "shared")
+            with torch.no_grad():
+                values = critic_values(critic, sequences, mask, width, share_prompts=layout == "shared")
         except (ValueError, TypeError) as e:
-            out[layout] = (f"refused: {e}", float("nan"))
+            out[layout] = (f"refused: {e}", float("nan"), float("nan"))
             continue
         grads = _grads(model, logp.sum())
-        delta = max(float((logp.detach() - ref_logp).abs().max()), float((entropy.detach() - ref_entropy).abs().max()),
+        delta_logp = float((logp.detach() - ref_logp).abs().max())
+        delta = max(delta_logp, float((entropy.detach() - ref_entropy).abs().max()),
+                    float((values - ref_values).abs().max()),
                     max(float((g - r).abs().max()) for g, r in zip(grads, ref_grads)))
         if delta > TOLERANCE:
             verdict = "WRONG"
         else:
             verdict = "fell back" if one_sequence_per_row_reason(model) else "exact"
-        out[layout] = (verdict, delta)
+        out[layout] = (verdict, delta_logp, delta)
     return out
 
 
@@ -103,10 +116,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rlhf_sg.bench models", description=__doc__.split("\n")[0])
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), help=f"a subset of {', '.join(FAMILIES)}")
     args = parser.parse_args(argv)
-    print(f"{'family':14s}" + "".join(f"{layout:>28s}" for layout in LAYOUTS))
+    print("max |Δlogp| / max |Δ| over log-probs, entropy, values and gradients, against each row alone")
+    print(f"{'family':14s}" + "".join(f"{layout:>34s}" for layout in LAYOUTS))
     for family in args.families:
         cells = check_family(family)
-        print(f"{family:14s}" + "".join(f"{f'{v[:12]} {d:.1e}':>28s}" for v, d in cells.values()), flush=True)
+        print(f"{family:14s}" + "".join(f"{f'{v[:12]} {dl:.1e} / {d:.1e}':>34s}" for v, dl, d in cells.values()),
+              flush=True)
 
 
 if __name__ == "__main__":

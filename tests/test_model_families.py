@@ -1,0 +1,77 @@
+"""The model-family matrix: every training layout gives what each row gives alone, or falls back to one that does.
+
+Tiny random-weight float32 models of each family (:data:`rlhf_sg.tiny.FAMILIES`, built from config classes),
+a rollout batch whose sequences are longer than the families' window (4) and two of which share a packed row.
+On 877c2e3's packing code this failed: Mistral/Mixtral/Phi-3 max |Δlogp| 0.078/0.14/0.076 (window ignored),
+Qwen3.5 4e-4 packed / 2e-3 shared and Qwen3-Next 2e-3 / 1.3e-2 (recurrent state across sequences), Gemma-3 and
+windowed Qwen2 refused, Bloom crashed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+from torch import nn
+
+from rlhf_sg.bench.models import LAYOUTS, TOLERANCE, check_family
+from rlhf_sg.packing import _FALLBACKS_LOGGED, one_sequence_per_row_reason
+from rlhf_sg.tiny import FAMILIES
+
+#: families that cannot hold two sequences in a row: recurrent layers (Qwen3.5, Qwen3-Next) or ALiBi (Bloom)
+ONE_PER_ROW = {"qwen3.5", "qwen3-next", "bloom"}
+
+
+@functools.cache
+def _matrix(family: str):
+    return check_family(family)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layout_equals_rows_alone(family, layout):
+    """Log-probs, entropy, critic values and log-prob gradients of the layout equal each row run alone through
+    the model's own forward (float32 rounding), exactly where the family can pack, by falling back where not."""
+    verdict, delta_logp, delta = _matrix(family)[layout]
+    assert verdict == ("fell back" if family in ONE_PER_ROW else "exact"), (verdict, delta_logp, delta)
+    assert delta <= TOLERANCE
+
+
+def test_fallback_is_logged_once_with_its_reason(caplog):
+    """A recurrent model's fallback names the layer type that forced it, once per model class and layout."""
+    from rlhf_sg.bench.models import rollout_batch
+    from rlhf_sg.packing import response_logprobs
+    from rlhf_sg.tiny import tiny_family_model
+
+    _FALLBACKS_LOGGED.clear()
+    model = tiny_family_model("qwen3.5")
+    sequences, mask, width = rollout_batch()
+    with caplog.at_level(logging.WARNING, logger="rlhf_sg.packing"):
+        for _ in range(2):
+            response_logprobs(model, sequences, mask, width, share_prompts=True)
+    messages = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
+    reason = "Qwen3_5ForCausalLM: config.layer_types holds 'linear_attention' layers"
+    assert messages == [f"{reason}, so share_prompts falls back to one sequence per row",
+                        f"{reason}, so packing falls back to one sequence per row"]
+
+
+def test_recurrent_mixer_found_in_the_module_tree():
+    """Without layer_types, a token mixer that is not attention is found by its module class."""
+
+    class Config:
+        model_type = "hybrid"
+
+    class JambaMambaMixer(nn.Module):
+        pass
+
+    class Hybrid(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = Config()
+            self.layers = nn.ModuleList([nn.Linear(2, 2), JambaMambaMixer()])
+
+    assert one_sequence_per_row_reason(Hybrid()) == "layers.1 is a JambaMambaMixer (not attention)"
+    plain = Hybrid()
+    plain.layers = nn.ModuleList([nn.Linear(2, 2)])
+    assert one_sequence_per_row_reason(plain) is None
