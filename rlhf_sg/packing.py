@@ -26,8 +26,9 @@ Attention across sequences never happens: with transformers 5.19, ``sdpa``/``eag
 ``position_ids`` and no mask attend across sequences whenever the model builds a KV cache (the default
 ``use_cache``), logits off by ~0.5. We therefore always pass ``use_cache=False`` and, wherever a row
 holds several sequences, an explicit 4D mask, which transformers hands to the attention function
-untouched (``masking_utils`` returns a 4D mask as-is): ``sdpa`` a bool mask (True = attend), ``eager``
-an additive float mask in the model's dtype (a bool mask would be ADDED to the scores there: wrong).
+untouched (``masking_utils`` returns a 4D mask as-is): an additive mask in the model's dtype for both ``sdpa``
+and ``eager`` (a bool mask would be ADDED to the scores by eager: wrong; sdpa would convert it on every layer),
+built once per forward and shared by every layer (see :func:`_finish_mask`).
 
 The functions the trainer calls, all taking the padded layout and answering in it:
 :func:`response_logprobs` (log-probs and entropy of response tokens, fp32, chunked over the vocabulary),
@@ -53,6 +54,10 @@ _FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 _MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
 
 logger = logging.getLogger(__name__)
+
+#: key-axis alignment of the dense masks (torch's memory-efficient sdpa pads a mask's last dim to a multiple of
+#: 16: ``lastDimAligned`` in ``torch/_meta_registrations.py``)
+_MASK_KEY_ALIGNMENT = 16
 
 
 @dataclass
@@ -409,14 +414,14 @@ def pack_shared_prompts(
 
 
 def _shared_forward(model: nn.Module, rows: SharedPromptRows, impl: str, **forward_kwargs):
-    """Call ``model`` on shared-prompt rows with their tree mask (``sdpa``: bool; ``eager``: additive)."""
+    """Call ``model`` on shared-prompt rows with their tree mask (additive, in the model's dtype)."""
     if impl not in _MASKED_IMPLEMENTATIONS:
         raise ValueError(
             f"shared prompts need an attention that takes a mask ({_MASKED_IMPLEMENTATIONS}); {impl} (varlen) "
             "cannot keep sibling responses apart: pass share_prompts=False"
         )
     module = _unwrap(model)
-    dtype = None if impl == "sdpa" else _model_dtype(module)
+    dtype = _model_dtype(module)
     mask = _dense_mask(module, lambda window: rows.attention_mask(dtype, window))
     return model(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=mask, use_cache=False,
                  **forward_kwargs)
@@ -509,15 +514,21 @@ def _finish_mask(
 ) -> torch.Tensor:
     """[R, L, L] bool -> [R, 1, L, L] attention mask: the sliding window applied from positions
     (transformers' ``sliding_window_overlay``: key k is kept iff ``q - k < window``), then bool (``dtype=None``)
-    or additive in ``dtype``."""
+    or additive in ``dtype`` (0 or the dtype's minimum).
+
+    The additive mask is a view of a buffer whose key axis is padded to a multiple of :data:`_MASK_KEY_ALIGNMENT`:
+    torch's memory-efficient sdpa kernel copies (pads) a mask whose strides are not aligned, and converts a bool
+    mask to float, on every call; aligned and in the model's dtype, every layer reads (and autograd keeps) the one
+    storage transformers hands to all of them."""
     if window is not None:
         allowed = allowed & (position_ids[:, :, None] - position_ids[:, None, :] < window)
     allowed = allowed[:, None]
     if dtype is None:
         return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed, torch.finfo(dtype).min
-    )
+    keys = allowed.shape[-1]
+    padded = -(-keys // _MASK_KEY_ALIGNMENT) * _MASK_KEY_ALIGNMENT
+    mask = torch.full((*allowed.shape[:-1], padded), torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
+    return mask[..., :keys].masked_fill_(allowed, 0)
 
 
 #: layer types whose attention a dense mask expresses exactly; the window of a sliding layer is in the mask
@@ -616,7 +627,7 @@ def packed_forward(
 
     - ``flash_attention_2``/``_3``: no mask; ``cu_seq_lens_q/k`` and ``max_length_q/k`` go to the
       varlen kernel (the batch must be one row: ``pack(..., row_tokens=None)``);
-    - ``sdpa``: a bool block-causal mask [R, 1, L, L];
+    - ``sdpa``: an additive block-causal mask [R, 1, L, L] in the model's dtype (as eager);
     - ``eager``: an additive float block-causal mask [R, 1, L, L] in the model's dtype;
     - either, when every row holds one sequence: no mask (plain causal attention is then exact).
 
@@ -644,7 +655,7 @@ def packed_forward(
         # With one sequence per row, causal attention alone keeps sequences apart (row padding comes after
         # the sequence); passing no mask lets transformers build its own causal one (sdpa: is_causal).
         if batch.input_ids.shape[0] < batch.num_sequences:
-            dtype = None if impl == "sdpa" else _model_dtype(module)
+            dtype = _model_dtype(module)
             position_ids = batch.position_ids.to(device)
             kwargs["attention_mask"] = _dense_mask(
                 module, lambda window: _block_causal_mask(position_ids, dtype, window)

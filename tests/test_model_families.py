@@ -75,3 +75,33 @@ def test_recurrent_mixer_found_in_the_module_tree():
     plain = Hybrid()
     plain.layers = nn.ModuleList([nn.Linear(2, 2)])
     assert one_sequence_per_row_reason(plain) is None
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_one_mask_storage_reaches_every_layer_in_the_model_dtype(monkeypatch, share_prompts):
+    """The packed and shared-prompt forwards build the dense mask once: every layer's sdpa call gets the same
+    storage, additive in the model's dtype (no per-layer bool -> float conversion), its key axis padded to a
+    multiple of 16 (torch's memory-efficient kernel would copy an unaligned mask on every call)."""
+    import torch
+
+    from rlhf_sg.bench.models import rollout_batch
+    from rlhf_sg.packing import response_logprobs
+    from rlhf_sg.tiny import tiny_family_model
+
+    model = tiny_family_model("qwen2").to(torch.bfloat16)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    seen = []
+
+    def recording_sdpa(query, key, value, attn_mask=None, **kwargs):
+        seen.append(attn_mask)
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    sequences, mask, width = rollout_batch()
+    response_logprobs(model, sequences, mask, width, share_prompts=share_prompts)
+    assert len(seen) == model.config.num_hidden_layers
+    assert len({m.data_ptr() for m in seen}) == 1
+    for m in seen:
+        assert m.dtype == torch.bfloat16
+        assert m.stride(-2) % 16 == 0 and m.shape[-1] % 16 != 0  # aligned although the rows are not
+        assert set(m.unique().tolist()) == {0.0, torch.finfo(torch.bfloat16).min}

@@ -486,7 +486,7 @@ class _Recorder(nn.Module):
 def test_packed_forward_passes_the_documented_arguments_for_each_convention():
     ids, mask, _ = _rollout()  # sequences of 4, 6, 2 tokens
     batch = pack(ids, mask, row_tokens=6)  # rows [6] and [4, 2]: fewer rows than sequences
-    for impl, mask_dtype in (("sdpa", torch.bool), ("eager", torch.float32)):
+    for impl, mask_dtype in (("sdpa", torch.float32), ("eager", torch.float32)):  # additive, the model's dtype
         model = _Recorder(impl)
         packed_forward(model, batch)
         (kwargs,) = model.calls
@@ -518,15 +518,15 @@ def test_sliding_windows_are_in_the_packed_mask_per_layer_type():
 
     mistral = _Recorder("sdpa", sliding_window=4)  # no layer_types: every layer slides
     packed_forward(mistral, batch)
-    assert torch.equal(mistral.calls[0]["attention_mask"], expected(4))
+    assert torch.equal(mistral.calls[0]["attention_mask"] == 0, expected(4))
     mixed = _Recorder("sdpa", layer_types=["sliding_attention", "full_attention"], sliding_window=3)
     packed_forward(mixed, batch)
-    masks = mixed.calls[0]["attention_mask"]
+    masks = {t: m == 0 for t, m in mixed.calls[0]["attention_mask"].items()}
     assert set(masks) == {"sliding_attention", "full_attention"}
     assert torch.equal(masks["sliding_attention"], expected(3)) and torch.equal(masks["full_attention"], expected(None))
     full = _Recorder("sdpa", layer_types=["full_attention"], sliding_window=2)  # a window no layer uses
     packed_forward(full, batch)
-    assert torch.equal(full.calls[0]["attention_mask"], expected(None))
+    assert torch.equal(full.calls[0]["attention_mask"] == 0, expected(None))
 
 
 def test_an_unknown_attention_convention_is_refused_with_what_to_do():

@@ -267,15 +267,16 @@ def test_the_model_gets_the_tree_mask_positions_no_cache_and_the_callers_argumen
 
     ids, mask, width = _hand_batch()
     rows = pack_shared_prompts(ids, mask, width)
-    for impl, dtype in (("sdpa", torch.bool), ("eager", torch.float32)):
+    for impl in ("sdpa", "eager"):  # both an additive mask in the model's dtype
         model = _Recorder(impl)
         _shared_forward(model, rows, impl, logits_to_keep=7)
         (kwargs,) = model.calls
         assert kwargs["use_cache"] is False  # a KV cache would let responses attend to their siblings
         assert kwargs["logits_to_keep"] == 7
         assert torch.equal(kwargs["position_ids"], rows.position_ids)
-        assert kwargs["attention_mask"].dtype == dtype
-        assert torch.equal(kwargs["attention_mask"], rows.attention_mask(None if impl == "sdpa" else torch.float32))
+        assert kwargs["attention_mask"].dtype == torch.float32
+        assert torch.equal(kwargs["attention_mask"], rows.attention_mask(torch.float32))
+        assert torch.equal(kwargs["attention_mask"] == 0, rows.attention_mask())
 
 
 def test_refusals_say_what_to_do():
@@ -292,7 +293,7 @@ def test_refusals_say_what_to_do():
     # its own row; the shared mask is the unwindowed one with pos[q] - pos[k] >= window removed
     sliding = _Recorder("sdpa", layer_types=["full_attention", "sliding_attention"], sliding_window=2)
     _shared_forward(sliding, rows, "sdpa")
-    masks = sliding.calls[0]["attention_mask"]
+    masks = {t: m == 0 for t, m in sliding.calls[0]["attention_mask"].items()}
     full = rows.attention_mask()
     pos = rows.position_ids
     assert torch.equal(masks["full_attention"], full)
