@@ -427,14 +427,19 @@ def _shared_forward(model: nn.Module, rows: SharedPromptRows, impl: str, **forwa
                  **forward_kwargs)
 
 
+#: the largest default shared-prompt segment: a row of 4096 slots has a 32 MiB bf16 mask, one storage for all layers
+MAX_DEFAULT_SEGMENT_TOKENS = 4096
+
+
 def default_segment_tokens(module: nn.Module) -> int:
     """A shared-prompt segment's default size: the model's hidden size d (2048 without one). The masked kernels
     compute every pair of a row, so a token in a row of L costs about 4 L d FLOPs of attention against about
     24 d^2 of projections and MLP (a layer's 12 d^2 weights, forward): at L = d attention adds ~1/6, while a
-    longer segment saves only the prompt copies it merges."""
+    longer segment saves only the prompt copies it merges. Capped at :data:`MAX_DEFAULT_SEGMENT_TOKENS`: the
+    mask of a row holds L^2 entries in the model's dtype (a wide model's d would make it large)."""
     config = getattr(module, "config", None)
     hidden = getattr(config, "hidden_size", None)
-    return int(hidden) if isinstance(hidden, int) and hidden > 0 else 2048
+    return min(int(hidden), MAX_DEFAULT_SEGMENT_TOKENS) if isinstance(hidden, int) and hidden > 0 else 2048
 
 
 def _shared_groups(

@@ -97,7 +97,7 @@ def test_the_default_segment_is_the_hidden_size():
     model = build_tiny_model("qwen2", "tiny", seed=0)
     assert default_segment_tokens(model) == model.config.hidden_size
     assert default_segment_tokens(torch.nn.Linear(2, 2)) == 2048
-    for hidden, expected in ((1, 1), (0, 2048)):
+    for hidden, expected in ((1, 1), (0, 2048), (4096, 4096), (8192, 4096)):  # capped: the mask grows as L^2
         module = torch.nn.Linear(2, 2)
         module.config = type("Config", (), {"hidden_size": hidden})()
         assert default_segment_tokens(module) == expected
