@@ -538,10 +538,12 @@ def _finish_mask(
 
 #: layer types whose attention a dense mask expresses exactly; the window of a sliding layer is in the mask
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-#: module class names (lower case) of token mixers that are not attention: their state runs along the row, so
-#: a mask cannot keep two sequences of one row apart
+#: what the class names (lower case) of token mixers that are not attention contain: their state runs along the
+#: row, so a mask cannot keep two sequences of one row apart (transformers 5.19: Mamba/Mamba2/Jamba/Zamba mixers,
+#: Qwen3.5/Qwen3-Next/OLMo-hybrid GatedDeltaNet, Kimi/RWKV linear attention, MiniMax lightning attention, LFM2
+#: ShortConv, RecurrentGemma); a class name ending in "Mixer" (Bamba, Falcon-H1) counts too
 _RECURRENT_MIXERS = ("mamba", "gateddeltanet", "linearattention", "lightningattention", "shortconv", "rwkv",
-                     "recurrent", "ssm", "deltanet", "retention", "hyena")
+                     "recurrent", "deltanet", "retention", "hyena")
 
 
 def _mask_windows(module: nn.Module) -> dict[str, int | None]:
@@ -574,7 +576,7 @@ def one_sequence_per_row_reason(module: nn.Module) -> str | None:
             return f"config.layer_types holds {layer_type!r} layers"
     for name, sub in module.named_modules():
         cls = type(sub).__name__.lower()
-        if any(mixer in cls for mixer in _RECURRENT_MIXERS):
+        if cls.endswith("mixer") or any(mixer in cls for mixer in _RECURRENT_MIXERS):
             return f"{name} is a {type(sub).__name__} (not attention)"
     return None
 

@@ -71,10 +71,18 @@ def test_recurrent_mixer_found_in_the_module_tree():
             self.config = Config()
             self.layers = nn.ModuleList([nn.Linear(2, 2), JambaMambaMixer()])
 
+    class FalconH1Mixer(nn.Module):
+        pass
+
+    class GptOssMLP(nn.Module):  # "ssm" inside "GptOssMLP": not a state-space layer
+        pass
+
     assert one_sequence_per_row_reason(Hybrid()) == "layers.1 is a JambaMambaMixer (not attention)"
     plain = Hybrid()
-    plain.layers = nn.ModuleList([nn.Linear(2, 2)])
+    plain.layers = nn.ModuleList([nn.Linear(2, 2), GptOssMLP()])
     assert one_sequence_per_row_reason(plain) is None
+    plain.layers.append(FalconH1Mixer())
+    assert one_sequence_per_row_reason(plain) == "layers.2 is a FalconH1Mixer (not attention)"
 
 
 @pytest.mark.parametrize("share_prompts", [False, True])
