@@ -145,3 +145,25 @@ def test_a_packed_backward_holds_one_mask_not_one_per_layer():
     logp.sum().backward()
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base < 3 * mask_bytes
+
+
+def test_a_recurrent_model_under_flash_attention_gets_one_sequence_per_row_and_no_varlen_arguments():
+    """flash varlen would lay every sequence into one row, and the recurrent layers would run across them: a
+    model with linear-attention layers gets one row per sequence and no cu_seqlens, as a padded batch."""
+    import torch
+    from test_packing_spec import _Recorder  # tests/ is on the path: the model that records its arguments
+
+    from rlhf_sg.bench.models import rollout_batch
+    from rlhf_sg.packing import _pack_for, packed_forward
+
+    model = _Recorder("flash_attention_2", layer_types=["linear_attention", "full_attention"])
+    sequences, mask, _ = rollout_batch()
+    batch = _pack_for(model, "flash_attention_2", sequences, mask)
+    packed_forward(model, batch)
+    (kwargs,) = model.calls
+    assert kwargs["input_ids"].shape[0] == sequences.shape[0]
+    assert not {"cu_seq_lens_q", "cu_seq_lens_k", "attention_mask"} & set(kwargs)
+    for b in range(sequences.shape[0]):  # each row: its own tokens from column 0, positions 0, 1, ...
+        n = int(mask[b].sum())
+        assert torch.equal(kwargs["input_ids"][b, :n], sequences[b][mask[b].bool()])
+        assert torch.equal(kwargs["position_ids"][b, :n], torch.arange(n))
