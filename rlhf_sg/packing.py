@@ -26,8 +26,9 @@ Attention across sequences never happens: with transformers 5.19, ``sdpa``/``eag
 ``position_ids`` and no mask attend across sequences whenever the model builds a KV cache (the default
 ``use_cache``), logits off by ~0.5. We therefore always pass ``use_cache=False`` and, wherever a row
 holds several sequences, an explicit 4D mask, which transformers hands to the attention function
-untouched (``masking_utils`` returns a 4D mask as-is): ``sdpa`` a bool mask (True = attend), ``eager``
-an additive float mask in the model's dtype (a bool mask would be ADDED to the scores there: wrong).
+untouched (``masking_utils`` returns a 4D mask as-is): an additive mask in the model's dtype for both ``sdpa``
+and ``eager`` (a bool mask would be ADDED to the scores by eager: wrong; sdpa would convert it on every layer),
+built once per forward and shared by every layer (see :func:`_finish_mask`).
 
 The functions the trainer calls, all taking the padded layout and answering in it:
 :func:`response_logprobs` (log-probs and entropy of response tokens, fp32, chunked over the vocabulary),
@@ -37,6 +38,7 @@ The functions the trainer calls, all taking the padded layout and answering in i
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +52,12 @@ IGNORE_LABEL = -100
 
 _FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 _MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
+
+logger = logging.getLogger(__name__)
+
+#: key-axis alignment of the dense masks (torch's memory-efficient sdpa pads a mask's last dim to a multiple of
+#: 16: ``lastDimAligned`` in ``torch/_meta_registrations.py``)
+_MASK_KEY_ALIGNMENT = 16
 
 
 @dataclass
@@ -151,12 +159,15 @@ def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens: int | None = None) -> PackedBatch:
+def pack(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens: int | None = None, one_per_row: bool = False
+) -> PackedBatch:
     """Remove the padding of ``input_ids`` [B, S] (real tokens where ``attention_mask`` [B, S] is 1).
 
     ``row_tokens=None`` lays every sequence into one row [1, N] (for flash-attn varlen); an int bin-packs
     the sequences into rows of at most ``row_tokens`` tokens (for a dense block-causal mask), which must
-    be at least the longest sequence. Raises ValueError on a mask that is not 0/1, a row without real
+    be at least the longest sequence; ``one_per_row`` gives each sequence its own row (for models with recurrent
+    layers, :func:`one_sequence_per_row_reason`). Raises ValueError on a mask that is not 0/1, a row without real
     tokens, or a row whose real tokens are not contiguous.
     """
     lengths = _check_padded(input_ids, attention_mask)
@@ -179,7 +190,9 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens: int 
 
     lengths_list = lengths.tolist()
     max_seqlen = max(lengths_list)
-    if row_tokens is None:
+    if one_per_row:
+        rows = [[b] for b in range(batch_size)]
+    elif row_tokens is None:
         rows = [list(range(batch_size))]
     else:
         if row_tokens < max_seqlen:
@@ -296,22 +309,19 @@ class SharedPromptRows:
     def num_slots(self) -> int:
         return int(self.input_ids.numel())
 
-    def attention_mask(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def attention_mask(self, dtype: torch.dtype | None = None, window: int | None = None) -> torch.Tensor:
         """[R, 1, L, L]: query q sees key k iff k <= q, both in one segment, and k is in the prompt or in q's
-        own response. ``dtype=None``: bool (True = attend, for sdpa); else additive (0 or the dtype's minimum,
-        for eager)."""
+        own response; with a ``window``, also ``pos[q] - pos[k] < window`` (a response's positions continue its
+        prompt's, so this is the window of its own row). ``dtype=None``: bool (True = attend, for sdpa); else
+        additive (0 or the dtype's minimum, for eager)."""
         columns = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
         key, query = columns[None, None, :], columns[None, :, None]
         allowed = (
             (key <= query)
             & (key >= self.segment_start[:, :, None])
             & ((key < self.prompt_end[:, :, None]) | (key >= self.branch_start[:, :, None]))
-        )[:, None]
-        if dtype is None:
-            return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-            ~allowed, torch.finfo(dtype).min
         )
+        return _finish_mask(allowed, self.position_ids, dtype, window)
 
 
 def prompt_groups(sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int) -> list[list[int]]:
@@ -404,37 +414,44 @@ def pack_shared_prompts(
 
 
 def _shared_forward(model: nn.Module, rows: SharedPromptRows, impl: str, **forward_kwargs):
-    """Call ``model`` on shared-prompt rows with their tree mask (``sdpa``: bool; ``eager``: additive)."""
+    """Call ``model`` on shared-prompt rows with their tree mask (additive, in the model's dtype)."""
     if impl not in _MASKED_IMPLEMENTATIONS:
         raise ValueError(
             f"shared prompts need an attention that takes a mask ({_MASKED_IMPLEMENTATIONS}); {impl} (varlen) "
             "cannot keep sibling responses apart: pass share_prompts=False"
         )
     module = _unwrap(model)
-    _check_window(module, rows.max_seqlen, "the shared-prompt mask has no window; pass share_prompts=False")
-    mask = rows.attention_mask(None if impl == "sdpa" else _model_dtype(module))
+    dtype = _model_dtype(module)
+    mask = _dense_mask(module, lambda window: rows.attention_mask(dtype, window))
     return model(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=mask, use_cache=False,
                  **forward_kwargs)
+
+
+#: the largest default shared-prompt segment: a row of 4096 slots has a 32 MiB bf16 mask, one storage for all layers
+MAX_DEFAULT_SEGMENT_TOKENS = 4096
 
 
 def default_segment_tokens(module: nn.Module) -> int:
     """A shared-prompt segment's default size: the model's hidden size d (2048 without one). The masked kernels
     compute every pair of a row, so a token in a row of L costs about 4 L d FLOPs of attention against about
     24 d^2 of projections and MLP (a layer's 12 d^2 weights, forward): at L = d attention adds ~1/6, while a
-    longer segment saves only the prompt copies it merges."""
+    longer segment saves only the prompt copies it merges. Capped at :data:`MAX_DEFAULT_SEGMENT_TOKENS`: the
+    mask of a row holds L^2 entries in the model's dtype (a wide model's d would make it large)."""
     config = getattr(module, "config", None)
     hidden = getattr(config, "hidden_size", None)
-    return int(hidden) if isinstance(hidden, int) and hidden > 0 else 2048
+    return min(int(hidden), MAX_DEFAULT_SEGMENT_TOKENS) if isinstance(hidden, int) and hidden > 0 else 2048
 
 
 def _shared_groups(
-    share_prompts: bool, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int
+    module: nn.Module, share_prompts: bool, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int
 ) -> list[list[int]] | None:
     """The batch's prompt groups when sharing is asked for and some prompt repeats; else None (plain packing)."""
     if not share_prompts:
         return None
     groups = prompt_groups(sequences, attention_mask, response_width)
-    return groups if any(len(g) > 1 for g in groups) else None
+    if not any(len(g) > 1 for g in groups) or _one_sequence_per_row(module, "share_prompts"):
+        return None
+    return groups
 
 
 # ---- forward on packed rows ------------------------------------------------------------------------------
@@ -473,8 +490,19 @@ def _row_tokens(impl: str, attention_mask: torch.Tensor) -> int | None:
     return int(attention_mask.sum(dim=1).max())
 
 
-def _block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """[R, 1, L, L] mask: query i sees key j iff j <= i and j is in i's sequence.
+def _pack_for(module: nn.Module, impl: str, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedBatch:
+    """:func:`pack` as ``module`` and its attention kernel can take it: one sequence per row for a model that
+    cannot take more (recurrent layers, ALiBi), else as :func:`_row_tokens` says."""
+    if input_ids.shape[0] > 1 and _one_sequence_per_row(module, "packing"):
+        return pack(input_ids, attention_mask, one_per_row=True)
+    return pack(input_ids, attention_mask, row_tokens=_row_tokens(impl, attention_mask))
+
+
+def _block_causal_mask(
+    position_ids: torch.Tensor, dtype: torch.dtype | None, window: int | None = None
+) -> torch.Tensor:
+    """[R, 1, L, L] mask: query i sees key j iff j <= i and j is in i's sequence (and, with a ``window``,
+    ``pos[i] - pos[j] < window``).
 
     A slot's sequence starts at column ``c - position_ids[c]`` (positions restart at 0 per sequence).
     ``dtype=None`` gives a bool mask (True = attend), else an additive mask (0 or the dtype's minimum).
@@ -483,24 +511,110 @@ def _block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype | None) ->
     col = torch.arange(row_len, device=position_ids.device)
     seq_start = col[None, :] - position_ids  # [R, L]
     allowed = (col[None, None, :] <= col[None, :, None]) & (col[None, None, :] >= seq_start[:, :, None])
+    return _finish_mask(allowed, position_ids, dtype, window)
+
+
+def _finish_mask(
+    allowed: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype | None, window: int | None
+) -> torch.Tensor:
+    """[R, L, L] bool -> [R, 1, L, L] attention mask: the sliding window applied from positions
+    (transformers' ``sliding_window_overlay``: key k is kept iff ``q - k < window``), then bool (``dtype=None``)
+    or additive in ``dtype`` (0 or the dtype's minimum).
+
+    The additive mask is a view of a buffer whose key axis is padded to a multiple of :data:`_MASK_KEY_ALIGNMENT`:
+    torch's memory-efficient sdpa kernel copies (pads) a mask whose strides are not aligned, and converts a bool
+    mask to float, on every call; aligned and in the model's dtype, every layer reads (and autograd keeps) the one
+    storage transformers hands to all of them."""
+    if window is not None:
+        allowed = allowed & (position_ids[:, :, None] - position_ids[:, None, :] < window)
     allowed = allowed[:, None]
     if dtype is None:
         return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed, torch.finfo(dtype).min
-    )
+    keys = allowed.shape[-1]
+    padded = -(-keys // _MASK_KEY_ALIGNMENT) * _MASK_KEY_ALIGNMENT
+    mask = torch.full((*allowed.shape[:-1], padded), torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
+    return mask[..., :keys].masked_fill_(allowed, 0)
 
 
-def _check_window(module: nn.Module, longest: int, what_to_do: str) -> None:
-    """Refuse a dense mask (which has no window) for a model with sliding-window layers whose longest sequence
-    is longer than the window: no token attends further back than its own sequence, so within the window the
-    mask and the window agree."""
+#: layer types whose attention a dense mask expresses exactly; the window of a sliding layer is in the mask
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+#: what the class names (lower case) of token mixers that are not attention contain: their state runs along the
+#: row, so a mask cannot keep two sequences of one row apart (transformers 5.19: Mamba/Mamba2/Jamba/Zamba mixers,
+#: Qwen3.5/Qwen3-Next/OLMo-hybrid GatedDeltaNet, Kimi/RWKV linear attention, MiniMax lightning attention, LFM2
+#: ShortConv, RecurrentGemma); a class name ending in "Mixer" (Bamba, Falcon-H1) counts too
+_RECURRENT_MIXERS = ("mamba", "gateddeltanet", "linearattention", "lightningattention", "shortconv", "rwkv",
+                     "recurrent", "deltanet", "retention", "hyena")
+
+
+def _mask_windows(module: nn.Module) -> dict[str, int | None]:
+    """The window each attention layer type of ``module`` applies (None: none), as its modeling code does: from
+    ``config.layer_types`` where the config has them (``sliding_attention`` layers use ``config.sliding_window``),
+    else ``config.sliding_window`` on every layer (Mistral, Mixtral, Phi-3, Starcoder2 read it that way; Qwen2's
+    config sets it to None unless ``use_sliding_window``)."""
     config = getattr(module, "config", None)
     window = getattr(config, "sliding_window", None)
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()) and longest > window:
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return {"full_attention": window}
+    return {t: window if t == "sliding_attention" else None for t in dict.fromkeys(layer_types)
+            if t in _ATTENTION_LAYER_TYPES}
+
+
+def one_sequence_per_row_reason(module: nn.Module) -> str | None:
+    """Why ``module`` cannot take several sequences in one row, or None when it can.
+
+    - A layer that is not attention (linear attention, an SSM, a convolution mixer) carries state along the
+      row, and transformers builds no mask for it when handed a 4D one: read from ``config.layer_types`` and
+      from the module tree (any submodule whose class names one of :data:`_RECURRENT_MIXERS`).
+    - ALiBi models (Bloom; ``config.alibi``) build their bias from a 2D padding mask, not from positions."""
+    module = _unwrap(module)
+    config = getattr(module, "config", None)
+    if getattr(config, "model_type", None) == "bloom" or getattr(config, "alibi", False) is True:
+        return "its ALiBi bias is built from a 2D padding mask, not from position ids"
+    for layer_type in getattr(config, "layer_types", None) or ():
+        if layer_type not in _ATTENTION_LAYER_TYPES + ("chunked_attention",):
+            return f"config.layer_types holds {layer_type!r} layers"
+    for name, sub in module.named_modules():
+        cls = type(sub).__name__.lower()
+        if cls.endswith("mixer") or any(mixer in cls for mixer in _RECURRENT_MIXERS):
+            return f"{name} is a {type(sub).__name__} (not attention)"
+    return None
+
+
+_FALLBACKS_LOGGED: set[tuple[str, str]] = set()
+
+
+def _one_sequence_per_row(module: nn.Module, what: str) -> bool:
+    """True when ``module`` cannot take several sequences in a row (:func:`one_sequence_per_row_reason`): then
+    each sequence gets its own row (``what`` is the layout given up, logged once per model class)."""
+    reason = one_sequence_per_row_reason(module)
+    if reason is None:
+        return False
+    key = (type(module).__name__, what)
+    if key not in _FALLBACKS_LOGGED:
+        _FALLBACKS_LOGGED.add(key)
+        logger.warning("%s: %s, so %s falls back to one sequence per row", type(module).__name__, reason, what)
+    return True
+
+
+def _dense_mask(module: nn.Module, build) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The attention mask for ``module``: ``build(window)`` once per distinct window; one tensor when every
+    attention layer has the same window, else transformers' per-layer-type dict (which the models with mixed
+    layer types take as ``attention_mask``, one entry per ``config.layer_types`` value)."""
+    config = getattr(module, "config", None)
+    windows = _mask_windows(module)
+    if any(t == "chunked_attention" for t in getattr(config, "layer_types", None) or ()):
         raise ValueError(
-            f"this model has sliding-window layers (window {window}) and a sequence of {longest} tokens: {what_to_do}"
+            f"{type(module).__name__} has chunked-attention layers, which the packed and shared-prompt masks do "
+            "not express: use flash_attention_2, or share_prompts=False with one sequence per row"
         )
+    built: dict[int | None, torch.Tensor] = {}
+    for window in windows.values():
+        if window not in built:
+            built[window] = build(window)
+    if len(windows) == 1:
+        return next(iter(built.values()))
+    return {layer_type: built[window] for layer_type, window in windows.items()}
 
 
 def _model_dtype(module: nn.Module) -> torch.dtype:
@@ -520,7 +634,7 @@ def packed_forward(
 
     - ``flash_attention_2``/``_3``: no mask; ``cu_seq_lens_q/k`` and ``max_length_q/k`` go to the
       varlen kernel (the batch must be one row: ``pack(..., row_tokens=None)``);
-    - ``sdpa``: a bool block-causal mask [R, 1, L, L];
+    - ``sdpa``: an additive block-causal mask [R, 1, L, L] in the model's dtype (as eager);
     - ``eager``: an additive float block-causal mask [R, 1, L, L] in the model's dtype;
     - either, when every row holds one sequence: no mask (plain causal attention is then exact).
 
@@ -530,7 +644,9 @@ def packed_forward(
     impl = _attn_implementation(module, attn_implementation)
     device = _model_device(model)
     kwargs: dict[str, Any] = {}
-    if impl in _FLASH_IMPLEMENTATIONS:
+    if impl in _FLASH_IMPLEMENTATIONS and batch.input_ids.shape[0] == batch.num_sequences:
+        pass  # one sequence per row: causal attention alone keeps them apart
+    elif impl in _FLASH_IMPLEMENTATIONS:
         if batch.input_ids.shape[0] != 1:
             raise ValueError(
                 f"{impl} takes one packed row, got {batch.input_ids.shape[0]}; pack with row_tokens=None"
@@ -546,9 +662,11 @@ def packed_forward(
         # With one sequence per row, causal attention alone keeps sequences apart (row padding comes after
         # the sequence); passing no mask lets transformers build its own causal one (sdpa: is_causal).
         if batch.input_ids.shape[0] < batch.num_sequences:
-            _check_window(module, batch.max_seqlen, f"the packed {impl} mask has no window; use flash_attention_2")
-            dtype = None if impl == "sdpa" else _model_dtype(module)
-            kwargs["attention_mask"] = _block_causal_mask(batch.position_ids.to(device), dtype)
+            dtype = _model_dtype(module)
+            position_ids = batch.position_ids.to(device)
+            kwargs["attention_mask"] = _dense_mask(
+                module, lambda window: _block_causal_mask(position_ids, dtype, window)
+            )
     else:
         raise ValueError(
             f"attn_implementation {impl!r} is not supported on packed rows; use one of "
@@ -694,7 +812,7 @@ def response_logprobs(
     sequences, attention_mask = sequences.to(device), attention_mask.to(device)
     _check_rollout(sequences, attention_mask, response_width)
     impl = _attn_implementation(module, attn_implementation)
-    groups = _shared_groups(share_prompts, sequences, attention_mask, response_width)
+    groups = _shared_groups(module, share_prompts, sequences, attention_mask, response_width)
     captured: dict[str, torch.Tensor] = {}
 
     def keep_hidden(_module, _args, output):
@@ -708,7 +826,7 @@ def response_logprobs(
                                        segment_tokens or default_segment_tokens(module), groups=groups)
             _shared_forward(model, rows, impl, logits_to_keep=no_logits)
         else:
-            batch = pack(sequences, attention_mask, row_tokens=_row_tokens(impl, attention_mask))
+            batch = _pack_for(module, impl, sequences, attention_mask)
             packed_forward(model, batch, impl, logits_to_keep=no_logits)
     finally:
         hook.remove()
@@ -779,13 +897,13 @@ def critic_values(
     _check_rollout(sequences, attention_mask, response_width)
     impl = _attn_implementation(module, attn_implementation)
     shape = (sequences.shape[0], response_width)
-    groups = _shared_groups(share_prompts, sequences, attention_mask, response_width)
+    groups = _shared_groups(module, share_prompts, sequences, attention_mask, response_width)
     if groups is not None:
         rows = pack_shared_prompts(sequences, attention_mask, response_width,
                                    segment_tokens or default_segment_tokens(module), groups=groups)
         values = _shared_forward(critic, rows, impl).reshape(-1)[rows.predictor_slots]
         return _to_response_block(values, rows.block_positions, shape)
-    batch = pack(sequences, attention_mask, row_tokens=_row_tokens(impl, attention_mask))
+    batch = _pack_for(module, impl, sequences, attention_mask)
     values = _rows_to_tokens(packed_forward(critic, batch, impl), batch)
     predicts = pack_values(_response_predictors(attention_mask, response_width), batch)
     return _to_response_block(values[predicts], _block_positions(batch.indices[predicts], batch, response_width),
@@ -808,7 +926,7 @@ def reward_scores(
     sequences, attention_mask = sequences.to(device), attention_mask.to(device)
     impl = _attn_implementation(module, attn_implementation)
     _check_padded(sequences, attention_mask)
-    batch = pack(sequences, attention_mask, row_tokens=_row_tokens(impl, attention_mask))
+    batch = _pack_for(module, impl, sequences, attention_mask)
     values = _rows_to_tokens(packed_forward(reward_model, batch, impl), batch)
     return values[batch.cu_seqlens[1:].long() - 1]
 

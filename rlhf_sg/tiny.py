@@ -96,3 +96,69 @@ def save_tiny_model(path: str, arch: str = "qwen2", size: str = "tiny", seed: in
     model.save_pretrained(path, safe_serialization=True)
     build_tokenizer().save_pretrained(path)
     return path
+
+
+# ---- model families ---------------------------------------------------------------------------------------
+
+#: sliding window of the windowed families below: small, so rows longer than it make the window matter
+FAMILY_WINDOW = 4
+
+
+def _family_configs() -> dict:
+    """family name -> (config class name in transformers, kwargs): tiny dims, vocab 128, 2 layers."""
+    w = FAMILY_WINDOW
+    attn = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256)
+    return {
+        "llama-3": ("LlamaConfig", dict(attn, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                                                                "factor": 8.0, "low_freq_factor": 1.0,
+                                                                "high_freq_factor": 4.0,
+                                                                "original_max_position_embeddings": 64})),
+        "qwen2": ("Qwen2Config", attn),
+        "qwen2-window": ("Qwen2Config", dict(attn, use_sliding_window=True, sliding_window=w, max_window_layers=0)),
+        "qwen3": ("Qwen3Config", dict(attn, head_dim=8)),
+        "qwen3-moe": ("Qwen3MoeConfig", dict(attn, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=32)),
+        "qwen3.5": ("Qwen3_5TextConfig", dict(attn, head_dim=8, layer_types=["linear_attention", "full_attention"],
+                                              linear_num_key_heads=2, linear_num_value_heads=2,
+                                              linear_key_head_dim=8, linear_value_head_dim=8)),
+        "qwen3-next": ("Qwen3NextConfig", dict(attn, head_dim=8, layer_types=["linear_attention", "full_attention"],
+                                               linear_num_key_heads=2, linear_num_value_heads=2,
+                                               linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
+                                               num_experts_per_tok=2, moe_intermediate_size=32,
+                                               shared_expert_intermediate_size=32)),
+        "mistral": ("MistralConfig", dict(attn, sliding_window=w)),
+        "mixtral": ("MixtralConfig", dict(attn, sliding_window=w, num_local_experts=4, num_experts_per_tok=2)),
+        "gemma-3": ("Gemma3TextConfig", dict(attn, head_dim=8, sliding_window=w,
+                                             layer_types=["sliding_attention", "full_attention"])),
+        "gpt-oss": ("GptOssConfig", dict(attn, head_dim=8, sliding_window=w, num_local_experts=4,
+                                         num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"],
+                                         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                          "original_max_position_embeddings": 8})),
+        "phi-3": ("Phi3Config", dict(attn, sliding_window=w, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+        "gpt-2": ("GPT2Config", dict(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=256,
+                                   bos_token_id=1, eos_token_id=2)),
+        "olmo-2": ("Olmo2Config", dict(attn, pad_token_id=0, eos_token_id=2)),
+        "bloom": ("BloomConfig", dict(vocab_size=128, hidden_size=32, n_layer=2, n_head=4)),
+    }
+
+
+FAMILIES = tuple(_family_configs())
+
+
+def tiny_family_model(family: str, attn_implementation: str | None = None, seed: int = 0):
+    """A random-weight float32 causal LM of ``family`` (one of :data:`FAMILIES`), built from its config class;
+    ``attn_implementation=None``: sdpa where the family has it, else eager (Bloom)."""
+    import transformers
+
+    configs = _family_configs()
+    if family not in configs:
+        raise ValueError(f"family {family!r} unknown; choose one of {sorted(configs)}")
+    class_name, kwargs = configs[family]
+    config = getattr(transformers, class_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=attn_implementation, dtype=torch.float32
+    )
+    return model.eval()

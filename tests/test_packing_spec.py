@@ -486,7 +486,7 @@ class _Recorder(nn.Module):
 def test_packed_forward_passes_the_documented_arguments_for_each_convention():
     ids, mask, _ = _rollout()  # sequences of 4, 6, 2 tokens
     batch = pack(ids, mask, row_tokens=6)  # rows [6] and [4, 2]: fewer rows than sequences
-    for impl, mask_dtype in (("sdpa", torch.bool), ("eager", torch.float32)):
+    for impl, mask_dtype in (("sdpa", torch.float32), ("eager", torch.float32)):  # additive, the model's dtype
         model = _Recorder(impl)
         packed_forward(model, batch)
         (kwargs,) = model.calls
@@ -499,15 +499,34 @@ def test_packed_forward_passes_the_documented_arguments_for_each_convention():
     assert "attention_mask" not in model.calls[0]
 
 
-def test_sliding_window_layers_are_refused_on_a_packed_dense_mask():
-    ids, mask, _ = _rollout()  # the longest sequence has 6 tokens
-    batch = pack(ids, mask, row_tokens=6)
-    model = _Recorder("sdpa", layer_types=["full_attention", "sliding_attention"], sliding_window=4)
-    assert _refused(ValueError, lambda: packed_forward(model, batch)) == (
-        "this model has sliding-window layers (window 4) and a sequence of 6 tokens: the packed sdpa mask has no "
-        "window; use flash_attention_2")
-    packed_forward(_Recorder("sdpa", layer_types=["sliding_attention"], sliding_window=6), batch)  # within the window
-    packed_forward(_Recorder("sdpa", layer_types=["full_attention"], sliding_window=4), batch)  # no sliding layer
+def test_sliding_windows_are_in_the_packed_mask_per_layer_type():
+    """The window a layer applies (transformers' overlay: key k kept iff q - k < window) is in its mask: one mask
+    for a model whose layers share a window (``sliding_window`` without ``layer_types``: Mistral, Phi-3), the
+    per-layer-type dict where full and sliding layers mix."""
+    ids, mask, _ = _rollout()  # sequences of 4, 6, 2 tokens
+    batch = pack(ids, mask, row_tokens=6)  # rows [6] and [4, 2]
+
+    def expected(window):
+        # per row, the sequence of each column and its position in it; keep k <= q in one sequence, q - k < window
+        out = torch.zeros(2, 1, 6, 6, dtype=torch.bool)
+        for r, lengths in enumerate(([6], [4, 2])):
+            seq = [i for i, n in enumerate(lengths) for _ in range(n)]
+            for q in range(6):
+                for k in range(q + 1):
+                    out[r, 0, q, k] = seq[q] == seq[k] and (window is None or q - k < window)
+        return out
+
+    mistral = _Recorder("sdpa", sliding_window=4)  # no layer_types: every layer slides
+    packed_forward(mistral, batch)
+    assert torch.equal(mistral.calls[0]["attention_mask"] == 0, expected(4))
+    mixed = _Recorder("sdpa", layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    packed_forward(mixed, batch)
+    masks = {t: m == 0 for t, m in mixed.calls[0]["attention_mask"].items()}
+    assert set(masks) == {"sliding_attention", "full_attention"}
+    assert torch.equal(masks["sliding_attention"], expected(3)) and torch.equal(masks["full_attention"], expected(None))
+    full = _Recorder("sdpa", layer_types=["full_attention"], sliding_window=2)  # a window no layer uses
+    packed_forward(full, batch)
+    assert torch.equal(full.calls[0]["attention_mask"] == 0, expected(None))
 
 
 def test_an_unknown_attention_convention_is_refused_with_what_to_do():

@@ -97,7 +97,7 @@ def test_the_default_segment_is_the_hidden_size():
     model = build_tiny_model("qwen2", "tiny", seed=0)
     assert default_segment_tokens(model) == model.config.hidden_size
     assert default_segment_tokens(torch.nn.Linear(2, 2)) == 2048
-    for hidden, expected in ((1, 1), (0, 2048)):
+    for hidden, expected in ((1, 1), (0, 2048), (4096, 4096), (8192, 4096)):  # capped: the mask grows as L^2
         module = torch.nn.Linear(2, 2)
         module.config = type("Config", (), {"hidden_size": hidden})()
         assert default_segment_tokens(module) == expected
@@ -267,15 +267,16 @@ def test_the_model_gets_the_tree_mask_positions_no_cache_and_the_callers_argumen
 
     ids, mask, width = _hand_batch()
     rows = pack_shared_prompts(ids, mask, width)
-    for impl, dtype in (("sdpa", torch.bool), ("eager", torch.float32)):
+    for impl in ("sdpa", "eager"):  # both an additive mask in the model's dtype
         model = _Recorder(impl)
         _shared_forward(model, rows, impl, logits_to_keep=7)
         (kwargs,) = model.calls
         assert kwargs["use_cache"] is False  # a KV cache would let responses attend to their siblings
         assert kwargs["logits_to_keep"] == 7
         assert torch.equal(kwargs["position_ids"], rows.position_ids)
-        assert kwargs["attention_mask"].dtype == dtype
-        assert torch.equal(kwargs["attention_mask"], rows.attention_mask(None if impl == "sdpa" else torch.float32))
+        assert kwargs["attention_mask"].dtype == torch.float32
+        assert torch.equal(kwargs["attention_mask"], rows.attention_mask(torch.float32))
+        assert torch.equal(kwargs["attention_mask"] == 0, rows.attention_mask())
 
 
 def test_refusals_say_what_to_do():
@@ -288,16 +289,16 @@ def test_refusals_say_what_to_do():
     assert str(err.value) == (
         "shared prompts need an attention that takes a mask (('sdpa', 'eager')); flash_attention_2 (varlen) cannot "
         "keep sibling responses apart: pass share_prompts=False")
-    # the longest sequence (row 2: a prompt of 2 and a response of 3) bounds what any token attends over
-    sliding = _Recorder("sdpa", layer_types=["full_attention", "sliding_attention"], sliding_window=4)
-    with pytest.raises(ValueError) as err:
-        _shared_forward(sliding, rows, "sdpa")
-    assert str(err.value) == (
-        "this model has sliding-window layers (window 4) and a sequence of 5 tokens: the shared-prompt mask has no "
-        "window; pass share_prompts=False")
-    # within the window, though the rows (7 slots) are longer than it
-    _shared_forward(_Recorder("sdpa", layer_types=["sliding_attention"], sliding_window=5), rows, "sdpa")
-    _shared_forward(_Recorder("sdpa", layer_types=["full_attention"], sliding_window=2), rows, "sdpa")  # no sliding
+    # a sliding window from positions: a response's positions continue its prompt's, so q - k is the distance in
+    # its own row; the shared mask is the unwindowed one with pos[q] - pos[k] >= window removed
+    sliding = _Recorder("sdpa", layer_types=["full_attention", "sliding_attention"], sliding_window=2)
+    _shared_forward(sliding, rows, "sdpa")
+    masks = {t: m == 0 for t, m in sliding.calls[0]["attention_mask"].items()}
+    full = rows.attention_mask()
+    pos = rows.position_ids
+    assert torch.equal(masks["full_attention"], full)
+    assert torch.equal(masks["sliding_attention"], full & (pos[:, None, :, None] - pos[:, None, None, :] < 2))
+    assert not torch.equal(masks["sliding_attention"], full)  # the window matters in these rows
     bare = _Recorder("sdpa")
     del bare.config  # a module without a config, its attention named by the caller
     _shared_forward(bare, rows, "sdpa")
@@ -320,9 +321,12 @@ def test_only_a_repeated_prompt_counts_as_shared():
     from rlhf_sg.packing import _shared_groups
 
     ids, mask, width = _hand_batch()
-    assert _shared_groups(True, ids[:2], mask[:2], width) is None  # rows 0 and 1: different prompts, plain packing
-    assert _shared_groups(True, ids, mask, width) == [[0, 2], [1]]  # rows 0 and 2 share one
-    assert _shared_groups(False, ids, mask, width) is None  # not asked
+    model = _Recorder("sdpa")
+    assert _shared_groups(model, True, ids[:2], mask[:2], width) is None  # rows 0, 1: different prompts, plain packing
+    assert _shared_groups(model, True, ids, mask, width) == [[0, 2], [1]]  # rows 0 and 2 share one
+    assert _shared_groups(model, False, ids, mask, width) is None  # not asked
+    recurrent = _Recorder("sdpa", layer_types=["linear_attention", "full_attention"])
+    assert _shared_groups(recurrent, True, ids, mask, width) is None  # its layers cannot share a row
 
 
 def test_an_empty_batch_is_refused_as_the_unshared_planner_refuses_it():

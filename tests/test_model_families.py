@@ -1,0 +1,169 @@
+"""The model-family matrix: every training layout gives what each row gives alone, or falls back to one that does.
+
+Tiny random-weight float32 models of each family (:data:`rlhf_sg.tiny.FAMILIES`, built from config classes),
+a rollout batch whose sequences are longer than the families' window (4) and two of which share a packed row.
+On 877c2e3's packing code this failed: Mistral/Mixtral/Phi-3 max |Δlogp| 0.078/0.14/0.076 (window ignored),
+Qwen3.5 4e-4 packed / 2e-3 shared and Qwen3-Next 2e-3 / 1.3e-2 (recurrent state across sequences), Gemma-3 and
+windowed Qwen2 refused, Bloom crashed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+from torch import nn
+
+from rlhf_sg.bench.models import LAYOUTS, TOLERANCE, check_family
+from rlhf_sg.packing import _FALLBACKS_LOGGED, one_sequence_per_row_reason
+from rlhf_sg.tiny import FAMILIES
+
+#: families that cannot hold two sequences in a row: recurrent layers (Qwen3.5, Qwen3-Next) or ALiBi (Bloom)
+ONE_PER_ROW = {"qwen3.5", "qwen3-next", "bloom"}
+
+
+@functools.cache
+def _matrix(family: str):
+    return check_family(family)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layout_equals_rows_alone(family, layout):
+    """Log-probs, entropy, critic values and log-prob gradients of the layout equal each row run alone through
+    the model's own forward (float32 rounding), exactly where the family can pack, by falling back where not."""
+    verdict, delta_logp, delta = _matrix(family)[layout]
+    assert verdict == ("fell back" if family in ONE_PER_ROW else "exact"), (verdict, delta_logp, delta)
+    assert delta <= TOLERANCE
+
+
+def test_fallback_is_logged_once_with_its_reason(caplog):
+    """A recurrent model's fallback names the layer type that forced it, once per model class and layout."""
+    from rlhf_sg.bench.models import rollout_batch
+    from rlhf_sg.packing import response_logprobs
+    from rlhf_sg.tiny import tiny_family_model
+
+    _FALLBACKS_LOGGED.clear()
+    model = tiny_family_model("qwen3.5")
+    sequences, mask, width = rollout_batch()
+    with caplog.at_level(logging.WARNING, logger="rlhf_sg.packing"):
+        for _ in range(2):
+            response_logprobs(model, sequences, mask, width, share_prompts=True)
+    messages = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
+    reason = "Qwen3_5ForCausalLM: config.layer_types holds 'linear_attention' layers"
+    assert messages == [f"{reason}, so share_prompts falls back to one sequence per row",
+                        f"{reason}, so packing falls back to one sequence per row"]
+
+
+def test_recurrent_mixer_found_in_the_module_tree():
+    """Without layer_types, a token mixer that is not attention is found by its module class."""
+
+    class Config:
+        model_type = "hybrid"
+
+    class JambaMambaMixer(nn.Module):
+        pass
+
+    class Hybrid(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = Config()
+            self.layers = nn.ModuleList([nn.Linear(2, 2), JambaMambaMixer()])
+
+    class FalconH1Mixer(nn.Module):
+        pass
+
+    class GptOssMLP(nn.Module):  # "ssm" inside "GptOssMLP": not a state-space layer
+        pass
+
+    assert one_sequence_per_row_reason(Hybrid()) == "layers.1 is a JambaMambaMixer (not attention)"
+    plain = Hybrid()
+    plain.layers = nn.ModuleList([nn.Linear(2, 2), GptOssMLP()])
+    assert one_sequence_per_row_reason(plain) is None
+    plain.layers.append(FalconH1Mixer())
+    assert one_sequence_per_row_reason(plain) == "layers.2 is a FalconH1Mixer (not attention)"
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_one_mask_storage_reaches_every_layer_in_the_model_dtype(monkeypatch, share_prompts):
+    """The packed and shared-prompt forwards build the dense mask once: every layer's sdpa call gets the same
+    storage, additive in the model's dtype (no per-layer bool -> float conversion), its key axis padded to a
+    multiple of 16 (torch's memory-efficient kernel would copy an unaligned mask on every call)."""
+    import torch
+
+    from rlhf_sg.bench.models import rollout_batch
+    from rlhf_sg.packing import response_logprobs
+    from rlhf_sg.tiny import tiny_family_model
+
+    model = tiny_family_model("qwen2").to(torch.bfloat16)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    seen = []
+
+    def recording_sdpa(query, key, value, attn_mask=None, **kwargs):
+        seen.append(attn_mask)
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    sequences, mask, width = rollout_batch()
+    response_logprobs(model, sequences, mask, width, share_prompts=share_prompts)
+    assert len(seen) == model.config.num_hidden_layers
+    assert len({m.data_ptr() for m in seen}) == 1
+    for m in seen:
+        assert m.dtype == torch.bfloat16
+        assert m.stride(-2) % 16 == 0 and m.shape[-1] % 16 != 0  # aligned although the rows are not
+        assert set(m.unique().tolist()) == {0.0, torch.finfo(torch.bfloat16).min}
+
+
+@pytest.mark.gpu
+def test_a_packed_backward_holds_one_mask_not_one_per_layer():
+    """On CUDA (sdpa's memory-efficient kernel, bf16): forward + backward of packed rows of 2001 slots on an
+    8-layer model raise peak memory by less than 3 masks, where a mask converted or padded per layer and kept for
+    backward would take 8. Proves the one-storage mask on the kernel that used to copy it."""
+    import torch
+
+    from rlhf_sg.packing import response_logprobs
+    from rlhf_sg.tiny import tiny_family_model
+
+    model = tiny_family_model("qwen2").to("cuda", torch.bfloat16)
+    layers = model.model.layers
+    model.config.num_hidden_layers, model.config.layer_types = 8, ["full_attention"] * 8
+    while len(layers) < 8:  # 8 layers of the same shape, without a new config
+        layers.append(type(layers[0])(model.config, len(layers)).to("cuda", torch.bfloat16))
+    lengths = [2001, 1000, 1001]  # rows [2001] and [1000, 1001]: 2 rows of 2001 slots, a mask between sequences
+    width = max(lengths) - 1
+    sequences = torch.zeros(len(lengths), 1 + width, dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(sequences)
+    for b, n in enumerate(lengths):
+        sequences[b, :n] = torch.randint(3, 128, (n,), device="cuda")
+        mask[b, :n] = 1
+    mask_bytes = 2 * 2016 * 2001 * 2  # R x L_padded x L, bf16
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    logp = response_logprobs(model, sequences, mask, width)
+    logp.sum().backward()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < 3 * mask_bytes
+
+
+def test_a_recurrent_model_under_flash_attention_gets_one_sequence_per_row_and_no_varlen_arguments():
+    """flash varlen would lay every sequence into one row, and the recurrent layers would run across them: a
+    model with linear-attention layers gets one row per sequence and no cu_seqlens, as a padded batch."""
+    import torch
+    from test_packing_spec import _Recorder  # tests/ is on the path: the model that records its arguments
+
+    from rlhf_sg.bench.models import rollout_batch
+    from rlhf_sg.packing import _pack_for, packed_forward
+
+    model = _Recorder("flash_attention_2", layer_types=["linear_attention", "full_attention"])
+    sequences, mask, _ = rollout_batch()
+    batch = _pack_for(model, "flash_attention_2", sequences, mask)
+    packed_forward(model, batch)
+    (kwargs,) = model.calls
+    assert kwargs["input_ids"].shape[0] == sequences.shape[0]
+    assert not {"cu_seq_lens_q", "cu_seq_lens_k", "attention_mask"} & set(kwargs)
+    for b in range(sequences.shape[0]):  # each row: its own tokens from column 0, positions 0, 1, ...
+        n = int(mask[b].sum())
+        assert torch.equal(kwargs["input_ids"][b, :n], sequences[b][mask[b].bool()])
+        assert torch.equal(kwargs["position_ids"][b, :n], torch.arange(n))
