@@ -83,6 +83,18 @@ def ray_cluster():
     yield ray  # left running for the next module; pytest_sessionfinish shuts it down
 
 
+@pytest.fixture
+def no_ray():
+    """No Ray in this process, as in a fresh ``rlhf-sg`` run before it starts one (checks made before Ray, device
+    counts of this machine): ends the session's cluster if an earlier module left it up; the next module that asks
+    for :func:`ray_cluster` starts it again."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 def pytest_sessionfinish(session, exitstatus):
     import sys
 

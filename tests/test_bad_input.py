@@ -295,6 +295,7 @@ def test_tensor_parallel_larger_than_the_gpus(model_dir, prompts_file):
         check_devices(cfg, visible=0)
 
 
+@pytest.mark.usefixtures("no_ray")
 def test_device_check_counts_this_machine_unless_joining_a_cluster(model_dir, prompts_file, monkeypatch):
     import torch
 
@@ -348,6 +349,7 @@ def test_invalid_yaml_names_the_file_and_line(tmp_path):
 # ---- what the user sees: the message, exit status 1, no traceback, nothing started -----------------------------
 
 
+@pytest.mark.usefixtures("no_ray")
 def test_cli_stops_on_a_bad_row_before_ray_with_the_message(tmp_path, model_dir, monkeypatch):
     from rlhf_sg.cli import main
 
@@ -380,6 +382,7 @@ def test_cli_exit_status_and_stderr_in_a_fresh_process(tmp_path, model_dir):
     assert "Started a local Ray instance" not in result.stderr
 
 
+@pytest.mark.usefixtures("no_ray")
 def test_cli_checks_the_devices_before_starting(tmp_path, model_dir, prompts_file, monkeypatch):
     import torch
 
