@@ -167,3 +167,36 @@ def test_a_recurrent_model_under_flash_attention_gets_one_sequence_per_row_and_n
         n = int(mask[b].sum())
         assert torch.equal(kwargs["input_ids"][b, :n], sequences[b][mask[b].bool()])
         assert torch.equal(kwargs["position_ids"][b, :n], torch.arange(n))
+
+
+# ---- the embedded engine on every family ---------------------------------------------------------------------
+ENGINE_NEW_TOKENS = 12
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_embedded_engine_greedy_tokens_and_logprobs_equal_the_models_own(family, tmp_path):
+    """Prompts of 2, 4 and 6 tokens decoded together (left-padded in one batch), 12 greedy tokens each, rows longer
+    than the windowed families' window: token for token what ``model.generate`` gives each prompt alone, and every
+    sampled token's log-prob equal to the model's own forward over that prompt and completion."""
+    import torch
+
+    from backends.base import BackendConfig, SamplingParams
+    from backends.embedded import EmbeddedBackend
+    from rlhf_sg.tiny import save_tiny_model, tiny_family_model
+
+    model = tiny_family_model(family)
+    path = save_tiny_model(str(tmp_path / family), model=model)
+    engine = EmbeddedBackend(BackendConfig(model_path=path, max_model_len=64, seed=0, num_threads=1))
+    prompts = [[5, 6, 7, 8, 9, 10][:n] for n in (2, 4, 6)]
+    out = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=ENGINE_NEW_TOKENS, temperature=0.0))
+    for prompt, completion in zip(prompts, out):
+        ids = torch.tensor([prompt])
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=ENGINE_NEW_TOKENS,
+                                  min_new_tokens=ENGINE_NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, len(prompt):]
+        # the engine stops on the model's end-of-sequence ids; the reference runs on: compare up to the engine's stop
+        assert completion.token_ids == expected[: len(completion.token_ids)].tolist(), f"prompt of {len(prompt)}"
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1]
+        own = logits.float().log_softmax(-1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(completion.logprobs), own, atol=1e-4), (family, len(prompt))
