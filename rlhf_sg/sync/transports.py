@@ -46,6 +46,7 @@ import torch.distributed as dist
 from backends.base import BucketManifest, RolloutBackend, WeightGroupSpec, wait_work
 from rlhf_sg.distributed import create_group_store, side_broadcast
 from rlhf_sg.engine_actor import EngineCallError, get_engine_result, wait_engine_calls
+from rlhf_sg.placement import node_address
 
 __all__ = ["BroadcastTransport", "DiskTransport", "HandOffTransport", "Transport", "backend_class"]
 
@@ -172,11 +173,10 @@ class BroadcastTransport(Transport):
     def setup(self) -> None:
         if not self.ctx.my_engines:
             return
-        import ray
 
         ctx = self.ctx
         opener = self._opener()
-        host = self.master_address or (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
+        host = self.master_address or node_address()
         store = create_group_store(host, ctx.timeout_s)
         world = 1 + sum(info["weight_group_size"] for info in self.infos)
         calls, specs, offset = [], [], 1
