@@ -656,7 +656,7 @@ def check_gpu_install(cfg: Config) -> None:
     if cfg.model.attn_implementation == "flash_attention_2":
         _need(_flash_attn_importable(),
               "--model.attn_implementation flash_attention_2: the flash_attn package is not installed; install it "
-              "(recipes/install/gpu.sh --flash-attn) or use --model.attn_implementation sdpa")
+              "(FLASH_ATTN=1 bash recipes/install/gpu.sh <engine>) or use --model.attn_implementation sdpa")
     if not _fused_adam_prebuilt():
         missing = _jit_toolchain_missing()
         _need(not missing,
