@@ -95,23 +95,31 @@ def zero3_config(
     offload: bool = False,
     train: bool = True,
     max_grad_norm: float = 1.0,
-    param_persistence_threshold: int = 0,
+    param_persistence_threshold: int | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """A DeepSpeed ZeRO stage-3 config dict for one model.
 
     ``dtype``: "float32" or "bfloat16". ``offload``: parameters (and, when ``train``, optimizer states)
     live in CPU memory between uses (a GPU memory saver; meaningless on the CPU accelerator).
-    ``param_persistence_threshold``: parameters with fewer elements stay whole on every rank;
-    0 partitions every parameter, which is what the weight sync and its tests must see.
+    ``param_persistence_threshold``: parameters with fewer elements stay whole on every rank (None: 0 on
+    CPU, where the tests must see every parameter partitioned; DeepSpeed's 1e5 on CUDA, where gathering
+    every norm and bias per forward costs many tiny all-gathers). ``device``: "cuda" also overlaps the
+    gradient reduction with the backward (``overlap_comm``), which only pays on a device with streams.
     The optimizer is the caller's (a torch optimizer passed to ``deepspeed.initialize``).
     """
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"zero3_config: dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"zero3_config: device must be 'cpu' or 'cuda', got {device!r}")
+    cuda = device == "cuda"
+    if param_persistence_threshold is None:
+        param_persistence_threshold = 100_000 if cuda else 0
     zero: dict[str, Any] = {
         "stage": 3,
         "stage3_param_persistence_threshold": int(param_persistence_threshold),
         "contiguous_gradients": True,
-        "overlap_comm": False,
+        "overlap_comm": cuda,
     }
     if offload:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}

@@ -183,6 +183,7 @@ class ModelWorker:
             offload=self.spec.offload,
             train=self.spec.train,
             max_grad_norm=self.spec.max_grad_norm,
+            device=self.spec.device,
         )
         # Keep the reference alive while loading: transformers then builds the model partitioned (zero.Init)
         # instead of materialising it whole on every rank.

@@ -55,3 +55,14 @@ def test_local_rank_is_assigned_not_defaulted():
     env = {"LOCAL_RANK": "1"}
     RankPlacement((UUID_A,), 0, 0, "10.0.0.2").export_local_rank(env)
     assert env["LOCAL_RANK"] == "0"
+
+
+def test_zero3_on_cuda_gets_gpu_settings_and_cpu_keeps_the_test_settings():
+    from rlhf_sg.distributed import zero3_config
+
+    gpu = zero3_config(dtype="bfloat16", device="cuda")["zero_optimization"]
+    assert (gpu["stage3_param_persistence_threshold"], gpu["overlap_comm"]) == (100_000, True)
+    cpu = zero3_config()["zero_optimization"]
+    assert (cpu["stage3_param_persistence_threshold"], cpu["overlap_comm"]) == (0, False)
+    assert zero3_config(device="cuda", param_persistence_threshold=0)["zero_optimization"][
+        "stage3_param_persistence_threshold"] == 0
