@@ -46,3 +46,21 @@ def test_the_side_group_is_not_split_from_a_bound_default_group(bound_default_gr
         group.broadcast([flat]).wait()
     finally:
         dist.destroy_process_group(group)
+
+
+def test_a_dropped_sglang_group_leaves_no_registration_behind(monkeypatch):
+    """Every engine restart builds a new SGLang-path group; our end must leave torch's tables as it found them."""
+    from rlhf_sg.sync.transports import _deregister
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
+    spec = WeightGroupSpec(master_address="127.0.0.1", master_port=store.port, rank_offset=0, world_size=1,
+                           group_name="restart_check", backend="gloo", timeout_s=30.0)
+    before = len(distributed_c10d._world.pg_map)
+    group = open_weight_update_group(spec, 0, store=store)
+    assert len(distributed_c10d._world.pg_map) == before + 1
+    group.abort()
+    _deregister(group)
+    assert group not in distributed_c10d._world.pg_map and len(distributed_c10d._world.pg_map) == before
+    again = open_weight_update_group(spec, 0, store=store)  # the name is free again
+    again.shutdown()
+    _deregister(again)
