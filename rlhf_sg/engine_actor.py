@@ -51,12 +51,13 @@ class EngineActor:
 
     def __init__(self, backend_name: str, config: BackendConfig, engine_index: int = 0):
         import backends
-        from rlhf_sg.placement import this_rank
+        from rlhf_sg.placement import export_gloo_interface, this_rank
 
         self.engine_index = engine_index
         self.backend_name = backend_name
         #: the GPU(s) and node this engine was placed on
         self.placement = this_rank()
+        export_gloo_interface(self.placement.node_address)  # gloo side groups on CPU
         if config.device == "cuda" and torch.cuda.is_available():
             # the backend's device "cuda" means the current one: make it the GPU Ray gave this actor
             torch.cuda.set_device(self.placement.local_device)

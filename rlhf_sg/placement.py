@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 __all__ = [
     "RankPlacement",
+    "export_gloo_interface",
     "free_port",
+    "interface_of",
     "local_device_index",
     "node_address",
     "rendezvous_for_bundle",
@@ -85,6 +87,29 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that holds ``address`` (None when none does)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
+            return name
+    return None
+
+
+def export_gloo_interface(address: str, env: dict[str, str] | None = None) -> str | None:
+    """Make gloo listen where other nodes reach this process: ``GLOO_SOCKET_IFNAME`` = the interface of
+    ``address`` (a user's own setting is kept). Without it gloo advertises the address the hostname resolves
+    to, or loopback when that is not a local address, and peers on other nodes dial their own loopback."""
+    env = os.environ if env is None else env
+    if "GLOO_SOCKET_IFNAME" in env:
+        return env["GLOO_SOCKET_IFNAME"]
+    name = interface_of(address)
+    if name is not None and not address.startswith("127."):
+        env["GLOO_SOCKET_IFNAME"] = name
+    return name
 
 
 @dataclass(frozen=True)

@@ -159,10 +159,11 @@ class ModelWorker:
         from transformers.integrations import HfDeepSpeedConfig
 
         from rlhf_sg.distributed import init_torch_distributed, zero3_config
-        from rlhf_sg.placement import this_rank
+        from rlhf_sg.placement import export_gloo_interface, this_rank
 
         #: the GPU, LOCAL_RANK and node this rank was placed on
         self.placement = this_rank()
+        export_gloo_interface(self.placement.node_address)  # the CPU default group and side groups
         if self.spec.device == "cuda":
             # before the default group: DeepSpeed binds it to this device
             torch.cuda.set_device(self.placement.local_device)

@@ -66,3 +66,15 @@ def test_zero3_on_cuda_gets_gpu_settings_and_cpu_keeps_the_test_settings():
     assert (cpu["stage3_param_persistence_threshold"], cpu["overlap_comm"]) == (0, False)
     assert zero3_config(device="cuda", param_persistence_threshold=0)["zero_optimization"][
         "stage3_param_persistence_threshold"] == 0
+
+
+def test_gloo_listens_on_the_interface_of_the_node_address():
+    import socket
+
+    from rlhf_sg.placement import export_gloo_interface
+
+    env = {}
+    assert export_gloo_interface("127.0.0.1", env) is not None and "GLOO_SOCKET_IFNAME" not in env  # loopback: no pin
+    assert export_gloo_interface("192.0.2.255", env) is None and env == {}  # an address this machine lacks
+    kept = {"GLOO_SOCKET_IFNAME": "ib0"}
+    assert export_gloo_interface(socket.gethostbyname("localhost"), kept) == "ib0"  # the user's own choice wins
