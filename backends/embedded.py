@@ -347,6 +347,10 @@ class EmbeddedBackend(RolloutBackend):
             )
         if self._device.type not in ("cpu", "cuda"):
             raise BackendError(f"BackendConfig.device must be 'cpu' or 'cuda[:i]', got {config.device!r}")
+        if self._device.type == "cuda" and self._device.index is None:
+            # torch.cuda.set_device refuses an index-less device; the current one is the process's own
+            # (0 inside a one-GPU Ray actor)
+            self._device = torch.device("cuda", torch.cuda.current_device())
         if not os.path.isdir(config.model_path):
             raise BackendError(f"BackendConfig.model_path {config.model_path!r} is not a directory")
         if config.num_threads is not None:

@@ -113,6 +113,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -300,6 +301,31 @@ def sglang_engine_kwargs(config: BackendConfig, user_kwargs: dict[str, Any] | No
 
 
 # ---- the trainer's side of the weight-update group ----------------------------------------------
+@contextlib.contextmanager
+def _not_split_from_default_group():
+    """While building a side group, let torch see no device bound to this process's default group.
+
+    DeepSpeed binds the trainer's default group to its GPU (``device_id``); torch then builds every later NCCL
+    group by ``ncclCommSplit`` of that communicator (``_new_process_group_helper``: ``split_from =
+    _get_split_source(default group)`` when it has a ``bound_device_id``), so the side group would hold the
+    trainer's ranks only and the SGLang schedulers, which join through the store, would never be in it.
+    Without a bound device the group is made from the store's unique id, as SGLang makes its end.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    default = _get_default_group() if dist.is_initialized() else None
+    bound = getattr(default, "bound_device_id", None)
+    if bound is None:
+        yield
+        return
+    default.bound_device_id = None
+    try:
+        yield
+    finally:
+        default.bound_device_id = bound
+
+
 def open_weight_update_group(
     spec: WeightGroupSpec, rank: int = 0, store: torch.distributed.Store | None = None
 ) -> torch.distributed.ProcessGroup:
@@ -337,16 +363,17 @@ def open_weight_update_group(
                 spec.master_address, spec.master_port, spec.world_size, is_master=rank == 0, timeout=timeout
             )
         prefixed = dist.PrefixStore(spec.group_name, store)
-        group, _ = _new_process_group_helper(
-            spec.world_size,
-            rank,
-            [],
-            Backend(spec.backend),
-            prefixed,
-            group_name=spec.group_name,
-            backend_options=None,
-            timeout=timeout,
-        )
+        with _not_split_from_default_group():
+            group, _ = _new_process_group_helper(
+                spec.world_size,
+                rank,
+                [],
+                Backend(spec.backend),
+                prefixed,
+                group_name=spec.group_name,
+                backend_options=None,
+                timeout=timeout,
+            )
     except Exception as exc:  # store connect / rendezvous / duplicate-name failures come as several types
         raise BackendError(
             f"building {where} failed (timeout_s={spec.timeout_s}): {type(exc).__name__}: {exc}. Are the "

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     command, rest = argv[0], argv[1:]
     if command == "train-ppo":
-        from rlhf_sg.config import ConfigError, check_devices, parse_args
+        from rlhf_sg.config import ConfigError, check_devices, check_gpu_install, parse_args
         from rlhf_sg.data import DataError
         from rlhf_sg.rewards import RewardError
 
@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             cfg = parse_args(rest)
             check_devices(cfg)
+            check_gpu_install(cfg)
             from rlhf_sg.trainer import train
 
             train(cfg)

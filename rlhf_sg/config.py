@@ -638,7 +638,87 @@ def validate(cfg: Config) -> Config:
               "the rewards (--train.kl_mode loss or --train.kl_coef 0)")
     _validate_colocation(cfg)
     _validate_rollout_mode(cfg)
+    _validate_gpu_path(cfg)
     return cfg
+
+
+def _validate_gpu_path(cfg: Config) -> None:
+    """Combinations that cannot work on GPU, refused before anything starts."""
+    m, r, t = cfg.model, cfg.rollout, cfg.train
+    if m.attn_implementation == "flash_attention_2":
+        _need(t.device == "cuda", "--model.attn_implementation flash_attention_2 runs on CUDA only: use sdpa with "
+                                  "--train.device cpu")
+        _need(m.dtype != "float32", "--model.attn_implementation flash_attention_2 has fp16/bf16 kernels only: set "
+                                    "--model.dtype bfloat16, or use --model.attn_implementation sdpa")
+    if t.device != "cuda":
+        return
+    if t.colocate_all:
+        # trainer rank i and engine i would be two ranks of one NCCL group on one GPU: NCCL refuses that
+        # ("Duplicate GPU detected", ncclInvalidUsage)
+        _need(r.weight_transport != "collective",
+              "--train.colocate_all on CUDA puts trainer rank i and engine i on one GPU, where NCCL cannot make "
+              "them one group (the collective transport): set --rollout.weight_transport tensor")
+    if r.backend == "sglang":
+        _need(m.dtype != "float32",
+              "--rollout.backend sglang on CUDA: its attention kernels are fp16/bf16; set --model.dtype bfloat16")
+
+
+def _flash_attn_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _fused_adam_prebuilt() -> bool:
+    """Whether DeepSpeed was installed with FusedAdam compiled (DS_BUILD_FUSED_ADAM=1); read from its
+    git_version_info_installed.py without importing deepspeed (which would pick an accelerator)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    path = os.path.join(spec.submodule_search_locations[0], "git_version_info_installed.py")
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except OSError:
+        return False
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(n, "id", None) == "installed_ops" for n in node.targets):
+            return bool(ast.literal_eval(node.value).get("fused_adam", False))
+    return False
+
+
+def _jit_toolchain_missing() -> list[str]:
+    """What DeepSpeed's JIT build of an op needs and this machine lacks: nvcc (under torch's CUDA_HOME) and ninja."""
+    import shutil
+
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    missing = []
+    if CUDA_HOME is None or not os.path.isfile(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        missing.append("nvcc (a CUDA toolkit; set CUDA_HOME to it)")
+    if shutil.which("ninja") is None:
+        missing.append("ninja (pip install ninja)")
+    return missing
+
+
+def check_gpu_install(cfg: Config) -> None:
+    """With ``--train.device cuda``, that what the run will load on GPU is installed on this machine:
+    flash-attn when asked for, and DeepSpeed's FusedAdam (prebuilt, or the toolchain its JIT build needs)."""
+    if cfg.train.device != "cuda":
+        return
+    if cfg.model.attn_implementation == "flash_attention_2":
+        _need(_flash_attn_importable(),
+              "--model.attn_implementation flash_attention_2: the flash_attn package is not installed; install it "
+              "(FLASH_ATTN=1 bash recipes/install/gpu.sh <engine>) or use --model.attn_implementation sdpa")
+    if not _fused_adam_prebuilt():
+        missing = _jit_toolchain_missing()
+        _need(not missing,
+              f"--train.device cuda trains with DeepSpeed's FusedAdam, which is not prebuilt here and whose JIT "
+              f"build needs {' and '.join(missing)}; install them, or reinstall DeepSpeed with "
+              "DS_BUILD_FUSED_ADAM=1 (recipes/install/gpu.sh does)")
 
 
 def _validate_rollout_mode(cfg: Config) -> None:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from rlhf_sg.placement import free_port
 
 __all__ = [
     "create_group_store",
@@ -35,13 +36,6 @@ __all__ = [
 _BACKENDS = ("gloo", "nccl")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host`` (another process may still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def init_torch_distributed(
     rank: int,
     world_size: int,
@@ -49,12 +43,15 @@ def init_torch_distributed(
     master_port: int,
     backend: str = "gloo",
     timeout_s: float = 600.0,
+    local_rank: int | None = None,
 ) -> None:
     """Join the trainer's default process group (and DeepSpeed's view of it) as ``rank``.
 
     Sets MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE / LOCAL_RANK for DeepSpeed, and
     ``DS_ACCELERATOR=cpu`` for ``backend="gloo"`` when DeepSpeed is not imported yet. Every
-    collective on the group then fails after ``timeout_s`` instead of hanging.
+    collective on the group then fails after ``timeout_s`` instead of hanging. ``LOCAL_RANK`` is
+    ``local_rank``, else this process's device index from :mod:`rlhf_sg.placement` (0 inside a one-GPU
+    Ray actor); never the global rank, which DeepSpeed would take for a CUDA index.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"init_torch_distributed: backend must be one of {_BACKENDS}, got {backend!r}")
@@ -71,7 +68,11 @@ def init_torch_distributed(
             )
         os.environ["DS_ACCELERATOR"] = "cpu"
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    os.environ.setdefault("LOCAL_RANK", str(rank))
+    if local_rank is None:
+        from rlhf_sg.placement import this_rank
+
+        local_rank = this_rank().local_rank
+    os.environ["LOCAL_RANK"] = str(local_rank)
     import deepspeed
 
     where = f"rank {rank} of {world_size} at {master_addr}:{master_port} ({backend})"
@@ -94,23 +95,31 @@ def zero3_config(
     offload: bool = False,
     train: bool = True,
     max_grad_norm: float = 1.0,
-    param_persistence_threshold: int = 0,
+    param_persistence_threshold: int | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """A DeepSpeed ZeRO stage-3 config dict for one model.
 
     ``dtype``: "float32" or "bfloat16". ``offload``: parameters (and, when ``train``, optimizer states)
     live in CPU memory between uses (a GPU memory saver; meaningless on the CPU accelerator).
-    ``param_persistence_threshold``: parameters with fewer elements stay whole on every rank;
-    0 partitions every parameter, which is what the weight sync and its tests must see.
+    ``param_persistence_threshold``: parameters with fewer elements stay whole on every rank (None: 0 on
+    CPU, where the tests must see every parameter partitioned; DeepSpeed's 1e5 on CUDA, where gathering
+    every norm and bias per forward costs many tiny all-gathers). ``device``: "cuda" also overlaps the
+    gradient reduction with the backward (``overlap_comm``), which only pays on a device with streams.
     The optimizer is the caller's (a torch optimizer passed to ``deepspeed.initialize``).
     """
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"zero3_config: dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"zero3_config: device must be 'cpu' or 'cuda', got {device!r}")
+    cuda = device == "cuda"
+    if param_persistence_threshold is None:
+        param_persistence_threshold = 100_000 if cuda else 0
     zero: dict[str, Any] = {
         "stage": 3,
         "stage3_param_persistence_threshold": int(param_persistence_threshold),
         "contiguous_gradients": True,
-        "overlap_comm": False,
+        "overlap_comm": cuda,
     }
     if offload:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}

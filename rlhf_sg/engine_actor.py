@@ -51,9 +51,16 @@ class EngineActor:
 
     def __init__(self, backend_name: str, config: BackendConfig, engine_index: int = 0):
         import backends
+        from rlhf_sg.placement import export_gloo_interface, this_rank
 
         self.engine_index = engine_index
         self.backend_name = backend_name
+        #: the GPU(s) and node this engine was placed on
+        self.placement = this_rank()
+        export_gloo_interface(self.placement.node_address)  # gloo side groups on CPU
+        if config.device == "cuda" and torch.cuda.is_available():
+            # the backend's device "cuda" means the current one: make it the GPU Ray gave this actor
+            torch.cuda.set_device(self.placement.local_device)
         threads = config.num_threads or _cpu_share()
         torch.set_num_threads(threads)
         self.backend = backends.create_backend(backend_name, dataclasses.replace(config, num_threads=threads))
@@ -78,7 +85,9 @@ class EngineActor:
             "backend_class": self.backend_name,
             "transports": sorted(self.backend.transports),
             "node_id": ray.get_runtime_context().get_node_id(),
-            "gpu_ids": [int(g) for g in ray.get_gpu_ids()],  # physical ids (CUDA IPC needs the trainer's)
+            # as the node lists them (ints, GPU-/MIG- UUIDs): the tensor transport matches devices by UUID
+            "gpu_ids": list(self.placement.gpu_ids),
+            "local_device": self.placement.local_device,
             # ranks this engine's workers take in a weight-update group
             "weight_group_size": self.backend.config.tensor_parallel_size,
             "weight_version": self.backend.weight_version,

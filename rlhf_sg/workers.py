@@ -16,7 +16,7 @@ import math
 import os
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -183,7 +183,14 @@ class ModelWorker:
         from transformers.integrations import HfDeepSpeedConfig
 
         from rlhf_sg.distributed import init_torch_distributed, zero3_config
+        from rlhf_sg.placement import export_gloo_interface, this_rank
 
+        #: the GPU, LOCAL_RANK and node this rank was placed on
+        self.placement = this_rank()
+        export_gloo_interface(self.placement.node_address)  # the CPU default group and side groups
+        if self.spec.device == "cuda":
+            # before the default group: DeepSpeed binds it to this device
+            torch.cuda.set_device(self.placement.local_device)
         init_torch_distributed(
             rank=rank,
             world_size=self.spec.world_size,
@@ -191,9 +198,8 @@ class ModelWorker:
             master_port=self.spec.master_port,
             backend="nccl" if self.spec.device == "cuda" else "gloo",
             timeout_s=self.spec.timeout_s,
+            local_rank=self.placement.local_rank,
         )
-        if self.spec.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         #: where this rank's micro-batches go for the updates
         cuda = self.spec.device == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -202,6 +208,7 @@ class ModelWorker:
             offload=self.spec.offload,
             train=self.spec.train,
             max_grad_norm=self.spec.max_grad_norm,
+            device=self.spec.device,
         )
         # Keep the reference alive while loading: transformers then builds the model partitioned (zero.Init)
         # instead of materialising it whole on every rank.
@@ -264,6 +271,19 @@ class ModelWorker:
 
     def ping(self) -> int:
         return self.rank
+
+    def placement_seen(self) -> dict[str, Any]:
+        """What this rank was placed on and what DeepSpeed took from it (for checks and logs)."""
+        return {
+            "rank": self.rank,
+            "gpu_ids": list(self.placement.gpu_ids),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "local_device": self.placement.local_device,
+            "local_rank_env": os.environ.get("LOCAL_RANK"),
+            "deepspeed_local_rank": self.engine.local_rank,
+            "node_address": self.placement.node_address,
+            "master": (self.spec.master_addr, self.spec.master_port),
+        }
 
     def node_id(self) -> str:
         import ray
@@ -594,6 +614,12 @@ class ModelGroup:
             self.pg = shared.pg
             num_cpus, num_gpus = shared.num_cpus, shared.num_gpus
             strategies = [shared.strategy(i) for i in range(spec.world_size)]
+        if not spec.master_addr:
+            # rank 0's node and a port free there: ranks on other nodes reach it, loopback they would not
+            from rlhf_sg.placement import rendezvous_for_bundle
+
+            host, port = rendezvous_for_bundle(self.pg, 0, self.timeout_s)
+            spec = self.spec = replace(spec, master_addr=host, master_port=port)
         env = {"env_vars": {"OMP_NUM_THREADS": str(spec.threads), "TOKENIZERS_PARALLELISM": "false"}}
         if spec.device == "cpu":
             env["env_vars"]["DS_ACCELERATOR"] = "cpu"

@@ -78,7 +78,11 @@ def ray_cluster():
     os.environ["DS_ACCELERATOR"] = "cpu"
     os.environ.setdefault("RAY_worker_niceness", "0")
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=8, num_gpus=RAY_LOGICAL_GPUS, include_dashboard=False,
+        import torch
+
+        # on a GPU node Ray must hand out the devices that exist; elsewhere logical ones stand in for them
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else RAY_LOGICAL_GPUS
+        ray.init(address="local", num_cpus=8, num_gpus=gpus, include_dashboard=False,
                  log_to_driver=False)
     yield ray  # left running for the next module; pytest_sessionfinish shuts it down
 

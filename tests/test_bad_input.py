@@ -272,6 +272,7 @@ def test_devices_needed_adds_up_by_hand(model_dir, prompts_file):
     assert devices_needed(cfg) == (7, "2 shared by actor+ref, 2 engines x tensor_parallel_size 2, 1 critic")
     # everything on the actor's 4 devices
     cfg = cuda_cfg(model_dir, prompts_file, "--algo", "grpo", "--train.colocate_all", "true",
+                   "--rollout.weight_transport", "tensor",
                    *[x for g in ("--train.actor_num_ranks", "--train.ref_num_ranks", "--rollout.num_engines")
                      for x in (g, "4")], "--rollout.prompts_per_step", "4")
     assert devices_needed(cfg)[0] == 4
@@ -279,6 +280,7 @@ def test_devices_needed_adds_up_by_hand(model_dir, prompts_file):
 
 def test_colocated_layout_on_too_few_gpus(model_dir, prompts_file):
     cfg = cuda_cfg(model_dir, prompts_file, "--algo", "grpo", "--train.colocate_all", "true",
+                   "--rollout.weight_transport", "tensor",
                    *[x for g in ("--train.actor_num_ranks", "--train.ref_num_ranks", "--rollout.num_engines")
                      for x in (g, "4")], "--rollout.prompts_per_step", "4")
     check_devices(cfg, visible=4)  # exactly enough

@@ -265,7 +265,7 @@ def test_devices_needed_matches_the_layout(workdir, actor, critic, ref, engines,
     if reward_model:
         cfg.reward.kind, cfg.reward.function, cfg.model.reward_pretrain = "model", None, cfg.model.pretrain
     if colocate == "all":
-        t.colocate_all = True
+        t.colocate_all, r.weight_transport = True, "tensor"  # NCCL cannot group two ranks on one GPU
         t.critic_num_ranks = t.ref_num_ranks = r.num_engines = cfg.reward.num_ranks = actor
     if colocate in ("actor_ref", "both"):
         t.colocate_actor_ref, t.ref_num_ranks, t.kl_coef = True, actor, 0.1

@@ -638,7 +638,7 @@ def test_more_rules_refuse_their_input_with_the_exact_message(base, overrides, m
     {**SMALL, 'reward.num_ranks': 3},  # a reward function: the reward ranks do not score
     {**SMALL, 'reward.kind': 'model', 'model.reward_pretrain': 'MODEL', 'reward.num_ranks': 2},
     {'train.max_nonfinite_steps': 1},
-    {'model.attn_implementation': 'flash_attention_2'},
+    {'model.attn_implementation': 'flash_attention_2', 'model.dtype': 'bfloat16', 'train.device': 'cuda'},
     {'model.attn_implementation': 'eager'},
 ])
 def test_more_rules_let_their_boundary_through(base, overrides):
@@ -900,7 +900,8 @@ def test_one_worker_thread_is_enough(base):
 def test_prompts_are_shared_only_when_asked_and_the_attention_takes_a_mask(base, share, attn, shared):
     from rlhf_sg.config import shares_prompts
 
-    cfg = validate(base({'train.share_prompts': share, 'model.attn_implementation': attn}))
+    flash = {'model.dtype': 'bfloat16', 'train.device': 'cuda'} if attn == "flash_attention_2" else {}
+    cfg = validate(base({'train.share_prompts': share, 'model.attn_implementation': attn, **flash}))
     assert shares_prompts(cfg) is shared
 
 

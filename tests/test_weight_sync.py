@@ -566,7 +566,7 @@ def _sync_into_cuda_engine(cluster, transport: str, trainer_gpu_differs: bool) -
     config = BackendConfig(model_path=cluster["model_path"], device="cuda", num_threads=1)
     engine = start_engine_actors("hf", config, 1, num_cpus=0, num_gpus=1)[0]
     try:
-        engine_gpu = _get(engine.describe.remote())["gpu_ids"][0]
+        engine_gpu = int(_get(engine.describe.remote())["gpu_ids"][0])  # a plain node lists GPUs by index
         others = [g for g in range(torch.cuda.device_count()) if g != engine_gpu]
         trainer_gpu = others[0] if trainer_gpu_differs else engine_gpu
         # The driver sees every GPU; indices are physical only when CUDA_VISIBLE_DEVICES is unset.

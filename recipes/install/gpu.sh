@@ -13,7 +13,10 @@
 #   2. those pins read back from the installed engine's metadata (recipes/install/engine_pins.py) into a pip
 #      constraints file, so that
 #   3. this project (editable, test extra), deepspeed and ray install without moving anything the engine pinned;
-#   4. a check that torch and transformers still satisfy the engine's requirements.
+#   4. a check that torch and transformers still satisfy the engine's requirements;
+#   5. ninja, flash-attn when FLASH_ATTN=1 (recipes that set attn_implementation flash_attention_2 need it),
+#      and DeepSpeed's FusedAdam (the GPU optimizer) built once now: it is JIT-compiled with nvcc, so a machine
+#      without a CUDA toolkit (CUDA_HOME) stops here with what is missing, not at the first training step.
 # Then `pytest -m gpu` runs the GPU acceptance suite (see the README).
 set -euo pipefail
 
@@ -64,5 +67,31 @@ dist = sys.argv[1]
 print(f"[gpu.sh] {dist} {md.version(dist)}, torch {torch.__version__} (CUDA {torch.version.cuda}, "
       f"{torch.cuda.device_count()} device(s) visible), transformers {md.version('transformers')}, "
       f"deepspeed {md.version('deepspeed')}, ray {md.version('ray')}")
+PY
+export PATH="${VENV_DIR}/bin:${PATH}"  # ninja, as DeepSpeed's JIT build calls it
+say "installing ninja${FLASH_ATTN:+ and flash-attn}"
+"${PIP[@]}" -c "${CONSTRAINTS}" ninja
+if [ "${FLASH_ATTN:-0}" = 1 ]; then
+    "${PIP[@]}" -c "${CONSTRAINTS}" --no-build-isolation flash-attn
+fi
+say "checking the CUDA toolkit and building DeepSpeed's FusedAdam once"
+"${PY}" - <<'PY'
+import os
+import shutil
+import sys
+
+from torch.utils.cpp_extension import CUDA_HOME
+
+missing = []
+if CUDA_HOME is None or not os.path.isfile(os.path.join(CUDA_HOME, "bin", "nvcc")):
+    missing.append(f"nvcc (CUDA_HOME={CUDA_HOME!r}: install a CUDA toolkit matching torch's CUDA and set CUDA_HOME)")
+if shutil.which("ninja") is None:
+    missing.append("ninja (pip install ninja, with the venv's bin on PATH)")
+if missing:
+    sys.exit("[gpu.sh] DeepSpeed's FusedAdam cannot be built: missing " + "; ".join(missing))
+from deepspeed.ops.op_builder import FusedAdamBuilder
+
+FusedAdamBuilder().load()
+print("[gpu.sh] FusedAdam built (torch extensions cache); run with the venv's bin on PATH")
 PY
 say "done: run the GPU acceptance suite with ${VENV_DIR}/bin/python -m pytest -m gpu"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -46,6 +47,7 @@ import torch.distributed as dist
 from backends.base import BucketManifest, RolloutBackend, WeightGroupSpec, wait_work
 from rlhf_sg.distributed import create_group_store, side_broadcast
 from rlhf_sg.engine_actor import EngineCallError, get_engine_result, wait_engine_calls
+from rlhf_sg.placement import node_address
 
 __all__ = ["BroadcastTransport", "DiskTransport", "HandOffTransport", "Transport", "backend_class"]
 
@@ -172,11 +174,10 @@ class BroadcastTransport(Transport):
     def setup(self) -> None:
         if not self.ctx.my_engines:
             return
-        import ray
 
         ctx = self.ctx
         opener = self._opener()
-        host = self.master_address or (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
+        host = self.master_address or node_address()
         store = create_group_store(host, ctx.timeout_s)
         world = 1 + sum(info["weight_group_size"] for info in self.infos)
         calls, specs, offset = [], [], 1
@@ -201,7 +202,11 @@ class BroadcastTransport(Transport):
         # Our end blocks until every engine has joined; build it in a thread so that an engine
         # whose join fails is reported at once instead of after timeout_s.
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-group")
-        future = pool.submit(opener, dataclasses.replace(specs[0], rank_offset=0), store)
+        # NCCL's watchdog tears the process down when a collective outlives the group's timeout: give our end
+        # twice the poll deadline, so that a stuck broadcast is reported by our named error first
+        ours = dataclasses.replace(specs[0], rank_offset=0,
+                                   timeout_s=ctx.timeout_s * (2 if self.backend == "nccl" else 1))
+        future = pool.submit(opener, ours, store)
         pool.shutdown(wait=False)
         pending = [ref for _, _, ref in calls]
         while not future.done():
@@ -263,11 +268,17 @@ class BroadcastTransport(Transport):
         # the group closes its connections, and pending work handles (held by the failed frames'
         # locals) keep it alive: clear those locals, then drop the group.
         traceback.clear_frames(exc.__traceback__)
-        self._drop_group()
+        self._drop_group(abort=True)
 
-    def _drop_group(self) -> None:
+    def _drop_group(self, abort: bool = False) -> None:
+        """Destroy our end: ``abort()`` after a failure (NCCL's ncclCommAbort; a graceful ``shutdown()`` may wait
+        on the broadcast that will never finish), ``shutdown()`` on a clean close."""
         if self.group is not None:
-            self.group.shutdown()
+            if abort:
+                self.group.abort()
+            else:
+                self.group.shutdown()
+            _deregister(self.group)
         self.group = self._store = None
 
     def close(self) -> list[str]:
@@ -280,6 +291,25 @@ class BroadcastTransport(Transport):
         self._drop_group()
         self.group_ranks = {}
         return errors
+
+
+def _deregister(group) -> None:
+    """Forget a group torch registered (the SGLang end is made by ``_new_process_group_helper``, which records it
+    in torch's group tables; without this every engine restart leaves one behind)."""
+    from torch.distributed.distributed_c10d import _unregister_process_group, _world
+
+    if group not in _world.pg_map:  # built straight on a store (vLLM, embedded): torch never registered it
+        return
+    # the tables torch's destroy_process_group clears, without its shutdown() (ours already ran)
+    name = _world.pg_names.pop(group, None)
+    for table in (_world.pg_map, _world.pg_group_ranks, _world.pg_backend_config, _world.pg_coalesce_state):
+        table.pop(group, None)
+    tag = _world.pg_to_tag.pop(group, None)
+    for key in {tag, ""} if tag is not None else ():
+        with contextlib.suppress(KeyError, ValueError):
+            _world.tags_to_pg[key].remove(group)
+    if name is not None:
+        _unregister_process_group(name)
 
 
 class HandOffTransport(Transport):

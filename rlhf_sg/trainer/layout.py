@@ -115,8 +115,8 @@ class Layout:
                 "critic": m.critic_pretrain or m.reward_pretrain or m.pretrain}[role]
 
     def worker_spec(self, role: str):
-        """The :class:`rlhf_sg.workers.WorkerSpec` of ``role``'s group (a fresh rendezvous port each call)."""
-        from rlhf_sg.distributed import free_port
+        """The :class:`rlhf_sg.workers.WorkerSpec` of ``role``'s group. Its rendezvous address is left empty:
+        :class:`rlhf_sg.workers.ModelGroup` takes rank 0's node address and a port free there once placed."""
         from rlhf_sg.workers import WorkerSpec
 
         cfg, t, m = self.cfg, self.cfg.train, self.cfg.model
@@ -127,8 +127,8 @@ class Layout:
             "reward": (cfg.reward.num_ranks, False, 0.0),
         }[role]
         return WorkerSpec(
-            role=role, model_path=self.model_path(role), world_size=world, master_addr="127.0.0.1",
-            master_port=free_port(),
+            role=role, model_path=self.model_path(role), world_size=world, master_addr="",
+            master_port=0,
             train=train, dtype=m.dtype, attn_implementation=m.attn_implementation, lr=lr,
             lr_scheduler=t.lr_scheduler, lr_warmup_steps=lr_warmup_steps(cfg, role),
             lr_total_steps=optimizer_steps(cfg, role),

@@ -31,6 +31,7 @@ from rlhf_sg.config import (
     Config,
     TrainConfig,
     check_devices,
+    check_gpu_install,
     kl_estimator,
     offload_states,
     rollout_is_async,
@@ -171,6 +172,7 @@ class PPOTrainer:
         directory), then Ray, every group and the engines."""
         cfg = self.cfg
         check_devices(cfg)
+        check_gpu_install(cfg)
         self.load_data()
         trained = [self.layout.model_path(r) for r in ("actor", "critic") if r == "actor" or self.uses_critic]
         checkpoint.check_output_dir(cfg.log.output_dir, trained)
