@@ -43,13 +43,30 @@ def _netns_usable() -> str | None:
     return None if probe.returncode == 0 else f"`ip netns` unavailable: {probe.stderr.decode().strip()}"
 
 
+def _free_pair(tag: int) -> tuple[str, str]:
+    """Two addresses of a /30 in 198.18.0.0/15 (set aside for network testing, RFC 2544) that overlaps none of
+    this machine's routes, so the pair never shadows a network the machine uses."""
+    import ipaddress
+
+    routes = subprocess.run(["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True,
+                            timeout=30).stdout.split()
+    taken = [ipaddress.ip_network(word, strict=False) for word in routes
+             if word[:1].isdigit() and ("/" in word or word.count(".") == 3)]
+    testing = ipaddress.ip_network("198.18.0.0/15")
+    subnets = list(testing.subnets(new_prefix=30))
+    for k in range(len(subnets)):
+        net = subnets[(tag * 7 + k) % len(subnets)]
+        if not any(net.overlaps(t) for t in taken):
+            return str(net[1]), str(net[2])
+    raise RuntimeError("no free /30 in 198.18.0.0/15 for the namespace pair")
+
+
 @contextlib.contextmanager
 def _veth_namespace():
     """(namespace, host address, namespace address): a fresh namespace behind a veth /30 pair."""
     tag = os.getpid() % 10000
     netns, host_if, ns_if = f"rlhfsg{tag}", f"rsh{tag}", f"rsn{tag}"
-    subnet, first = f"10.213.{tag % 250}", 4 * (tag // 250 % 60)  # a /30 of this test's own
-    host_addr, ns_addr = f"{subnet}.{first + 1}", f"{subnet}.{first + 2}"
+    host_addr, ns_addr = _free_pair(tag)
     _ip("netns", "add", netns)
     try:
         _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
