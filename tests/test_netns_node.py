@@ -165,7 +165,9 @@ def test_ppo_steps_with_ranks_and_an_engine_on_a_node_of_its_own(tmp_path, two_n
     cfg = make_config(policy, prompts, str(tmp_path / "run"), steps=1, algo="gae", backend="hf")
     cfg.rollout.num_engines = 2
     cfg.rollout.prompts_per_step = 4
-    cfg.train.placement_strategy = "STRICT_SPREAD"  # one actor rank and one engine on each node
+    cfg.train.placement_strategy = "STRICT_SPREAD"  # one actor rank and one engine on each node:
+    cfg.train.colocate_all = True  # engine i shares bundle i with rank i of every group
+    cfg.train.critic_num_ranks = cfg.train.ref_num_ranks = cfg.train.actor_num_ranks
     cfg.train.timeout_s = 120.0  # a rank dialling the wrong address fails within this, named
     cfg.train.max_steps = 2
     cfg.log.progress_bar = cfg.log.tensorboard = cfg.log.export_hf = False
@@ -177,7 +179,9 @@ def test_ppo_steps_with_ranks_and_an_engine_on_a_node_of_its_own(tmp_path, two_n
         # every rank met at rank 0's node address: the namespace's loopback is not the head's
         assert {s["master"][0] for s in seen} == {seen[0]["node_address"]}
         engines = ray.get([e.describe.remote() for e in trainer.engines], timeout=START_TIMEOUT_S)
-        assert {e["engine_index"] for e in engines} == {0, 1}  # Ray places engines where CPUs are free
+        assert {e["engine_index"] for e in engines} == {0, 1}
+        node_address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+        assert {node_address[e["node_id"]] for e in engines} == {host_addr, ns_addr}  # an engine on each node
         trainer.train_step()
         metrics = trainer.train_step()
         assert metrics["weight_version"] == 2
