@@ -220,7 +220,8 @@ class DataConfig:
 class RewardConfig:
     #: "function" (a Python rule), "model" (a reward model group), "remote" (HTTP scorer)
     kind: str = "function"
-    #: module:function taking (prompts, completions, labels) -> list of floats
+    #: module:function taking (prompts, completions, labels) -> list of floats; or a built-in verifiable reward
+    #: (math_answer, exact_match, think_format) or a weighted sum NAME=WEIGHT,... (rlhf_sg/verifiable.py)
     function: str | None = None
     url: str | None = None
     #: name of the environment variable holding the remote scorer's bearer token (the token itself never
@@ -610,8 +611,12 @@ def validate(cfg: Config) -> Config:
     _need(rw.kind in ("function", "model", "remote"),
           f"--reward.kind must be function, model or remote, got {rw.kind!r}")
     if rw.kind == "function":
+        from rlhf_sg.verifiable import BUILTIN_REWARDS, is_builtin_spec
+
         _need(bool(rw.function), "--reward.function is required with --reward.kind function (module:function)")
-        _need(":" in rw.function, f"--reward.function must look like module:function, got {rw.function!r}")
+        _need(":" in rw.function or is_builtin_spec(rw.function),
+              f"--reward.function must look like module:function, name a built-in reward "
+              f"({', '.join(sorted(BUILTIN_REWARDS))}) or a weighted sum NAME=WEIGHT,..., got {rw.function!r}")
     if rw.kind == "model":
         _need(bool(m.reward_pretrain), "--model.reward_pretrain is required with --reward.kind model")
     if rw.kind == "remote":

@@ -34,7 +34,15 @@ class RewardError(ValueError):
 
 
 def load_reward_function(spec: str) -> RewardFn:
-    """Import ``module:function`` and check it takes (prompts, completions, labels)."""
+    """Import ``module:function`` and check it takes (prompts, completions, labels); or a built-in verifiable
+    reward by name, or a weighted sum of rewards (:mod:`rlhf_sg.verifiable`)."""
+    from rlhf_sg.verifiable import VerifiableRewardError, is_builtin_spec, load_builtin
+
+    if is_builtin_spec(spec):
+        try:
+            return load_builtin(spec, load_reward_function)
+        except VerifiableRewardError as e:
+            raise RewardError(str(e)) from e
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise RewardError(f"--reward.function must look like module:function, got {spec!r}")

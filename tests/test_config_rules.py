@@ -164,7 +164,8 @@ RULES = [
     ({'reward.function': None},
      '--reward.function is required with --reward.kind function (module:function)'),
     ({'reward.function': 'nocolon'},
-     "--reward.function must look like module:function, got 'nocolon'"),
+     "--reward.function must look like module:function, name a built-in reward (exact_match, math_answer, "
+     "think_format) or a weighted sum NAME=WEIGHT,..., got 'nocolon'"),
     ({'reward.kind': 'model'},
      '--model.reward_pretrain is required with --reward.kind model'),
     ({'reward.kind': 'remote', 'reward.url': 'ftp://x'},
