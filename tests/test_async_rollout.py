@@ -98,6 +98,49 @@ def test_async_mode_rules():
     assert tis_cap(given) == 5.0
 
 
+# ---- an engine restart in the producer against the trainer's calls ----------------------------------------
+class _RestartingMaker:
+    """The RolloutMaker hooks AsyncRollout uses (a boundary: no engine): making a batch, one engine dies after its
+    generate returned and is restarted, as RolloutMaker._generate does."""
+
+    def __init__(self, restarted: list, reached: threading.Event):
+        self.restart = lambda index, version=None: restarted.append((index, version))
+        self.before_generate = self.after_generate = None
+        self.reached = reached
+
+    def make(self, timer, step, version):
+        self.before_generate()
+        self.after_generate()
+        self.reached.set()
+        self.restart(0)
+        return [], None, {}
+
+
+def test_an_engine_restart_waits_for_the_trainers_calls_and_takes_the_synced_version():
+    """A restart pushes weights through the actor's ranks, so it must not run while the trainer calls them (two
+    threads' collectives on one group interleave differently on each rank), and the weights it pushes are the ones
+    the trainer's sync just sent: it waits for the trainer's calls and their sync, and takes that sync's version."""
+    from rlhf_sg.timing import StepTimer
+    from rlhf_sg.trainer.async_rollout import AsyncRollout
+
+    restarted, reached = [], threading.Event()
+    producer = AsyncRollout(_RestartingMaker(restarted, reached), first_step=0, last_step=1, engine_version=0,
+                            max_staleness=1, timeout_s=30, data_state=dict)
+    timer = StepTimer(sync=lambda: None)
+    timer.start_step()
+    try:
+        with producer.trainer_calls():  # the trainer scores, updates and syncs
+            producer.start()
+            assert reached.wait(30)  # the producer's engine died: its restart is due
+            pushed = []
+            producer.sync(lambda: pushed.append(list(restarted)), version=1, timer=timer)
+        producer.take(0)
+        assert pushed == [[]]  # nothing restarted while the trainer held its calls
+        assert restarted == [(0, 1)]  # then with the version of the sync that ran meanwhile
+    finally:
+        producer.stop()
+
+
 # ---- a real engine cut short and continued ----------------------------------------------------------------
 ray = pytest.importorskip("ray")
 

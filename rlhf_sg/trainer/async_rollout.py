@@ -18,15 +18,19 @@ and logs the staleness of each batch (:func:`rlhf_sg.trainer.rollout.check_stale
 corrects for it with truncated importance sampling against the engines' log-probs.
 
 Engines that restart (one died while generating) are restarted under the same rule as a sync: no sync runs
-meanwhile.
+meanwhile. A restart pushes the trainer's weights through the actor's ranks (a ZeRO-3 gather, collective on every
+rank), so it also waits while the trainer calls those ranks (:meth:`AsyncRollout.trainer_calls`: scoring, update,
+checkpoint): two threads' collectives on one group would interleave differently on different ranks. It labels the
+weights with the version the engines hold, which only a sync changes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rlhf_sg.timing import StepTimer
@@ -56,7 +60,8 @@ class AsyncRollout:
         self.maker, self.max_staleness, self.timeout_s = maker, max_staleness, timeout_s
         self._abort, self._resume, self._data_state = abort, resume, data_state
         self._cond = threading.Condition()
-        self._engine_control = threading.Lock()  # held by a sync or an engine restart
+        # held by a sync, an engine restart, and the trainer while it calls the ranks (re-entered by its sync)
+        self._engine_control = threading.RLock()
         self._next_step, self._last_step = first_step, last_step
         self._engine_version = engine_version
         self._ready: dict[int, tuple] = {}  # step -> (prompts, experience, metrics)
@@ -68,7 +73,7 @@ class AsyncRollout:
         self._error: BaseException | None = None
         restart = maker.restart
         if restart is not None:
-            maker.restart = lambda i: self._exclusive(lambda: restart(i))
+            maker.restart = lambda i: self._exclusive(lambda: restart(i, self.engine_version))
         maker.before_generate, maker.after_generate = self._before_generate, self._after_generate
         self._thread = threading.Thread(target=self._run, name="rlhf_sg-rollout", daemon=True)
 
@@ -138,6 +143,20 @@ class AsyncRollout:
     def _exclusive(self, fn: Callable[[], Any]) -> Any:
         with self._engine_control:
             return fn()
+
+    @property
+    def engine_version(self) -> int:
+        """The weight version the engines hold (set by :meth:`sync`)."""
+        with self._cond:
+            return self._engine_version
+
+    @contextlib.contextmanager
+    def trainer_calls(self) -> Iterator[None]:
+        """Held by the trainer (one thread) while it calls the model groups' ranks, its sync included: an engine
+        restart (which pushes weights through the actor's ranks) waits until it ends, then labels the weights
+        with the version that sync recorded."""
+        with self._engine_control:
+            yield
 
     # ---- the trainer's side --------------------------------------------------------------------------
     def take(self, step: int) -> tuple[list, Any, dict[str, float]]:

@@ -16,6 +16,7 @@ estimator by name (:func:`rlhf_sg.advantages.register_advantage_estimator`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -182,7 +183,7 @@ class PPOTrainer:
         eos_ids = eos_token_ids(cfg.model.pretrain, self.tokenizer)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_ids[0]
         self.rollout = RolloutMaker(cfg, self.cluster.engines, self.stream, eos_ids, pad_id, self.compute_rewards,
-                                    restart=lambda i: self.cluster.restart_engine(i, self.weight_version))
+                                    restart=self._restart_engine)
         if cfg.log.resume:
             self._resume()
         if cfg.rollout.mode == "async" and not rollout_is_async(cfg):
@@ -223,20 +224,21 @@ class PPOTrainer:
         if offload_states(self.cfg):
             metrics["offload/device_GB"] = reloaded / 1e9
 
-        metrics.update(self.score(experience, timer))  # reference log-probs, values, old log-probs, KL
-        self.compute_advantages(experience)
-        metrics.update(self.mask_truncated(experience))
-        self.on_experience(experience)
-        with timer.phase("train"):
-            # a KL the scoring forwards measured (the sampling policy's) stands over the one the update's loss saw
-            metrics = {**self.update(experience), **metrics}
-        self._check_finite(metrics)
+        with self._trainer_calls():  # async: an engine restart waits until the new weights are synced
+            metrics.update(self.score(experience, timer))  # reference log-probs, values, old log-probs, KL
+            self.compute_advantages(experience)
+            metrics.update(self.mask_truncated(experience))
+            self.on_experience(experience)
+            with timer.phase("train"):
+                # a KL the scoring forwards measured (the sampling policy's) stands over the one the update's saw
+                metrics = {**self.update(experience), **metrics}
+            self._check_finite(metrics)
 
-        self.step += 1
-        # states off, engine weights on, sync, KV cache on (colocated; otherwise the sync alone)
-        push = lambda: self.cluster.hand_device_to_engines(timer, self.step)  # noqa: E731
-        sync_stats = self.async_rollout.sync(push, self.step, timer) if self.async_rollout else push()
-        self.weight_version = self.step
+            self.step += 1
+            # states off, engine weights on, sync, KV cache on (colocated; otherwise the sync alone)
+            push = lambda: self.cluster.hand_device_to_engines(timer, self.step)  # noqa: E731
+            sync_stats = self.async_rollout.sync(push, self.step, timer) if self.async_rollout else push()
+            self.weight_version = self.step
         if metrics.get("kl") is not None and math.isfinite(metrics["kl"]):
             self.kl_ctl.update(metrics["kl"], experience.batch_size)
         times = timer.end_step()
@@ -249,6 +251,16 @@ class PPOTrainer:
             "throughput/samples_per_s": experience.batch_size / times["step"],
         })
         return self._finish_step(metrics, times, profiling)
+
+    def _restart_engine(self, index: int, version: int | None = None) -> None:
+        """Restart engine ``index`` with the trainer's weights as ``version`` (default: the version the engines
+        hold; async rollout passes the one its last sync recorded)."""
+        self.cluster.restart_engine(index, self.weight_version if version is None else version)
+
+    def _trainer_calls(self):
+        """Async rollout: while the trainer calls the groups' ranks, an engine restart in the producer thread waits
+        (its weight push is a collective on the actor's ranks too)."""
+        return self.async_rollout.trainer_calls() if self.async_rollout is not None else contextlib.nullcontext()
 
     def _rollout(self, timer: StepTimer) -> tuple[list[Prompt], Experience, dict[str, float]]:
         """The step's samples, scored (with dynamic sampling, as many rounds as the batch needs). An engine that
@@ -502,8 +514,9 @@ class PPOTrainer:
         if data_state is None:  # async: the stream has moved on to batches not yet trained
             data_state = self.async_rollout.data_state(self.step) if self.async_rollout else self.stream.state()
         state = {"data": data_state, "rng": self.rng.getstate(), "kl_coef": self.kl_ctl.value}
-        return checkpoint.save_checkpoint(checkpoint.checkpoint_root(self.cfg.log.output_dir), self.step,
-                                          self._checkpointed_groups(), state)
+        with self._trainer_calls():
+            return checkpoint.save_checkpoint(checkpoint.checkpoint_root(self.cfg.log.output_dir), self.step,
+                                              self._checkpointed_groups(), state)
 
     def _resume(self) -> None:
         root = checkpoint.checkpoint_root(self.cfg.log.output_dir)
