@@ -75,11 +75,10 @@ def ray_cluster():
     # engine and worker processes import the reward / backend modules of these tests and recipes
     paths = [RECIPES, TESTS, os.environ.get("PYTHONPATH", "")]
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    os.environ["DS_ACCELERATOR"] = "cpu"
+    if not torch.cuda.is_available():  # on a GPU node DeepSpeed picks its CUDA accelerator itself
+        os.environ["DS_ACCELERATOR"] = "cpu"
     os.environ.setdefault("RAY_worker_niceness", "0")
     if not ray.is_initialized():
-        import torch
-
         # on a GPU node Ray must hand out the devices that exist; elsewhere logical ones stand in for them
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else RAY_LOGICAL_GPUS
         ray.init(address="local", num_cpus=8, num_gpus=gpus, include_dashboard=False,
