@@ -718,6 +718,7 @@ class EmbeddedBackend(RolloutBackend):
             # Poll, then wait() without a timeout: on NCCL a wait whose timeout expires aborts the communicator.
             wait_work(self._group.broadcast([flat], opts), spec.timeout_s, what="the bucket")
         except Exception as exc:
+            self._group_failed = True  # its destroy aborts: a graceful shutdown may wait on this broadcast
             raise BackendError(
                 f"receiving a bucket of {len(manifest.tensors)} tensors ({flat.numel() * flat.element_size()} "
                 f"bytes) from rank {src_rank} of weight-update group {spec.group_name!r} failed or timed out "
@@ -727,10 +728,16 @@ class EmbeddedBackend(RolloutBackend):
         self._load(manifest.unflatten(flat))
 
     def destroy_weight_update_group(self) -> None:
+        """Leave the side group: ``abort()`` after a failed receive (NCCL's ncclCommAbort; a graceful
+        ``shutdown()`` may wait on the broadcast that will never finish), ``shutdown()`` otherwise."""
         if self._group is not None:
-            self._group.shutdown()
+            if getattr(self, "_group_failed", False):
+                self._group.abort()
+            else:
+                self._group.shutdown()
         self._group = None
         self._group_spec = None
+        self._group_failed = False
 
     def update_weights_from_tensor(self, manifest: BucketManifest, flat) -> None:
         """Load one flat bucket: a tensor (in-process) or the payload ``pack_tensor_bucket`` made of it.

@@ -121,11 +121,17 @@ class WeightSyncExtension:
         return rank
 
     def rlhf_destroy_weight_update_group(self) -> None:
+        """Leave the side group: ``abort()`` after a failed receive (a graceful ``shutdown()`` may wait on the
+        broadcast that will never finish), ``shutdown()`` otherwise."""
         group = getattr(self, "_rlhf_group", None)
         if group is not None:
-            group.shutdown()
+            if getattr(self, "_rlhf_group_failed", False):
+                group.abort()
+            else:
+                group.shutdown()
         self._rlhf_group = None
         self._rlhf_group_spec = None
+        self._rlhf_group_failed = False
 
     def rlhf_receive_bucket(self, wire: dict[str, Any], src_rank: int) -> None:
         """Receive one flat bucket broadcast from group rank ``src_rank`` and load it."""
@@ -145,6 +151,7 @@ class WeightSyncExtension:
             # broadcast's own timeout (gloo) or the group's (NCCL watchdog) bounds it.
             group.broadcast([flat], opts).wait()
         except Exception as exc:
+            self._rlhf_group_failed = True  # its destroy aborts
             raise RuntimeError(
                 f"worker rank {self.rank}: receiving a bucket of {len(wire['names'])} tensors "
                 f"({flat.numel() * flat.element_size()} bytes) from rank {src_rank} of weight-update group "

@@ -668,6 +668,63 @@ def _gloo_pair(timeout_s: float = 60.0):
         return [f.result(timeout=timeout_s) for f in futures]
 
 
+class _GroupThatFails:
+    """A side group's receiving end whose broadcast fails (a boundary: NCCL's failure cannot happen on CPU);
+    records how it is destroyed."""
+
+    def __init__(self):
+        self.destroyed: list[str] = []
+
+    def broadcast(self, tensors, opts):
+        raise RuntimeError("connection reset by peer")
+
+    def abort(self):
+        self.destroyed.append("abort")
+
+    def shutdown(self):
+        self.destroyed.append("shutdown")
+
+
+def test_the_embedded_engine_aborts_its_side_group_after_a_failed_receive(tmp_path):
+    """A receive that failed leaves a broadcast that will never finish: the group is then aborted (NCCL's
+    ncclCommAbort), not shut down gracefully (which may wait on it); a group that never failed shuts down."""
+    from backends.base import BackendError
+    from rlhf_sg.tiny import build_tiny_model, save_tiny_model
+
+    path = save_tiny_model(str(tmp_path / "m"), model=build_tiny_model("llama", "tiny", seed=1))
+    engine = EmbeddedBackend(BackendConfig(model_path=path, num_threads=1))
+    named = named_weights(build_tiny_model("llama", "tiny", seed=2))
+    (manifest,) = plan_buckets([(n, p.shape, p.dtype) for n, p in named], 1 << 30)
+    spec = WeightGroupSpec("127.0.0.1", 1, 1, 2, "failing", "gloo", timeout_s=5.0)
+    failed, clean = _GroupThatFails(), _GroupThatFails()
+    engine._group, engine._group_spec = failed, spec
+    with pytest.raises(BackendError, match="failed or timed out"):
+        engine.update_weights_from_collective(manifest, 0)
+    engine.destroy_weight_update_group()
+    engine._group, engine._group_spec = clean, spec
+    engine.destroy_weight_update_group()
+    assert (failed.destroyed, clean.destroyed) == (["abort"], ["shutdown"])
+
+
+def test_the_vllm_worker_aborts_its_side_group_after_a_failed_receive():
+    """The same rule in vLLM's workers (``WeightSyncExtension``, the methods vLLM mixes into each worker; here on
+    a bare instance with the attributes vLLM gives it)."""
+    from backends.vllm_worker import WeightSyncExtension
+
+    worker = WeightSyncExtension()
+    worker.rank, worker.device = 0, torch.device("cpu")
+    failed, clean = _GroupThatFails(), _GroupThatFails()
+    worker._rlhf_group = failed
+    worker._rlhf_group_spec = WeightGroupSpec("127.0.0.1", 1, 1, 2, "failing", "gloo", timeout_s=5.0)
+    wire = {"numel": 4, "dtype": "float32", "names": ["w"]}
+    with pytest.raises(RuntimeError, match="failed or timed out"):
+        worker.rlhf_receive_bucket(wire, 0)
+    worker.rlhf_destroy_weight_update_group()
+    worker._rlhf_group = clean
+    worker.rlhf_destroy_weight_update_group()
+    assert (failed.destroyed, clean.destroyed) == (["abort"], ["shutdown"])
+
+
 def test_broadcast_sender_and_embedded_receiver_never_wait_with_a_timeout(tmp_path):
     """A bucket whose receiver arrives late (longer than any short poll) goes through; the sender's
     work and the embedded engine's receive are polled with ``is_completed`` and waited for without a
