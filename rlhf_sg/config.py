@@ -259,6 +259,31 @@ class LogConfig:
 
 
 @dataclass
+class EvalConfig:
+    #: held-out prompts, in the training data's formats and keys (--data.input_key, --data.label_key);
+    #: None: no evaluation
+    prompt_data: str | None = None
+    #: evaluate every `interval` steps (0: only before the first and after the last step, as asked below)
+    interval: int = 0
+    before_train: bool = True
+    after_train: bool = True
+    #: the first max_prompts prompts of the file (None: all)
+    max_prompts: int | None = None
+    n_samples: int = 1
+    #: sampling temperature (None: --rollout.temperature); max_new_tokens (None: --rollout.max_new_tokens)
+    temperature: float | None = None
+    max_new_tokens: int | None = None
+    #: also one greedy sample per prompt: eval/greedy_accuracy
+    greedy: bool = False
+    #: pass@k for each k <= n_samples (the unbiased estimator)
+    k: list[int] = field(default_factory=lambda: [1])
+    #: the reward function scoring evaluation samples (None: --reward.function); a built-in name or module:function
+    reward_function: str | None = None
+    #: a sample is correct when its score >= threshold
+    threshold: float = 1.0
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -266,6 +291,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -619,6 +645,7 @@ def validate(cfg: Config) -> Config:
               f"({', '.join(sorted(BUILTIN_REWARDS))}) or a weighted sum NAME=WEIGHT,..., got {rw.function!r}")
     if rw.kind == "model":
         _need(bool(m.reward_pretrain), "--model.reward_pretrain is required with --reward.kind model")
+    _validate_eval(cfg)
     if rw.kind == "remote":
         _need(bool(rw.url) and rw.url.startswith(("http://", "https://")),
               f"--reward.url must be an http(s) URL with --reward.kind remote, got {rw.url!r}")
@@ -693,6 +720,32 @@ def _fused_adam_prebuilt() -> bool:
         if isinstance(node, ast.Assign) and any(getattr(n, "id", None) == "installed_ops" for n in node.targets):
             return bool(ast.literal_eval(node.value).get("fused_adam", False))
     return False
+
+
+def _validate_eval(cfg: Config) -> None:
+    e = cfg.eval
+    if e.prompt_data is None:
+        return
+    from rlhf_sg.verifiable import is_builtin_spec
+
+    _need(os.path.exists(e.prompt_data), f"--eval.prompt_data: {e.prompt_data!r} does not exist")
+    _need(e.interval >= 0, f"--eval.interval must be >= 0 (0: only before and after training), got {e.interval}")
+    _need(e.n_samples >= 1, f"--eval.n_samples must be >= 1, got {e.n_samples}")
+    _need(e.max_prompts is None or e.max_prompts >= 1, f"--eval.max_prompts must be >= 1, got {e.max_prompts}")
+    _need(bool(e.k) and all(1 <= k <= e.n_samples for k in e.k),
+          f"--eval.k: each k must be in 1..--eval.n_samples ({e.n_samples}), got {e.k}")
+    _need(e.temperature is None or e.temperature >= 0, f"--eval.temperature must be >= 0, got {e.temperature}")
+    max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
+    _need(cfg.data.max_prompt_len + max_new <= cfg.rollout.max_model_len,
+          f"--data.max_prompt_len ({cfg.data.max_prompt_len}) + --eval.max_new_tokens ({max_new}) exceeds "
+          f"--rollout.max_model_len ({cfg.rollout.max_model_len})")
+    if e.reward_function is not None:
+        _need(":" in e.reward_function or is_builtin_spec(e.reward_function),
+              f"--eval.reward_function must look like module:function or name a built-in reward, got "
+              f"{e.reward_function!r}")
+    else:
+        _need(cfg.reward.kind == "function", f"--eval.prompt_data: evaluation scores with a reward function; with "
+                                             f"--reward.kind {cfg.reward.kind} set --eval.reward_function")
 
 
 def _jit_toolchain_missing() -> list[str]:

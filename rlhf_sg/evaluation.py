@@ -18,3 +18,118 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     for i in range(n - c + 1, n + 1):  # C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k / i)
         miss *= 1.0 - k / i
     return 1.0 - miss
+
+
+# ---- evaluation during training --------------------------------------------------------------------------------
+#: added to the run seed for evaluation's sampling: its own seed namespace, never the training draws'
+EVAL_SEED_OFFSET = 0x5EED_E7A1
+
+
+def evaluation_steps(max_steps: int, interval: int, before_train: bool, after_train: bool) -> list[int]:
+    """The steps after which an evaluation runs (0: before the first step): every ``interval`` steps, before
+    the first and after the last as asked."""
+    steps = {0} if before_train else set()
+    if interval > 0:
+        steps.update(range(interval, max_steps + 1, interval))
+    if after_train:
+        steps.add(max_steps)
+    return sorted(steps)
+
+
+def load_eval_prompts(cfg, tokenizer) -> list:
+    """``--eval.prompt_data``'s prompts (the first ``--eval.max_prompts``), read as the training data is: a bad row
+    stops the run before anything starts, naming the file and row."""
+    from rlhf_sg.data import load_prompts
+
+    d, e = cfg.data, cfg.eval
+    prompts, _ = load_prompts(e.prompt_data, tokenizer, input_key=d.input_key, label_key=d.label_key,
+                              apply_chat_template=d.apply_chat_template, max_prompt_len=d.max_prompt_len,
+                              skip_bad_rows=d.skip_bad_rows, overlong_prompts=d.overlong_prompts)
+    return prompts[: e.max_prompts] if e.max_prompts else prompts
+
+
+class Evaluator:
+    """Held-out evaluation through the training's rollout path (the engines' ``generate``, the reward function)
+    with its own prompts, sampling settings and seed namespace: no reference, critic or training forward, and
+    nothing it does reaches the prompt stream, dynamic filtering, the KL controller or the async queue.
+
+    ``engines``: the trainer's engine list (the same object, so restarted engines are used); ``reward_fn``: the
+    reward function (the evaluation's own with ``--eval.reward_function``); ``restart``: how an engine that died
+    is restarted."""
+
+    def __init__(self, cfg, tokenizer, prompts: list, engines: list, eos_ids: tuple[int, ...], pad_id: int,
+                 reward_fn, restart=None):
+        import copy
+
+        from rlhf_sg.trainer.rollout import RolloutMaker
+
+        e, r = cfg.eval, cfg.rollout
+        self.prompts = prompts
+        self.cfg, self.tokenizer, self.reward_fn = cfg, tokenizer, reward_fn
+        self.steps = evaluation_steps(cfg.train.max_steps, e.interval, e.before_train, e.after_train)
+
+        def maker(n: int, temperature: float):
+            own = copy.deepcopy(cfg)
+            own.rollout.n_samples_per_prompt, own.rollout.temperature = n, temperature
+            own.rollout.max_new_tokens = e.max_new_tokens or r.max_new_tokens
+            own.train.seed = (cfg.train.seed + EVAL_SEED_OFFSET) % 2**31
+            return RolloutMaker(own, engines, None, eos_ids, pad_id, score=None, restart=restart)
+
+        temperature = r.temperature if e.temperature is None else e.temperature
+        self._sampled = maker(e.n_samples, temperature)
+        self._greedy = maker(1, 0.0) if e.greedy else None
+
+    def due(self, step: int, resumed_from: int = -1) -> bool:
+        """Whether an evaluation runs after ``step`` (0: before training); a resumed run skips the steps up to
+        its checkpoint's, which the run before it evaluated."""
+        return step in self.steps and step > resumed_from
+
+    def run(self, step: int, weight_version: int, out_dir: str) -> dict[str, float]:
+        """Evaluate the engines' current weights (``weight_version``): metrics ``eval/...``, and every sample to
+        ``out_dir/eval/step{step}.jsonl``."""
+        import json
+        import os
+        import time
+
+        e, start = self.cfg.eval, time.perf_counter()
+        records: list[dict] = []
+        scored = self._score(self._sampled, step, e.n_samples, weight_version, records, greedy=False)
+        correct = [[s >= e.threshold for s in scored[i * e.n_samples:(i + 1) * e.n_samples]]
+                   for i in range(len(self.prompts))]
+        metrics = {"eval/score_mean": sum(scored) / len(scored)}
+        for k in e.k:
+            if k <= e.n_samples:
+                metrics[f"eval/pass@{k}"] = sum(pass_at_k(e.n_samples, sum(c), k) for c in correct) / len(correct)
+        if self._greedy is not None:
+            greedy = self._score(self._greedy, step, 1, weight_version, records, greedy=True)
+            metrics["eval/greedy_accuracy"] = sum(s >= e.threshold for s in greedy) / len(greedy)
+        sampled = [r for r in records if not r["greedy"]]
+        metrics["eval/response_len"] = sum(r["tokens"] for r in sampled) / len(sampled)
+        metrics["eval/truncated_frac"] = sum(r["finish_reason"] == "length" for r in sampled) / len(sampled)
+        metrics["eval/prompts"] = float(len(self.prompts))
+        metrics["eval/time_s"] = time.perf_counter() - start
+        os.makedirs(os.path.join(out_dir, "eval"), exist_ok=True)
+        with open(os.path.join(out_dir, "eval", f"step{step}.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        return metrics
+
+    def _score(self, maker, step: int, n: int, weight_version: int, records: list, greedy: bool) -> list[float]:
+        from rlhf_sg.rewards import score_with_function
+
+        cfg = self.cfg
+        completions = maker.generate(self.prompts, step, draw=1 if greedy else 0)
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        prompts = [self.prompts[i // n] for i in range(len(completions))]
+        name = cfg.eval.reward_function or cfg.reward.function or "reward function"
+        scores, _ = score_with_function(self.reward_fn, name, [p.text for p in prompts], texts,
+                                        [p.label for p in prompts], on_error=cfg.reward.on_error,
+                                        timeout_s=cfg.reward.timeout_s or cfg.train.timeout_s)
+        for i, (p, c, text, s) in enumerate(zip(prompts, completions, texts, scores)):
+            if c.weight_version != weight_version:
+                raise RuntimeError(f"evaluation after step {step}: a completion came from weight version "
+                                   f"{c.weight_version}, not the synced {weight_version}")
+            records.append({"step": step, "prompt": p.text, "label": p.label, "sample": i % n, "greedy": greedy,
+                            "completion": text, "tokens": len(c.token_ids), "finish_reason": c.finish_reason,
+                            "score": float(s), "correct": bool(s >= cfg.eval.threshold),
+                            "weight_version": c.weight_version})
+        return [float(s) for s in scores]

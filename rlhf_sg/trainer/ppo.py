@@ -132,6 +132,11 @@ class PPOTrainer:
         self.prompts: list[Prompt] = []  # the prompts of the step in progress (for hooks)
         self.nonfinite_steps = 0  # steps in a row whose updates were all skipped for NaN / Inf
         self.reward_errors = 0  # completions of the step in progress the reward function failed on
+        self.evaluator = None  # held-out evaluation (--eval.prompt_data)
+        self.eval_prompts: list = []
+        self.eval_reward_fn = None
+        self.eval_history: list[tuple[int, dict[str, float]]] = []  # (step, metrics) of each evaluation
+        self._resumed_from = -1  # the checkpoint step a resumed run went on from
         self.async_rollout: AsyncRollout | None = None  # the producer of async rollout (--rollout.mode async)
         self._errors_reported = 0  # async: reward errors already put in a step's metrics
         if cfg.train.share_prompts and not shares_prompts(cfg):
@@ -184,6 +189,11 @@ class PPOTrainer:
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_ids[0]
         self.rollout = RolloutMaker(cfg, self.cluster.engines, self.stream, eos_ids, pad_id, self.compute_rewards,
                                     restart=self._restart_engine)
+        if cfg.eval.prompt_data:
+            from rlhf_sg.evaluation import Evaluator
+
+            self.evaluator = Evaluator(cfg, self.tokenizer, self.eval_prompts, self.cluster.engines, eos_ids, pad_id,
+                                       self.eval_reward_fn, restart=self._restart_engine)
         if cfg.log.resume:
             self._resume()
         if cfg.rollout.mode == "async" and not rollout_is_async(cfg):
@@ -200,6 +210,13 @@ class PPOTrainer:
             from rlhf_sg.rewards import load_reward_function
 
             self.reward_fn = load_reward_function(cfg.reward.function)
+        if cfg.eval.prompt_data:  # held-out evaluation: its prompts and reward function, checked before start
+            from rlhf_sg.evaluation import load_eval_prompts
+            from rlhf_sg.rewards import load_reward_function
+
+            self.eval_prompts = load_eval_prompts(cfg, self.tokenizer)
+            self.eval_reward_fn = (self.reward_fn if cfg.eval.reward_function is None
+                                   else load_reward_function(cfg.eval.reward_function))
         prompts, skipped = load_prompts(
             cfg.data.prompt_data, self.tokenizer, input_key=cfg.data.input_key, label_key=cfg.data.label_key,
             apply_chat_template=cfg.data.apply_chat_template, max_prompt_len=cfg.data.max_prompt_len,
@@ -256,6 +273,17 @@ class PPOTrainer:
         """Restart engine ``index`` with the trainer's weights as ``version`` (default: the version the engines
         hold; async rollout passes the one its last sync recorded)."""
         self.cluster.restart_engine(index, self.weight_version if version is None else version)
+
+    def _evaluate(self) -> dict[str, float]:
+        """Held-out evaluation of the engines' weights after this step (0: before training) when it is due
+        (``--eval.*``); its metrics (empty when none ran), also kept in :attr:`eval_history`."""
+        if self.evaluator is None or not self.evaluator.due(self.step, self._resumed_from):
+            return {}
+        metrics = self.evaluator.run(self.step, self.weight_version, self.cfg.log.output_dir)
+        self.eval_history.append((self.step, metrics))
+        log.info("evaluation after step %d: %s", self.step,
+                 ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in metrics.items()))
+        return metrics
 
     def _trainer_calls(self):
         """Async rollout: while the trainer calls the groups' ranks, an engine restart in the producer thread waits
@@ -469,6 +497,7 @@ class PPOTrainer:
         metrics.update({f"time/{k}": v for k, v in times.items()})
         # the share of the step spent pushing weights into the engines: the cost weight sync exists to keep small
         metrics["perf/weight_sync_share"] = times.get("weight_sync", 0.0) / times["step"] if times.get("step") else 0.0
+        metrics.update(self._evaluate())
         self.on_step_end(self.step, metrics)
         self.run_log.write(self.step, metrics)
         if cfg.log.save_steps and self.step % cfg.log.save_steps == 0:
@@ -492,12 +521,17 @@ class PPOTrainer:
         history = []
         bar = tqdm(total=self.cfg.train.max_steps, initial=self.step, disable=not self.cfg.log.progress_bar,
                    desc="ppo", dynamic_ncols=True)
+        before = self._evaluate()  # before the first step, when asked
+        if before:
+            self.run_log.write(self.step, before)
         while self.step < self.cfg.train.max_steps:
             metrics = self.train_step()
             history.append(metrics)
             bar.update(1)
+            held_out = {"eval": f"{self.eval_history[-1][1]['eval/pass@1']:.3f}"} if self.eval_history and (
+                "eval/pass@1" in self.eval_history[-1][1]) else {}
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl', 0.0):.4f}",
-                            tok_s=f"{metrics.get('throughput/tokens_per_s', 0.0):.0f}")
+                            tok_s=f"{metrics.get('throughput/tokens_per_s', 0.0):.0f}", **held_out)
         bar.close()
         if not self.cfg.log.save_steps or self.step % self.cfg.log.save_steps:
             self.save_checkpoint()
@@ -527,6 +561,7 @@ class PPOTrainer:
         if state is None:
             return
         self.step = int(state["step"])
+        self._resumed_from = self.step  # the run before this one evaluated up to here
         self.stream.load_state(state["data"])
         self.rng.setstate(checkpoint.rng_state_from_json(state["rng"]))
         self.kl_ctl.value = float(state["kl_coef"])
