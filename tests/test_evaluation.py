@@ -35,6 +35,7 @@ def _cfg(task, out, steps, evaluate: bool, tmp_path):
     cfg = make_config(*task, out, steps, "grpo", "hf")
     cfg.log.progress_bar = cfg.log.tensorboard = False
     cfg.log.export_hf, cfg.log.save_steps = True, 1
+    cfg.train.num_minibatches = 2  # the update draws from the trainer's random stream: evaluation must not
     if evaluate:
         held_out = tmp_path / "held_out.jsonl"
         held_out.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
