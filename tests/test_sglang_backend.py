@@ -442,7 +442,7 @@ def test_weight_syncer_reaches_sglang_engine_actors_without_a_group_hook(llama_d
     from rlhf_sg.bench.weight_sync import start_trainer_ranks
     from rlhf_sg.engine_actor import start_engine_actors
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         engines = start_engine_actors("sglang", _config(llama_dir), 1, start_timeout_s=300)
         ranks = start_trainer_ranks(llama_dir, 2, timeout_s=300.0)

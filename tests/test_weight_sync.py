@@ -855,7 +855,7 @@ def test_tensor_transport_packs_in_the_trainer_and_sglang_loads_the_bytes_untouc
         ray.shutdown()
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         config = BackendConfig(
             model_path=path, max_model_len=256, num_threads=1, tensor_parallel_size=tp, extra=extra
