@@ -23,10 +23,19 @@ def problems(seed: int = 0, max_digit: int = 4) -> list[tuple[str, str]]:
     return pairs
 
 
-def write_prompts(path: str, seed: int = 0) -> str:
+#: how many of the problems are held out of RL training, for evaluation (the warm start sees every problem: it
+#: stands for the pretrained model RL starts from)
+HELD_OUT = 5
+
+
+def write_prompts(path: str, seed: int = 0, part: str = "train") -> str:
+    """The prompt file of ``part``: "train" (the RL prompts), "held_out" (the :data:`HELD_OUT` problems RL never
+    sees) or "all"."""
+    rows = problems(seed)
+    rows = {"train": rows[HELD_OUT:], "held_out": rows[:HELD_OUT], "all": rows}[part]
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        for prompt, answer in problems(seed):
+        for prompt, answer in rows:
             f.write(json.dumps({"prompt": prompt, "answer": answer}) + "\n")
     return path
 

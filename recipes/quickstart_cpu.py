@@ -8,8 +8,10 @@ What it does, top to bottom:
 4. PPO with Ray: a 2-rank DeepSpeed ZeRO-3 actor, a critic, a reference model, the embedded
    rollout engine (``--rollout.backend hf``) and a rule reward; weights sync into the engine
    after every step;
-5. prints where logs and checkpoints went and draws ``quickstart.png``: reward and KL per step,
-   and a stacked bar of where each step's time went.
+5. evaluates on held-out problems (ones RL never trains on) before the first step, every 10 steps and after
+   the last, and prints held-out pass@1 before and after;
+6. prints where logs and checkpoints went and draws ``quickstart.png``: reward, held-out pass@1 and KL per
+   step, and a stacked bar of where each step's time went.
 
     python recipes/quickstart_cpu.py [--steps 40] [--algo gae|grpo|dr_grpo|rloo|reinforce|reinforce_baseline]
                                      [--backend hf|sglang|vllm] [--rollout-mode sync|async] [--out runs/quickstart]
@@ -39,9 +41,11 @@ from rlhf_sg.trainer import train  # noqa: E402
 
 
 def prepare(out: str, warm_start_steps: int, seed: int = 0) -> tuple[str, str]:
-    """The warm-started policy directory and the prompt file (reused when already there)."""
+    """The warm-started policy directory and the training prompt file (reused when already there); the
+    held-out prompts go beside it (:func:`held_out_path`)."""
     policy = os.path.join(out, "policy_sft")
     prompts = arith_task.write_prompts(os.path.join(out, "prompts.jsonl"), seed=seed)
+    arith_task.write_prompts(held_out_path(prompts), seed=seed, part="held_out")
     if os.path.isfile(os.path.join(policy, "model.safetensors")):
         return policy, prompts
     tokenizer = build_tokenizer()
@@ -54,8 +58,15 @@ def prepare(out: str, warm_start_steps: int, seed: int = 0) -> tuple[str, str]:
     return policy, prompts
 
 
+def held_out_path(prompts: str) -> str:
+    """The held-out prompt file :func:`prepare` writes beside the training prompts."""
+    return os.path.join(os.path.dirname(prompts), "held_out.jsonl")
+
+
 def make_config(policy: str, prompts: str, out: str, steps: int, algo: str, backend: str,
-                rollout_mode: str = "sync") -> Config:
+                rollout_mode: str = "sync", evaluate: bool = False) -> Config:
+    """The quickstart's run; with ``evaluate``, held-out evaluation before the first step, every 10 steps and
+    after the last (8 samples per held-out prompt and a greedy pass, scored by the training reward)."""
     cfg = Config()
     cfg.rollout.mode = rollout_mode
     cfg.model.pretrain = policy
@@ -79,7 +90,18 @@ def make_config(policy: str, prompts: str, out: str, steps: int, algo: str, back
     cfg.reward.kind = "function"
     cfg.reward.function = "arith_task:addition_reward"
     cfg.log.output_dir = out
+    if evaluate:
+        cfg.eval.prompt_data = held_out_path(prompts)
+        cfg.eval.interval, cfg.eval.n_samples, cfg.eval.k, cfg.eval.greedy = 10, 8, [1, 8], True
     return cfg
+
+
+def held_out_accuracy(metrics_path: str) -> list[tuple[int, float, float]]:
+    """(step, pass@1, greedy accuracy) of each held-out evaluation the run logged."""
+    from rlhf_sg.plot import read_metrics
+
+    return [(r["step"], r["eval/pass@1"], r.get("eval/greedy_accuracy", float("nan")))
+            for r in read_metrics(metrics_path) if "eval/pass@1" in r]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
 
     policy, prompts = prepare(args.out, args.warm_start_steps)
     run_dir = os.path.join(args.out, args.algo)
-    cfg = make_config(policy, prompts, run_dir, args.steps, args.algo, args.backend, args.rollout_mode)
+    cfg = make_config(policy, prompts, run_dir, args.steps, args.algo, args.backend, args.rollout_mode,
+                      evaluate=True)
     history = train(cfg, reward_fn=arith_task.addition_reward)
 
     first = sum(h["reward/mean"] for h in history[:5]) / min(5, len(history))
@@ -104,6 +127,11 @@ def main(argv: list[str] | None = None) -> None:
     png = plot_run(os.path.join(run_dir, "metrics.jsonl"), os.path.join(args.out, f"quickstart_{args.algo}.png"),
                    title=f"{args.algo} on single-digit addition, backend {args.backend}, {args.rollout_mode} rollout")
     print(f"\nmean reward, first 5 steps: {first:.3f}   last 5 steps: {last:.3f}")
+    evals = held_out_accuracy(os.path.join(run_dir, "metrics.jsonl"))
+    if evals:
+        (s0, p0, g0), (s1, p1, g1) = evals[0], evals[-1]
+        print(f"held-out ({arith_task.HELD_OUT} problems RL never saw, {cfg.eval.n_samples} samples each): "
+              f"pass@1 {p0:.3f} at step {s0} -> {p1:.3f} at step {s1}; greedy accuracy {g0:.2f} -> {g1:.2f}")
     print(f"metrics:      {os.path.join(run_dir, 'metrics.jsonl')}")
     print(f"tensorboard:  {os.path.join(run_dir, 'tensorboard')}")
     print(f"checkpoints:  {os.path.join(run_dir, 'checkpoints')}")

@@ -1,6 +1,8 @@
 """``rlhf-sg``: the command line.
 
     rlhf-sg train-ppo --model PATH --prompt-data FILE --backend sglang [--config run.yaml] [--section.key V ...]
+    rlhf-sg eval --model DIR --data FILE --eval.reward_function NAME [--backend B] [--eval.n_samples N ...]
+                              held-out evaluation of a saved model (pass@k, greedy accuracy), printed as a table
     rlhf-sg backends          list rollout backends and whether each can load here
     rlhf-sg bench NAME ...    run a benchmark (same as python -m rlhf_sg.bench NAME)
 """
@@ -8,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 
@@ -35,6 +38,29 @@ def main(argv: list[str] | None = None) -> None:
         except (ConfigError, DataError, RewardError) as e:
             raise SystemExit(f"rlhf-sg train-ppo: {e}") from None
         print(f"logs, checkpoints and the exported policy are in {cfg.log.output_dir}")
+    elif command == "eval":
+        from rlhf_sg.config import ConfigError, check_devices, check_gpu_install, parse_args
+        from rlhf_sg.data import DataError
+        from rlhf_sg.evaluation import eval_argv, evaluate_model, format_table
+        from rlhf_sg.rewards import RewardError
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        try:
+            if not any(a.split("=", 1)[0] in ("--data", "--eval.prompt_data") for a in rest):
+                raise ConfigError("--data FILE is required: the held-out prompts (JSONL / Parquet, the training "
+                                  "data's formats) to evaluate on")
+            argv = eval_argv(rest)
+            data = argv[argv.index("--eval.prompt_data") + 1] if "--eval.prompt_data" in argv else None
+            if data is not None and not os.path.exists(data):
+                raise ConfigError(f"--data: {data!r} does not exist; give the held-out prompt file (JSONL / Parquet)")
+            cfg = parse_args(argv)
+            check_devices(cfg)
+            check_gpu_install(cfg)
+            metrics = evaluate_model(cfg)
+        except (ConfigError, DataError, RewardError) as e:
+            raise SystemExit(f"rlhf-sg eval: {e}") from None
+        print(f"\nevaluation of {cfg.model.pretrain} on {cfg.eval.prompt_data}:\n{format_table(metrics)}")
+        print(f"samples: {os.path.join(cfg.log.output_dir, 'eval', 'step0.jsonl')}")
     elif command == "backends":
         from backends import available_backends
 
@@ -45,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
 
         bench_main(rest)
     else:
-        raise SystemExit(f"rlhf-sg: unknown command {command!r}; use train-ppo, backends or bench (see --help)")
+        raise SystemExit(f"rlhf-sg: unknown command {command!r}; use train-ppo, eval, backends or bench (see --help)")
 
 
 if __name__ == "__main__":

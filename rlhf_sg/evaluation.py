@@ -7,6 +7,8 @@ that large n does not overflow. Taking the best of k bootstrap draws with replac
 
 from __future__ import annotations
 
+import os
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from ``n`` samples with ``c`` correct (``0 <= c <= n``, ``1 <= k <= n``)."""
@@ -88,7 +90,6 @@ class Evaluator:
         """Evaluate the engines' current weights (``weight_version``): metrics ``eval/...``, and every sample to
         ``out_dir/eval/step{step}.jsonl``."""
         import json
-        import os
         import time
 
         e, start = self.cfg.eval, time.perf_counter()
@@ -133,3 +134,59 @@ class Evaluator:
                             "score": float(s), "correct": bool(s >= cfg.eval.threshold),
                             "weight_version": c.weight_version})
         return [float(s) for s in scores]
+
+
+# ---- evaluation of a saved model (``rlhf-sg eval``) --------------------------------------------------------------
+def eval_argv(argv: list[str]) -> list[str]:
+    """``rlhf-sg eval``'s flags as the trainer's: ``--data FILE`` is ``--eval.prompt_data`` (and, as the config
+    asks for a training file, ``--data.prompt_data``), ``--eval.reward_function`` also the ``--reward.function``
+    the config asks for; every ``--section.key`` flag passes through."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--data" or arg.startswith("--data="):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in arg else 2
+            out += ["--eval.prompt_data", value]
+            if not any(a.split("=", 1)[0] in ("--data.prompt_data", "--prompt-data") for a in argv):
+                out += ["--data.prompt_data", value]
+            continue
+        out.append(arg)
+        i += 1
+    flags = [a.split("=", 1)[0] for a in out]
+    if "--eval.reward_function" in flags and "--reward.function" not in flags:  # the config asks for one
+        at = flags.index("--eval.reward_function")
+        out += ["--reward.function", out[at].split("=", 1)[1] if "=" in out[at] else out[at + 1]]
+    return out
+
+
+def evaluate_model(cfg, reward_fn=None) -> dict[str, float]:
+    """The held-out evaluation of ``--model.pretrain`` as it is saved (an exported checkpoint, any backend):
+    the prompts, tokenizer and reward function are read and checked first, then Ray (the caller's, or a local
+    one) and the engines start, the evaluation runs as during training (``--eval.*``, its samples to
+    ``<output_dir>/eval/step0.jsonl``), and everything started is stopped. No training group starts."""
+    from rlhf_sg.data import load_tokenizer
+    from rlhf_sg.rewards import load_reward_function
+    from rlhf_sg.trainer.cluster import Cluster
+    from rlhf_sg.trainer.rollout import eos_token_ids
+
+    tokenizer = load_tokenizer(cfg.model.pretrain)
+    prompts = load_eval_prompts(cfg, tokenizer)
+    if reward_fn is None:
+        reward_fn = load_reward_function(cfg.eval.reward_function or cfg.reward.function)
+    eos_ids = eos_token_ids(cfg.model.pretrain, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    os.makedirs(cfg.log.output_dir, exist_ok=True)
+    cluster = Cluster(cfg)
+    try:
+        engines = cluster.start_engines()
+        evaluator = Evaluator(cfg, tokenizer, prompts, engines, eos_ids, pad_id, reward_fn)
+        return evaluator.run(0, 0, cfg.log.output_dir)
+    finally:
+        cluster.shutdown()
+
+
+def format_table(metrics: dict[str, float]) -> str:
+    """An evaluation's metrics as a two-column table."""
+    width = max(len(k) for k in metrics)
+    return "\n".join(f"{k.removeprefix('eval/'):<{width}}  {v:.4f}" for k, v in metrics.items())

@@ -22,24 +22,30 @@ def sync_share(row: dict) -> float:
 
 
 def plot_run(metrics_path: str, png_path: str, title: str = "") -> str:
-    """Write a PNG: reward and KL curves per step (left), stacked phase times per step and the weight-sync
-    share of each step (right)."""
+    """Write a PNG: reward, held-out pass@1 (when the run evaluated) and KL curves per step (left), stacked
+    phase times per step and the weight-sync share of each step (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(metrics_path)
+    logged = read_metrics(metrics_path)
+    rows = [r for r in logged if "reward/mean" in r]  # training steps (an evaluation before step 1 is a row too)
+    evals = [r for r in logged if "eval/pass@1" in r]
     steps = [r["step"] for r in rows]
     fig, (ax_r, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
     ax_r.plot(steps, [r["reward/mean"] for r in rows], "o-", color="tab:blue", label="mean reward")
+    if evals:  # on the reward's axis: both are 0..1 for a 0/1 reward
+        ax_r.plot([r["step"] for r in evals], [r["eval/pass@1"] for r in evals], "D-", color="tab:green",
+                  label="held-out pass@1")
+        ax_r.legend(fontsize=8, loc="lower right")
     ax_r.set_xlabel("step")
-    ax_r.set_ylabel("mean reward", color="tab:blue")
+    ax_r.set_ylabel("mean reward" + (", held-out pass@1" if evals else ""), color="tab:blue")
     if any("kl" in r for r in rows):
         ax_kl = ax_r.twinx()
         ax_kl.plot(steps, [r.get("kl", 0.0) for r in rows], "s--", color="tab:red", label="KL to reference")
         ax_kl.set_ylabel("KL to reference", color="tab:red")
-    ax_r.set_title("reward and KL")
+    ax_r.set_title("reward, held-out pass@1 and KL" if evals else "reward and KL")
     bottom = [0.0] * len(rows)
     for phase in (*PHASES, "other"):
         heights = [r.get(f"time/{phase}", 0.0) for r in rows]

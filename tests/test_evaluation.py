@@ -98,3 +98,75 @@ def test_evaluation_changes_nothing_in_training_and_resumes_on_schedule(ray_clus
     assert [s for s, _ in resumed.eval_history] == [2, 3]
     logged = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [m["step"] for m in logged if "eval/pass@1" in m] == [0, 1, 2, 3]
+
+
+# ---- the plot and the command line ----------------------------------------------------------------------------
+def test_the_plot_draws_held_out_pass_at_1_beside_the_reward(tmp_path):
+    """A run with evaluation logs a row before step 1 that holds only evaluation metrics; the plot draws the
+    training curves from the training rows and held-out pass@1 from the evaluation rows."""
+    from rlhf_sg.plot import plot_run
+
+    rows = [{"step": 0, "eval/pass@1": 0.25}]
+    rows += [{"step": s, "reward/mean": 0.1 * s, "kl": 0.01, "time/step": 1.0, "time/generate": 0.5,
+              **({"eval/pass@1": 0.5} if s == 2 else {})} for s in (1, 2)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    png = plot_run(str(metrics), str(tmp_path / "run.png"))
+    assert os.path.getsize(png) > 0
+
+
+def test_the_eval_command_names_a_missing_data_file_before_anything_starts(tmp_path, no_ray):
+    from rlhf_sg.cli import main
+    from rlhf_sg.tiny import save_tiny_model
+
+    model = save_tiny_model(str(tmp_path / "model"))
+    with pytest.raises(SystemExit, match="--data FILE is required"):
+        main(["eval", "--model", model])
+    with pytest.raises(SystemExit, match="--data: .*missing.jsonl.* does not exist"):
+        main(["eval", "--model", model, "--data", str(tmp_path / "missing.jsonl")])
+
+
+@pytest.mark.slow
+def test_the_eval_command_on_a_saved_model(ray_cluster, task, tmp_path, capsys):
+    """``rlhf-sg eval --model DIR --data FILE`` on the warm-started policy through the embedded engine: every
+    sample written with weight version 0, pass@k as the unbiased estimator gives from the written samples, and
+    greedy accuracy equal to transformers' own greedy decoding of the same model on the same prompts."""
+    from math import comb
+
+    import arith_task
+    from quickstart_cpu import held_out_path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_sg.cli import main
+
+    policy, prompts = task
+    data, out = held_out_path(prompts), tmp_path / "eval"
+    main(["eval", "--model", policy, "--data", data, "--data.label_key", "answer", "--data.max_prompt_len", "16",
+          "--eval.reward_function", "arith_task:addition_reward", "--eval.n_samples", "4", "--eval.k", "1,4",
+          "--eval.greedy", "true", "--rollout.max_new_tokens", "4", "--rollout.max_model_len", "64",
+          "--output-dir", str(out)])
+    printed = capsys.readouterr().out
+    table = dict(line.split() for line in printed.split(f"{data}:\n", 1)[1].splitlines() if len(line.split()) == 2)
+    records = [json.loads(line) for line in open(out / "eval" / "step0.jsonl")]
+    sampled, greedy = [r for r in records if not r["greedy"]], [r for r in records if r["greedy"]]
+    assert len(sampled) == 4 * arith_task.HELD_OUT and len(greedy) == arith_task.HELD_OUT
+    assert {r["weight_version"] for r in records} == {0}
+    correct = {}
+    for r in sampled:
+        correct[r["prompt"]] = correct.get(r["prompt"], 0) + r["correct"]
+    for k in (1, 4):
+        want = sum(1 - comb(4 - c, k) / comb(4, k) for c in correct.values()) / len(correct)
+        assert float(table[f"pass@{k}"]) == pytest.approx(want, abs=1e-4)
+
+    tokenizer, model = AutoTokenizer.from_pretrained(policy), AutoModelForCausalLM.from_pretrained(policy)
+    rows = [json.loads(line) for line in open(data)]
+    right, texts = 0, []
+    for row in rows:
+        ids = tokenizer(row["prompt"], return_tensors="pt", add_special_tokens=False)["input_ids"]
+        new = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        texts.append(text)
+        right += arith_task.addition_reward([row["prompt"]], [text], [row["answer"]])[0] >= 1.0
+    assert float(table["greedy_accuracy"]) == pytest.approx(right / len(rows))
+    assert [(r["prompt"], r["completion"]) for r in greedy] == [(row["prompt"], t) for row, t in zip(rows, texts)]

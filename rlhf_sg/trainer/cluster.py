@@ -95,6 +95,13 @@ class Cluster:
         self._start_groups()
         record_processes(record)
 
+    def start_engines(self) -> list:
+        """Ray and the engines alone, holding ``--model.pretrain``'s weights as saved (``rlhf-sg eval``): no
+        training group, no weight sync. Stop with :meth:`shutdown`."""
+        self._start_ray()
+        self.engines = self._start_engines()
+        return self.engines
+
     def _start_ray(self) -> None:
         import ray
 
