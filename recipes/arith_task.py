@@ -54,10 +54,12 @@ def addition_reward(prompts: list[str], completions: list[str], labels: list) ->
     return scores
 
 
-def warm_start(model, tokenizer, steps: int, lr: float = 3e-3, batch_size: int = 64, seed: int = 0) -> None:
-    """Supervised steps on prompt + answer + EOS (loss on the answer tokens only)."""
+def warm_start(model, tokenizer, steps: int, lr: float = 3e-3, batch_size: int = 64, seed: int = 0,
+               data: list[tuple[str, str]] | None = None) -> None:
+    """Supervised steps on prompt + answer + EOS (loss on the answer tokens only); ``data``: (prompt, answer)
+    pairs (default: this task's problems)."""
     rng = random.Random(seed)
-    data = problems(seed)
+    data = problems(seed) if data is None else data
     eos = tokenizer.eos_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
