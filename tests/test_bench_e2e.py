@@ -14,6 +14,7 @@ from rlhf_sg.bench.e2e import (
     SideResult,
     TrlSetting,
     apply_placement,
+    eval_overhead_line,
     fastest_setting,
     parse_trl_setting,
     ratio_line,
@@ -86,6 +87,17 @@ def test_rounds_pool_their_steps_and_rewards_are_averaged_step_by_step():
     header, row = reward_lines([merged])
     assert "k x 64 samples" in header
     assert row.split() == ["ours-grpo", "0.2000", "0.3000"]
+
+
+def test_the_evaluation_overhead_is_held_to_its_share_of_generated_tokens_plus_ten_percent():
+    plain, evaluated = _side("ours-grpo", [2.0, 2.0]), _side("ours-grpo-eval", [2.0, 2.6])  # +15 % per step
+    evaluated.generated_tokens, evaluated.eval_tokens = 1000.0, 50.0  # 5 %: bound 15 %
+    line = eval_overhead_line(evaluated, plain)
+    assert "+15.0 %" in line and "tokens 5.0 %" in line and "bound 15.0 %" in line and line.endswith("within")
+    evaluated.eval_tokens = 40.0  # 4 %: bound 14 %
+    assert eval_overhead_line(evaluated, plain).endswith("OVER")
+    evaluated.eval_tokens = 0.0
+    assert "no evaluation ran" in eval_overhead_line(evaluated, plain)
 
 
 def test_split_placement_gives_engine_and_actor_one_thread_each_unless_a_flag_says_otherwise():
