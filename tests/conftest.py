@@ -17,8 +17,9 @@ torch.set_num_threads(max(1, int(os.environ.get("RLHF_SG_TEST_THREADS", "1"))))
 
 
 # What the fast tier (`pytest -m "not slow"`) may not start; a test that does must be marked slow.
+# zero3_rank.in_fresh_process: a ZeRO-3 rank in a spawned process, out of the reach of the guards above.
 _HEAVY = {"ray": ("init",), "deepspeed": ("initialize", "init_distributed"),
-          "rlhf_sg.engine_actor": ("start_engine_actors",)}
+          "rlhf_sg.engine_actor": ("start_engine_actors",), "zero3_rank": ("in_fresh_process",)}
 _running: dict = {"item": None}
 
 

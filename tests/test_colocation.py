@@ -162,6 +162,7 @@ def _offload_round_trip(model_path: str, device: str) -> dict:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_offload_then_reload_leaves_the_worker_exact_and_trainable(tmp_path, device):
     """A real ZeRO-3 actor rank: its log-probs are bit-identical after an offload and reload, it still takes
@@ -211,6 +212,7 @@ def _one_update(model_path: str, with_old_logp: bool) -> dict:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_one_update_without_the_old_logprob_pass_equals_the_update_with_it(tmp_path):
     """Skipping the separate old-log-prob forward (one update per batch) changes nothing in the update."""
     from rlhf_sg.tiny import save_tiny_model
@@ -547,6 +549,7 @@ def _staged_offload(model_path: str) -> dict:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_offload_keeping_params_leaves_only_the_shards_a_sync_gathers(tmp_path):
     """On CUDA, ``offload_states(keep_params=True)`` (the step before the engines' weights wake) frees the

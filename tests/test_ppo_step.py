@@ -454,6 +454,7 @@ def _cuda_rng_round_trip(model_path: str, ckpt: str) -> bool:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_checkpoint_restores_the_cuda_rng(tmp_path):
     """On a GPU, a checkpoint keeps the CUDA generator: the draws after loading repeat those after saving."""
