@@ -84,7 +84,7 @@ def prepare(out: str, warm_start_steps: int, seed: int = 0) -> tuple[str, str, s
         tokenizer, model = build_tokenizer(), build_tiny_model("qwen2", "small", seed=seed)
         print(f"warm start: {warm_start_steps} supervised steps on {len(train_rows)} training problems ...",
               flush=True)
-        arith_task.warm_start(model, tokenizer, warm_start_steps, batch_size=32, seed=seed,
+        arith_task.warm_start(model, tokenizer, warm_start_steps, lr=1e-3, batch_size=32, seed=seed,
                               data=[(r["prompt"], r["worked"]) for r in train_rows])
         model.save_pretrained(policy, safe_serialization=True)
         tokenizer.save_pretrained(policy)
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--backend", default="hf")
     parser.add_argument("--out", default="runs/word_problems")
-    parser.add_argument("--warm-start-steps", type=int, default=150)
+    parser.add_argument("--warm-start-steps", type=int, default=300)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(1)

@@ -160,3 +160,29 @@ def test_pass_at_k_of_large_n_does_not_overflow():
 def test_pass_at_k_refuses_impossible_counts(n, c, k):
     with pytest.raises(ValueError, match="pass@k needs"):
         pass_at_k(n, c, k)
+
+
+@needs_math_verify
+def test_the_word_problem_recipe_holds_out_a_tenth_and_math_answer_scores_its_worked_answers(tmp_path):
+    """``recipes/word_problems.py``'s data: the held-out problems are disjoint from the training ones (a tenth of
+    them), the config reads both, and the built-in ``math_answer`` gives every worked answer ("3+4=7") 1 and the
+    same worked answer with a wrong result 0, so the run's reward is the task's."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
+    import word_problems
+
+    train_file, held_out, train_rows = word_problems.write_files(str(tmp_path))
+    train = [json.loads(line) for line in open(train_file)]
+    test = [json.loads(line) for line in open(held_out)]
+    assert len(test) == len(word_problems.problems()) // 10 and len(train) + len(test) == len(word_problems.problems())
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    worked = [r["worked"] for r in train_rows[:60]]  # sums and differences alike (math-verify takes ~10 ms each)
+    labels = [r["answer"] for r in train_rows[:60]]
+    assert math_answer([""] * len(worked), worked, labels) == [1.0] * len(worked)
+    wrong = [w.rsplit("=", 1)[0] + "=" + str(int(a) + 1) for w, a in zip(worked, labels)]
+    assert math_answer([""] * len(wrong), wrong, labels) == [0.0] * len(wrong)
+    cfg = word_problems.make_config(str(tmp_path), train_file, held_out, str(tmp_path / "out"), steps=2)
+    assert (cfg.reward.function, cfg.eval.prompt_data, cfg.data.label_key) == ("math_answer", held_out, "answer")
