@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--backend", default="hf")
     parser.add_argument("--out", default="runs/word_problems")
-    parser.add_argument("--warm-start-steps", type=int, default=300)
+    parser.add_argument("--warm-start-steps", type=int, default=60)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
