@@ -37,6 +37,7 @@ The functions the trainer calls, all taking the padded layout and answering in i
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import math
@@ -286,6 +287,9 @@ class SharedPromptRows:
         segment_start, prompt_end, branch_start: [R, L] long, per slot the columns where its segment starts,
             where the segment's prompt ends, and where the slot's own response starts (the segment start for a
             prompt slot). A pad slot has all three at its own column: it attends to itself only.
+        holders: [R, L] long; how many of the batch's sequences hold the slot's token: the segment's responses
+            for a prompt slot, 1 for a response slot, 0 for a pad slot (what a per-token statistic over the
+            unshared batch weighs each slot by, e.g. :mod:`rlhf_sg.moe`'s router loss).
     Response tokens (the n real response tokens, row after row):
         predictor_slots: [n] long; flat slot ``r * L + c`` of the hidden state that predicts the token (the
             prompt's last slot for a response's first token, shared by the segment's responses).
@@ -299,6 +303,7 @@ class SharedPromptRows:
     segment_start: torch.Tensor
     prompt_end: torch.Tensor
     branch_start: torch.Tensor
+    holders: torch.Tensor
     predictor_slots: torch.Tensor
     block_positions: torch.Tensor
     labels: torch.Tensor
@@ -377,6 +382,7 @@ def pack_shared_prompts(
     input_ids = torch.zeros(num_slots, dtype=ids.dtype)
     position_ids = torch.zeros(num_slots, dtype=torch.long)
     segment_start, prompt_end, branch_start = columns.clone(), columns.clone(), columns.clone()
+    holders = torch.zeros(num_slots, dtype=torch.long)
     predictors, positions, labels = [], [], []
     for r, row in enumerate(rows):
         base, offset = r * row_len, 0
@@ -388,6 +394,7 @@ def pack_shared_prompts(
             position_ids[start:end] = torch.arange(p)
             prompt_end[start:end] = offset + p
             branch_start[start:end] = offset
+            holders[start:end] = len(members)
             cursor = end
             for b in members:
                 n = response_len[b]
@@ -396,6 +403,7 @@ def pack_shared_prompts(
                 position_ids[cursor : cursor + n] = torch.arange(p, p + n)
                 prompt_end[cursor : cursor + n] = offset + p
                 branch_start[cursor : cursor + n] = cursor - base
+                holders[cursor : cursor + n] = 1
                 # token j is predicted by the slot before it: the prompt's last for j = 0
                 predictors.append(torch.cat([torch.tensor([end - 1]), torch.arange(cursor, cursor + n - 1)]))
                 positions.append(b * response_width + torch.arange(n))
@@ -406,7 +414,7 @@ def pack_shared_prompts(
     view = lambda t: t.view(len(rows), row_len).to(device)  # noqa: E731
     return SharedPromptRows(
         input_ids=view(input_ids), position_ids=view(position_ids), segment_start=view(segment_start),
-        prompt_end=view(prompt_end), branch_start=view(branch_start),
+        prompt_end=view(prompt_end), branch_start=view(branch_start), holders=view(holders),
         predictor_slots=torch.cat(predictors).to(device), block_positions=torch.cat(positions).to(device),
         labels=torch.cat(labels).to(device), num_segments=len(segments),
         max_seqlen=max(p + r for p, r in zip(prompt_len, response_len)),
@@ -741,6 +749,12 @@ def _to_response_block(
     return out.index_copy(0, block_positions, token_values).view(shape)
 
 
+def _slot_holders(batch: PackedBatch) -> torch.Tensor:
+    """[R * L] long: 1 on the slots of real tokens, 0 on the rows' pad slots."""
+    holders = torch.zeros(batch.input_ids.numel(), dtype=torch.long, device=batch.slots.device)
+    return holders.index_fill_(0, batch.slots, 1)
+
+
 def _logprob_chunk(
     hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -779,6 +793,7 @@ def response_logprobs(
     attn_implementation: str | None = None,
     share_prompts: bool = False,
     segment_tokens: int | None = None,
+    router=None,
 ):
     """Log-probs (and entropy) of the response tokens under a causal LM, computed on packed rows.
 
@@ -798,6 +813,8 @@ def response_logprobs(
     ``share_prompts``: where rows repeat a prompt, compute it once per segment of ``segment_tokens``
     (:func:`pack_shared_prompts`; masked attention only); the results equal the unshared ones up to rounding.
     ``segment_tokens=None``: the model's hidden size (see :func:`default_segment_tokens`).
+    ``router``: a :class:`rlhf_sg.moe.RouterLoad` that records the forward's router logits and gets each packed
+    slot's weight (how many sequences hold its token), for the MoE load-balancing loss over the real tokens.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -821,15 +838,18 @@ def response_logprobs(
     no_logits = torch.empty(0, dtype=torch.long, device=device)
     hook = module.base_model.register_forward_hook(keep_hidden)
     try:
-        if groups is not None:
-            rows = pack_shared_prompts(sequences, attention_mask, response_width,
-                                       segment_tokens or default_segment_tokens(module), groups=groups)
-            _shared_forward(model, rows, impl, logits_to_keep=no_logits)
-        else:
-            batch = _pack_for(module, impl, sequences, attention_mask)
-            packed_forward(model, batch, impl, logits_to_keep=no_logits)
+        with router.recording() if router is not None else contextlib.nullcontext():
+            if groups is not None:
+                rows = pack_shared_prompts(sequences, attention_mask, response_width,
+                                           segment_tokens or default_segment_tokens(module), groups=groups)
+                _shared_forward(model, rows, impl, logits_to_keep=no_logits)
+            else:
+                batch = _pack_for(module, impl, sequences, attention_mask)
+                packed_forward(model, batch, impl, logits_to_keep=no_logits)
     finally:
         hook.remove()
+    if router is not None:
+        router.set_weights(rows.holders.reshape(-1) if groups is not None else _slot_holders(batch))
     if groups is not None:
         hidden = captured["hidden"].reshape(-1, captured["hidden"].shape[-1])[rows.predictor_slots]
         labels, positions = rows.labels, rows.block_positions
