@@ -512,6 +512,28 @@ def _has_experts(path: str) -> bool:
                for c in (config, config.get("text_config")))
 
 
+def _position_dependent_rope(path: str) -> tuple[str, int] | None:
+    """(rope type, original_max_position_embeddings) when the model directory's RoPE picks its frequencies per
+    forward from the longest sequence (``longrope``, ``dynamic``: see :func:`rlhf_sg.packing.check_rope_regime`)."""
+    import json
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    for c in (config, config.get("text_config")):
+        if not isinstance(c, dict):
+            continue
+        params = c.get("rope_parameters") or c.get("rope_scaling")
+        if not isinstance(params, dict):
+            continue
+        for entry in [params] + [v for v in params.values() if isinstance(v, dict)]:
+            kind = entry.get("rope_type", entry.get("type"))
+            if kind in ("longrope", "dynamic"):
+                original = (c.get("original_max_position_embeddings") or entry.get("original_max_position_embeddings")
+                            or c.get("max_position_embeddings"))
+                return (kind, int(original)) if original else None
+    return None
+
+
 def validate(cfg: Config) -> Config:
     """Everything checkable without starting Ray; raises ConfigError naming the flag."""
     m, r, t, d, rw = cfg.model, cfg.rollout, cfg.train, cfg.data, cfg.reward
@@ -528,6 +550,15 @@ def validate(cfg: Config) -> Config:
               f"--train.router_aux_loss_coef {t.router_aux_loss_coef}: {m.pretrain!r} is not a mixture-of-experts "
               f"model (its config.json has none of {list(_EXPERT_KEYS)}), so it has no router loss; leave the flag "
               "unset or set it to 0")
+    for flag, path in (("--model.pretrain", m.pretrain), ("--model.critic_pretrain", m.critic_pretrain),
+                       ("--model.reward_pretrain", m.reward_pretrain)):
+        rope = _position_dependent_rope(path) if path and os.path.isfile(os.path.join(path, "config.json")) else None
+        longest = cfg.data.max_prompt_len + r.max_new_tokens
+        _need(rope is None or longest <= rope[1],
+              f"{flag}: {path!r} has a {rope and rope[0]} RoPE, which takes one set of frequencies per forward from "
+              f"its longest sequence once one is over original_max_position_embeddings={rope and rope[1]}: a batch "
+              f"with sequences on both sides would not give each what it gives alone. Sequences here reach "
+              f"{longest} tokens; set --data.max_prompt_len + --rollout.max_new_tokens <= {rope and rope[1]}")
     _need(m.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {m.dtype!r}")
     _need(m.attn_implementation in ("sdpa", "eager", "flash_attention_2"),
           f"--model.attn_implementation must be sdpa, eager or flash_attention_2, got {m.attn_implementation!r}")

@@ -70,7 +70,8 @@ class PackedBatch:
         position_ids: [R, L] long; restart at 0 for every sequence. The pad slots at a row's end continue
             the positions of the row's last sequence, so to the block-causal mask they are part of it:
             real tokens never see them (they come later) and every pad query has keys (an all-masked
-            query row would make sdpa return NaN).
+            query row would make sdpa return NaN). Rows are no longer than ``row_tokens`` (the longest
+            sequence, as the forwards here pack), so the largest position id is the longest sequence's.
     Token order (N real tokens, sequence after sequence):
         labels: [N] long; the next token of the same sequence, taken by shifting the PADDED rows before
             unpadding, so no label crosses into another sequence; :data:`IGNORE_LABEL` at each
@@ -574,8 +575,12 @@ def one_sequence_per_row_reason(module: nn.Module) -> str | None:
     - A layer that is not attention (linear attention, an SSM, a convolution mixer) carries state along the
       row, and transformers builds no mask for it when handed a 4D one: read from ``config.layer_types`` and
       from the module tree (any submodule whose class names one of :data:`_RECURRENT_MIXERS`).
-    - ALiBi models (Bloom; ``config.alibi``) build their bias from a 2D padding mask, not from positions."""
+    - ALiBi models (Bloom; ``config.alibi``) build their bias from a 2D padding mask, not from positions.
+    - The start-up probe (:mod:`rlhf_sg.probe`) found the model's packed rows differ from its sequences alone."""
     module = _unwrap(module)
+    probed = getattr(module, "_rlhf_sg_packing_probe", None)
+    if probed:
+        return probed
     config = getattr(module, "config", None)
     if getattr(config, "model_type", None) == "bloom" or getattr(config, "alibi", False) is True:
         return "its ALiBi bias is built from a 2D padding mask, not from position ids"
@@ -590,6 +595,41 @@ def one_sequence_per_row_reason(module: nn.Module) -> str | None:
 
 
 _FALLBACKS_LOGGED: set[tuple[str, str]] = set()
+
+
+def _rope_scaling(config: Any) -> tuple[str, int] | None:
+    """(rope type, original_max_position_embeddings) of a RoPE whose frequencies transformers picks from the
+    forward's largest position id (``dynamic_rope_update``: ``longrope``, ``dynamic``); None for any other."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return None
+    for entry in [params] + [v for v in params.values() if isinstance(v, dict)]:  # per-layer-type dicts too
+        kind = entry.get("rope_type", entry.get("type"))
+        if kind in ("longrope", "dynamic"):
+            original = entry.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None) or getattr(config, "max_position_embeddings", None)
+            return kind, int(original)
+    return None
+
+
+def check_rope_regime(module: nn.Module, lengths: list[int]) -> None:
+    """Refuse a forward over sequences of ``lengths`` that a LongRoPE / dynamic-NTK model would not give each
+    sequence what it gives alone. transformers picks such a RoPE's frequencies once per forward from the largest
+    position id (every layout here makes that the longest sequence's): LongRoPE takes its long factors for every
+    sequence once one is longer than ``original_max_position_embeddings``, dynamic NTK rescales for the longest.
+    A batch whose sequences are all within that length, or (LongRoPE) all beyond it, is exact."""
+    rope = _rope_scaling(getattr(module, "config", None))
+    if rope is None or not lengths:
+        return
+    kind, original = rope
+    short, longest = min(lengths), max(lengths)
+    mixed = short <= original < longest if kind == "longrope" else longest > original and short != longest
+    if mixed:
+        raise ValueError(
+            f"{type(module).__name__}: its {kind} RoPE takes one set of frequencies per forward from the longest "
+            f"sequence ({longest} tokens, over original_max_position_embeddings={original}), which a sequence of "
+            f"{short} tokens alone would not use; one forward cannot give both their own. Keep every sequence "
+            f"within {original} tokens (--data.max_prompt_len + --rollout.max_new_tokens)")
 
 
 def _one_sequence_per_row(module: nn.Module, what: str) -> bool:
@@ -756,9 +796,13 @@ def _slot_holders(batch: PackedBatch) -> torch.Tensor:
 
 
 def _logprob_chunk(
-    hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, temperature: float, with_entropy: bool
+    hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, temperature: float, with_entropy: bool,
+    head: tuple[str, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = lm_head(hidden).float()
+    if head is not None:
+        kind, value = head
+        logits = torch.tanh(logits / value) * value if kind == "softcap" else logits * value
     if temperature != 1.0:
         logits = logits / temperature
     log_normalizer = torch.logsumexp(logits, dim=-1)
@@ -770,16 +814,47 @@ def _logprob_chunk(
     return logp, entropy
 
 
-def _check_plain_lm_head(config: Any) -> None:
-    """Packed log-probs apply the lm_head alone; refuse heads that rescale logits after it."""
-    softcap = getattr(config, "final_logit_softcapping", None)
-    scale = getattr(config, "logit_scale", 1.0)
-    scaling = getattr(config, "logits_scaling", 1.0)
-    if softcap is not None or scale != 1.0 or scaling != 1.0:
-        raise ValueError(
-            f"{type(config).__name__} transforms logits after the lm_head (final_logit_softcapping="
-            f"{softcap}, logit_scale={scale}, logits_scaling={scaling}); packed log-probs do not support that"
-        )
+#: what a causal LM's forward does to the lm_head's logits, found in its source (transformers 5.19): Gemma-2/3's
+#: ``tanh(logits / final_logit_softcapping) * final_logit_softcapping``, Cohere's ``logits * logit_scale``,
+#: Granite's ``logits / logits_scaling``
+_HEAD_TRANSFORMS = (("final_logit_softcapping", "softcap", "logits / self.config.final_logit_softcapping"),
+                    ("logit_scale", "scale", "logits * self.logit_scale"),
+                    ("logits_scaling", "divide", "logits / self.config.logits_scaling"))
+_HEAD_SOURCES: dict[type, str | None] = {}
+
+
+def _forward_source(cls: type) -> str | None:
+    if cls not in _HEAD_SOURCES:
+        import inspect
+
+        try:
+            _HEAD_SOURCES[cls] = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            _HEAD_SOURCES[cls] = None
+    return _HEAD_SOURCES[cls]
+
+
+def _lm_head_transform(module: nn.Module) -> tuple[str, float] | None:
+    """What ``module``'s own forward applies to the lm_head's logits, as ("softcap", cap) or ("scale", factor);
+    None when nothing. Read from the forward's source, so a config attribute the model ignores changes nothing;
+    raises ValueError when the config sets a transform and the source cannot be read, or sets more than one."""
+    config = module.config
+    defaults = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+    found = []
+    for attribute, kind, line in _HEAD_TRANSFORMS:
+        value = getattr(config, attribute, defaults[attribute])
+        if value is None or value == defaults[attribute]:
+            continue
+        source = _forward_source(type(module))
+        if source is None:
+            raise ValueError(f"{type(module).__name__}: config.{attribute}={value} and the forward's source cannot "
+                             "be read to tell whether it transforms the logits; packed log-probs do not support that")
+        if line in source:
+            found.append(("scale", 1.0 / value) if kind == "divide" else (kind, float(value)))
+    if len(found) > 1:
+        raise ValueError(f"{type(module).__name__} transforms its logits in more than one way ({found}); packed "
+                         "log-probs do not support that")
+    return found[0] if found else None
 
 
 def response_logprobs(
@@ -824,10 +899,11 @@ def response_logprobs(
     lm_head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
     if lm_head is None:
         raise TypeError(f"response_logprobs needs a causal LM with an lm_head, got {type(module).__name__}")
-    _check_plain_lm_head(module.config)
+    head = _lm_head_transform(module)
     device = _model_device(model)
     sequences, attention_mask = sequences.to(device), attention_mask.to(device)
     _check_rollout(sequences, attention_mask, response_width)
+    check_rope_regime(module, attention_mask.sum(dim=1).tolist())
     impl = _attn_implementation(module, attn_implementation)
     groups = _shared_groups(module, share_prompts, sequences, attention_mask, response_width)
     captured: dict[str, torch.Tensor] = {}
@@ -870,6 +946,7 @@ def response_logprobs(
             lm_head,
             temperature,
             with_entropy,
+            head,
         )
         logp, entropy = (
             checkpoint(_logprob_chunk, *args, use_reentrant=False) if needs_grad else _logprob_chunk(*args)
@@ -915,6 +992,7 @@ def critic_values(
     device = _model_device(critic)
     sequences, attention_mask = sequences.to(device), attention_mask.to(device)
     _check_rollout(sequences, attention_mask, response_width)
+    check_rope_regime(module, attention_mask.sum(dim=1).tolist())
     impl = _attn_implementation(module, attn_implementation)
     shape = (sequences.shape[0], response_width)
     groups = _shared_groups(module, share_prompts, sequences, attention_mask, response_width)
@@ -946,6 +1024,7 @@ def reward_scores(
     sequences, attention_mask = sequences.to(device), attention_mask.to(device)
     impl = _attn_implementation(module, attn_implementation)
     _check_padded(sequences, attention_mask)
+    check_rope_regime(module, attention_mask.sum(dim=1).tolist())
     batch = _pack_for(module, impl, sequences, attention_mask)
     values = _rows_to_tokens(packed_forward(reward_model, batch, impl), batch)
     return values[batch.cu_seqlens[1:].long() - 1]
