@@ -105,6 +105,11 @@ class TrainConfig:
     #: prompt and to themselves only (same results up to rounding). Needs an attention that takes a mask
     #: (sdpa, eager); with flash_attention_2 (varlen, no tree mask) every row computes its own prompt
     share_prompts: bool = True
+    #: at model load, every actor / critic / reference / reward rank runs three short sequences through the
+    #: layouts its forwards use (packed two to a row; shared prompts) and alone: a difference beyond float
+    #: rounding makes that model take one sequence per row, with a warning (a second line of defence behind the
+    #: layer-type and module-tree checks); if even that differs, the run stops
+    packing_probe: bool = True
     #: the actor's separate old-log-prob forward each step (None: only when needed, i.e. ppo_epochs or
     #: num_minibatches > 1, or the KL penalty in the rewards; otherwise the single update's forward gives them)
     recompute_old_logp: bool | None = None

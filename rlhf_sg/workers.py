@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from rlhf_sg.experience import ActorUpdate, CriticUpdate, Experience, OptimizerStep
+from rlhf_sg.probe import check_packing
 
 
 @dataclass
@@ -49,6 +50,10 @@ class WorkerSpec:
     threads: int = 1
     device: str = "cpu"
     timeout_s: float = 900.0
+    #: the trainer's forwards share prompts (the layouts the start-up probe checks: packed, and shared with this)
+    share_prompts: bool = False
+    #: run the start-up packing probe (:mod:`rlhf_sg.probe`) at model load
+    packing_probe: bool = True
 
 
 def lr_schedule(name: str, warmup_steps: int, total_steps: int):
@@ -250,6 +255,11 @@ class ModelWorker:
                                                config=self.ds_config)
         if not self.spec.train:
             self.engine.eval()
+        #: the start-up packing probe's max |Δ| per layout ({} when off); a model found wrong when packed now takes
+        #: one sequence per row
+        self.packing_probe = (check_packing(self.module, self.spec.share_prompts and self.spec.role != "reward",
+                                            reduce=self._max_over_ranks)
+                              if self.spec.packing_probe else {})
         self.syncer = None
         self._sync_setups = 0  # weight-sync set-ups so far (each gets group names of its own)
         self._profiler = None
@@ -297,6 +307,21 @@ class ModelWorker:
     @property
     def module(self):
         return self.engine.module
+
+    def _max_over_ranks(self, values: list[float]) -> list[float]:
+        """Each value's max over the group's ranks (one all-reduce; fails after the spec's timeout)."""
+        import torch.distributed as dist
+
+        packed = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            work = dist.all_reduce(packed, op=dist.ReduceOp.MAX, async_op=True)
+            deadline = time.monotonic() + self.spec.timeout_s
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"packing-probe all-reduce did not finish within {self.spec.timeout_s:.0f} s")
+                time.sleep(0.001)
+            work.wait()
+        return packed.tolist()
 
     def ping(self) -> int:
         return self.rank
