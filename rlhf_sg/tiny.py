@@ -150,9 +150,10 @@ def _family_configs() -> dict:
         # final_logit_softcapping small enough to bite on random logits
         "gemma-2": ("Gemma2Config", dict(attn, head_dim=8, sliding_window=w, final_logit_softcapping=0.5,
                                          layer_types=["sliding_attention", "full_attention"])),
-        "cohere2": ("Cohere2Config", dict(attn, head_dim=8, sliding_window=w, logit_scale=4.0,
+        "cohere2": ("Cohere2Config", dict(attn, head_dim=8, sliding_window=w, logit_scale=4.0, pad_token_id=0,
+                                          bos_token_id=1, eos_token_id=2,
                                           layer_types=["sliding_attention", "full_attention"])),
-        "starcoder2": ("Starcoder2Config", dict(attn, sliding_window=w)),
+        "starcoder2": ("Starcoder2Config", dict(attn, sliding_window=w, bos_token_id=1, eos_token_id=2)),
         "gpt-2": ("GPT2Config", dict(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=256,
                                    bos_token_id=1, eos_token_id=2)),
         "olmo-2": ("Olmo2Config", dict(attn, pad_token_id=0, eos_token_id=2)),
