@@ -5,7 +5,8 @@ two to a row with the block-causal mask; with shared prompts, two responses afte
 model alone, one sequence at a time. If a layout's log-probs (a causal LM) or values (a value model) differ from
 the sequences' own beyond float rounding, the model is marked to take one sequence per row
 (:data:`PROBE_REASON_ATTRIBUTE`, read by ``one_sequence_per_row_reason``), with a warning naming the layout and the
-difference; the probe then runs again, and if even one sequence per row is not exact the worker refuses to start.
+difference; the probe then runs again, and if even one sequence per row is not exact the worker refuses to start
+(float32; in half precision, where rounding cannot be told from a wrong forward as surely, it warns).
 Cost: six forwards of at most nine tokens.
 """
 
@@ -129,8 +130,12 @@ def check_packing(model: nn.Module, share_prompts: bool, reduce: Callable[[list[
     logger.warning("%s: %s; every forward now takes one sequence per row", type(module).__name__, reason)
     after = measured()
     if not all(d <= tolerance for d in after.values()):
-        raise RuntimeError(
-            f"{type(module).__name__}: {reason}, and one sequence per row still differs (max |Δ| "
-            f"{max(after.values()):.3g}): this model's forward on our rows is not its forward on each sequence; "
-            "check its attention implementation (--model.attn_implementation) or report the model")
+        message = (f"{type(module).__name__}: {reason}, and one sequence per row still differs (max |Δ| "
+                   f"{max(after.values()):.3g}): this model's forward on our rows is not its forward on each "
+                   "sequence; check its attention implementation (--model.attn_implementation) or report the model")
+        if dtype == torch.float32:
+            raise RuntimeError(message)
+        # in half precision a kernel's rounding on a trained model's unlikely tokens can pass the tolerance:
+        # one sequence per row stays, and the run goes on with the warning
+        logger.warning("%s (in %s this may be rounding; run the probe in float32 to tell)", message, dtype)
     return {**deltas, "one per row": max(after.values())}

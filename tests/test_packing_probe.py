@@ -86,3 +86,15 @@ def test_a_model_wrong_even_one_sequence_per_row_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match=r"Qwen2ForCausalLM: the start-up packing probe found .* and one "
                                            r"sequence per row still differs \(max \|Δ\| "):
         check_packing(model, share_prompts=False)
+
+
+def test_in_bfloat16_a_model_wrong_even_one_sequence_per_row_is_a_warning(monkeypatch, caplog):
+    original = packing._rows_to_tokens
+    monkeypatch.setattr(packing, "_rows_to_tokens", lambda values, batch: original(values, batch).roll(1, 0))
+    model = tiny_family_model("qwen2").to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="rlhf_sg.probe"):
+        deltas = check_packing(model, share_prompts=False)
+    assert deltas["one per row"] > 0.1 and hasattr(model, PROBE_REASON_ATTRIBUTE)
+    assert "one sequence per row still differs" in caplog.records[-1].getMessage()
+    assert caplog.records[-1].getMessage().endswith("(in torch.bfloat16 this may be rounding; run the probe in "
+                                                    "float32 to tell)")
