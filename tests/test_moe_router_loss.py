@@ -109,3 +109,24 @@ def test_a_router_loss_on_a_dense_model_is_refused_before_ray(tmp_path):
     cfg.train.router_aux_loss_coef = -1.0
     with pytest.raises(ConfigError, match="--train.router_aux_loss_coef must be >= 0"):
         validate(cfg)
+
+
+def test_gradient_checkpointing_records_each_router_once_and_gives_the_same_gradient():
+    """The recompute in the backward runs the routers again after the recording ended: the loss and the router
+    gradients equal those without checkpointing."""
+    model = _unbalanced("qwen3-moe").train()
+    sequences, mask, width = rollout_batch()
+    results = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.zero_grad()
+        load = RouterLoad(model)
+        response_logprobs(model, sequences, mask, width, share_prompts=True, router=load)
+        loss = load.loss()
+        loss.backward()
+        assert len(load.logits) == model.config.num_hidden_layers
+        results.append((loss.item(), [router.weight.grad.clone() for router, _ in load.routers]))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.allclose(a, b, atol=1e-6)
