@@ -839,6 +839,8 @@ def _lm_head_transform(module: nn.Module) -> tuple[str, float] | None:
     None when nothing. Read from the forward's source, so a config attribute the model ignores changes nothing;
     raises ValueError when the config sets a transform and the source cannot be read, or sets more than one."""
     config = module.config
+    if callable(getattr(module, "get_base_model", None)):  # an adapter wrapper (PEFT): the model's own forward
+        module = module.get_base_model()
     defaults = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
     found = []
     for attribute, kind, line in _HEAD_TRANSFORMS:
@@ -846,7 +848,7 @@ def _lm_head_transform(module: nn.Module) -> tuple[str, float] | None:
         if value is None or value == defaults[attribute]:
             continue
         source = _forward_source(type(module))
-        if source is None:
+        if source is None or "lm_head" not in source:  # unreadable, or a wrapper's forward, not the head's
             raise ValueError(f"{type(module).__name__}: config.{attribute}={value} and the forward's source cannot "
                              "be read to tell whether it transforms the logits; packed log-probs do not support that")
         if line in source:

@@ -259,3 +259,41 @@ def test_a_longrope_model_whose_sequences_may_cross_its_original_length_is_refus
         validate(cfg)
     except ConfigError as e:  # whatever else this minimal config lacks, not the RoPE
         assert "RoPE" not in str(e)
+
+
+def test_an_adapter_wrapper_gets_its_models_logit_transform_and_an_unknown_wrapper_is_refused():
+    """A wrapper that names its model (``get_base_model``, as PEFT's) gets Gemma-2's softcap from the model's own
+    forward; a wrapper whose forward does not compute the head itself cannot be read, so a softcap is refused."""
+    import torch
+
+    from rlhf_sg.bench.models import rollout_batch
+    from rlhf_sg.packing import response_logprobs
+    from rlhf_sg.tiny import tiny_family_model
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        @property
+        def base_model(self):
+            return self.inner.base_model
+
+        def get_output_embeddings(self):
+            return self.inner.get_output_embeddings()
+
+        def forward(self, **kwargs):
+            return self.inner(**kwargs)
+
+    class Adapter(Wrapper):
+        def get_base_model(self):
+            return self.inner
+
+    model = tiny_family_model("gemma-2")
+    sequences, mask, width = rollout_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(response_logprobs(Adapter(model), sequences, mask, width),
+                                   response_logprobs(model, sequences, mask, width), rtol=0, atol=0)
+        with pytest.raises(ValueError, match="Wrapper: config.final_logit_softcapping=0.5 and the forward's source "
+                                             "cannot be read"):
+            response_logprobs(Wrapper(model), sequences, mask, width)
