@@ -297,3 +297,23 @@ def test_an_adapter_wrapper_gets_its_models_logit_transform_and_an_unknown_wrapp
         with pytest.raises(ValueError, match="Wrapper: config.final_logit_softcapping=0.5 and the forward's source "
                                              "cannot be read"):
             response_logprobs(Wrapper(model), sequences, mask, width)
+
+
+def test_a_dynamic_ntk_rope_is_refused_on_a_batch_past_its_length():
+    """Dynamic NTK rescales its frequencies for the forward's longest sequence past max_position_embeddings: a
+    batch mixing lengths past it is refused (unchecked, the rows here differ from their own by 2.6e-5)."""
+    import torch
+    import transformers
+
+    from rlhf_sg.bench.models import rollout_batch
+    from rlhf_sg.packing import response_logprobs
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    sequences, mask, width = rollout_batch()
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM: its dynamic RoPE takes one set of frequencies per forward "
+                                         r"from the longest sequence \(20 tokens, over original_max_position_embeddings"
+                                         r"=16\), which a sequence of 8 tokens alone would not use"):
+        response_logprobs(model, sequences, mask, width)
