@@ -102,7 +102,8 @@ class TrainConfig:
     max_tokens_per_microbatch: int = 4096
     #: the rows of one prompt (a GRPO group) compute the prompt once in the log-prob and value forwards and
     #: their backward: one packed segment [prompt | response_1 | response_2 | ...] whose responses attend to the
-    #: prompt and to themselves only (same results up to rounding). Needs an attention that takes a mask
+    #: prompt and to themselves only (same results up to rounding; models with recurrent layers or ALiBi
+    #: take one sequence per row instead, see the README's model families). Needs an attention that takes a mask
     #: (sdpa, eager); with flash_attention_2 (varlen, no tree mask) every row computes its own prompt
     share_prompts: bool = True
     #: at model load, every actor / critic / reference / reward rank runs three short sequences through the
