@@ -102,9 +102,15 @@ class TrainConfig:
     max_tokens_per_microbatch: int = 4096
     #: the rows of one prompt (a GRPO group) compute the prompt once in the log-prob and value forwards and
     #: their backward: one packed segment [prompt | response_1 | response_2 | ...] whose responses attend to the
-    #: prompt and to themselves only (same results up to rounding). Needs an attention that takes a mask
+    #: prompt and to themselves only (same results up to rounding; models with recurrent layers or ALiBi
+    #: take one sequence per row instead, see the README's model families). Needs an attention that takes a mask
     #: (sdpa, eager); with flash_attention_2 (varlen, no tree mask) every row computes its own prompt
     share_prompts: bool = True
+    #: at model load, every actor / critic / reference / reward rank runs three short sequences through the
+    #: layouts its forwards use (packed two to a row; shared prompts) and alone: a difference beyond float
+    #: rounding makes that model take one sequence per row, with a warning (a second line of defence behind the
+    #: layer-type and module-tree checks); if even that differs, the run stops
+    packing_probe: bool = True
     #: the actor's separate old-log-prob forward each step (None: only when needed, i.e. ppo_epochs or
     #: num_minibatches > 1, or the KL penalty in the rewards; otherwise the single update's forward gives them)
     recompute_old_logp: bool | None = None
@@ -143,6 +149,12 @@ class TrainConfig:
     kl_target: float | None = None
     kl_horizon: int = 10000
     entropy_coef: float = 0.0
+    #: mixture-of-experts models (Qwen3-MoE, Qwen3-Next, Mixtral, GPT-OSS, ...): the router load-balancing loss
+    #: (Switch Transformer's, as the model computes it) added to the actor loss with this coefficient, over the
+    #: real tokens of each micro-batch (shared prompts counted once per sample, as unshared), logged as
+    #: actor/router_aux_loss. None: what the model applies in its own training, its config's router_aux_loss_coef
+    #: when output_router_logits is on, else 0 (off). A value > 0 needs a model with routers
+    router_aux_loss_coef: float | None = None
     #: how every loss term is reduced: token_mean, seq_mean (each row's token mean, then the rows' mean),
     #: seq_mean_token_sum (verl: each row's token sum, then the rows' mean), seq_mean_token_sum_norm (Dr.GRPO:
     #: that over the constant --rollout.max_new_tokens)
@@ -491,6 +503,43 @@ def _check_model_dir(flag: str, path: str) -> None:
           "save_pretrained or point at the directory that holds them")
 
 
+#: config.json keys that count a mixture-of-experts model's experts (Qwen-MoE / Qwen3-Next, Mixtral / GPT-OSS,
+#: DeepSeek-style)
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _has_experts(path: str) -> bool:
+    """Whether the model directory's config.json (or its text_config) counts experts."""
+    import json
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    return any(isinstance(c, dict) and any(c.get(k) for k in _EXPERT_KEYS)
+               for c in (config, config.get("text_config")))
+
+
+def _position_dependent_rope(path: str) -> tuple[str, int] | None:
+    """(rope type, original_max_position_embeddings) when the model directory's RoPE picks its frequencies per
+    forward from the longest sequence (``longrope``, ``dynamic``: see :func:`rlhf_sg.packing.check_rope_regime`)."""
+    import json
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    for c in (config, config.get("text_config")):
+        if not isinstance(c, dict):
+            continue
+        params = c.get("rope_parameters") or c.get("rope_scaling")
+        if not isinstance(params, dict):
+            continue
+        for entry in [params] + [v for v in params.values() if isinstance(v, dict)]:
+            kind = entry.get("rope_type", entry.get("type"))
+            if kind in ("longrope", "dynamic"):
+                original = (c.get("original_max_position_embeddings") or entry.get("original_max_position_embeddings")
+                            or c.get("max_position_embeddings"))
+                return (kind, int(original)) if original else None
+    return None
+
+
 def validate(cfg: Config) -> Config:
     """Everything checkable without starting Ray; raises ConfigError naming the flag."""
     m, r, t, d, rw = cfg.model, cfg.rollout, cfg.train, cfg.data, cfg.reward
@@ -502,6 +551,20 @@ def validate(cfg: Config) -> Config:
                   f"{flag}: {path!r} is not a model directory (no config.json there); save the model with "
                   "save_pretrained or point at its directory")
             _check_model_dir(flag, path)
+    if (t.router_aux_loss_coef or 0) > 0 and m.pretrain and os.path.isfile(os.path.join(m.pretrain, "config.json")):
+        _need(_has_experts(m.pretrain),
+              f"--train.router_aux_loss_coef {t.router_aux_loss_coef}: {m.pretrain!r} is not a mixture-of-experts "
+              f"model (its config.json has none of {list(_EXPERT_KEYS)}), so it has no router loss; leave the flag "
+              "unset or set it to 0")
+    for flag, path in (("--model.pretrain", m.pretrain), ("--model.critic_pretrain", m.critic_pretrain),
+                       ("--model.reward_pretrain", m.reward_pretrain)):
+        rope = _position_dependent_rope(path) if path and os.path.isfile(os.path.join(path, "config.json")) else None
+        longest = cfg.data.max_prompt_len + r.max_new_tokens
+        _need(rope is None or longest <= rope[1],
+              f"{flag}: {path!r} has a {rope and rope[0]} RoPE, which takes one set of frequencies per forward from "
+              f"its longest sequence once one is over original_max_position_embeddings={rope and rope[1]}: a batch "
+              f"with sequences on both sides would not give each what it gives alone. Sequences here reach "
+              f"{longest} tokens; set --data.max_prompt_len + --rollout.max_new_tokens <= {rope and rope[1]}")
     _need(m.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {m.dtype!r}")
     _need(m.attn_implementation in ("sdpa", "eager", "flash_attention_2"),
           f"--model.attn_implementation must be sdpa, eager or flash_attention_2, got {m.attn_implementation!r}")
@@ -584,6 +647,9 @@ def validate(cfg: Config) -> Config:
         ("--train.gamma", t.gamma, 0 <= t.gamma <= 1, "in [0, 1]"),
         ("--train.lam", t.lam, 0 <= t.lam <= 1, "in [0, 1]"),
         ("--train.entropy_coef", t.entropy_coef, t.entropy_coef >= 0, ">= 0"),
+        ("--train.router_aux_loss_coef", t.router_aux_loss_coef,
+         t.router_aux_loss_coef is None or (t.router_aux_loss_coef >= 0 and math.isfinite(t.router_aux_loss_coef)),
+         ">= 0 (or none: the model's own)"),
         ("--train.value_clip", t.value_clip, t.value_clip is None or t.value_clip > 0, "> 0 (or none)"),
         ("--train.kl_target", t.kl_target, t.kl_target is None or t.kl_target > 0, "> 0 (or none)"),
         ("--train.critic_warmup_steps", t.critic_warmup_steps, t.critic_warmup_steps >= 0, ">= 0"),

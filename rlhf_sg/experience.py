@@ -99,12 +99,15 @@ class ActorUpdate:
     sampling temperature, which the log-probs are computed at; old_logp_from_update: the batch gets a single
     update on fresh samples, so the policy that sampled is the one being trained and the old log-probs are the
     update's own forward (detached) instead of :attr:`Experience.old_logp` (which is then not computed);
-    share_prompts: rows with one prompt compute it once (:func:`rlhf_sg.packing.pack_shared_prompts`)."""
+    share_prompts: rows with one prompt compute it once (:func:`rlhf_sg.packing.pack_shared_prompts`);
+    router_aux_loss_coef: the MoE router loss's coefficient (None: the model's own default; see
+    :func:`rlhf_sg.workers.router_aux_loss_coef`)."""
 
     loss: ActorLossConfig
     temperature: float = 1.0
     old_logp_from_update: bool = False
     share_prompts: bool = False
+    router_aux_loss_coef: float | None = None
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ The functions the trainer calls, all taking the padded layout and answering in i
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import math
@@ -69,7 +70,8 @@ class PackedBatch:
         position_ids: [R, L] long; restart at 0 for every sequence. The pad slots at a row's end continue
             the positions of the row's last sequence, so to the block-causal mask they are part of it:
             real tokens never see them (they come later) and every pad query has keys (an all-masked
-            query row would make sdpa return NaN).
+            query row would make sdpa return NaN). Rows are no longer than ``row_tokens`` (the longest
+            sequence, as the forwards here pack), so the largest position id is the longest sequence's.
     Token order (N real tokens, sequence after sequence):
         labels: [N] long; the next token of the same sequence, taken by shifting the PADDED rows before
             unpadding, so no label crosses into another sequence; :data:`IGNORE_LABEL` at each
@@ -286,6 +288,9 @@ class SharedPromptRows:
         segment_start, prompt_end, branch_start: [R, L] long, per slot the columns where its segment starts,
             where the segment's prompt ends, and where the slot's own response starts (the segment start for a
             prompt slot). A pad slot has all three at its own column: it attends to itself only.
+        holders: [R, L] long; how many of the batch's sequences hold the slot's token: the segment's responses
+            for a prompt slot, 1 for a response slot, 0 for a pad slot (what a per-token statistic over the
+            unshared batch weighs each slot by, e.g. :mod:`rlhf_sg.moe`'s router loss).
     Response tokens (the n real response tokens, row after row):
         predictor_slots: [n] long; flat slot ``r * L + c`` of the hidden state that predicts the token (the
             prompt's last slot for a response's first token, shared by the segment's responses).
@@ -299,6 +304,7 @@ class SharedPromptRows:
     segment_start: torch.Tensor
     prompt_end: torch.Tensor
     branch_start: torch.Tensor
+    holders: torch.Tensor
     predictor_slots: torch.Tensor
     block_positions: torch.Tensor
     labels: torch.Tensor
@@ -377,6 +383,7 @@ def pack_shared_prompts(
     input_ids = torch.zeros(num_slots, dtype=ids.dtype)
     position_ids = torch.zeros(num_slots, dtype=torch.long)
     segment_start, prompt_end, branch_start = columns.clone(), columns.clone(), columns.clone()
+    holders = torch.zeros(num_slots, dtype=torch.long)
     predictors, positions, labels = [], [], []
     for r, row in enumerate(rows):
         base, offset = r * row_len, 0
@@ -388,6 +395,7 @@ def pack_shared_prompts(
             position_ids[start:end] = torch.arange(p)
             prompt_end[start:end] = offset + p
             branch_start[start:end] = offset
+            holders[start:end] = len(members)
             cursor = end
             for b in members:
                 n = response_len[b]
@@ -396,6 +404,7 @@ def pack_shared_prompts(
                 position_ids[cursor : cursor + n] = torch.arange(p, p + n)
                 prompt_end[cursor : cursor + n] = offset + p
                 branch_start[cursor : cursor + n] = cursor - base
+                holders[cursor : cursor + n] = 1
                 # token j is predicted by the slot before it: the prompt's last for j = 0
                 predictors.append(torch.cat([torch.tensor([end - 1]), torch.arange(cursor, cursor + n - 1)]))
                 positions.append(b * response_width + torch.arange(n))
@@ -406,7 +415,7 @@ def pack_shared_prompts(
     view = lambda t: t.view(len(rows), row_len).to(device)  # noqa: E731
     return SharedPromptRows(
         input_ids=view(input_ids), position_ids=view(position_ids), segment_start=view(segment_start),
-        prompt_end=view(prompt_end), branch_start=view(branch_start),
+        prompt_end=view(prompt_end), branch_start=view(branch_start), holders=view(holders),
         predictor_slots=torch.cat(predictors).to(device), block_positions=torch.cat(positions).to(device),
         labels=torch.cat(labels).to(device), num_segments=len(segments),
         max_seqlen=max(p + r for p, r in zip(prompt_len, response_len)),
@@ -566,8 +575,12 @@ def one_sequence_per_row_reason(module: nn.Module) -> str | None:
     - A layer that is not attention (linear attention, an SSM, a convolution mixer) carries state along the
       row, and transformers builds no mask for it when handed a 4D one: read from ``config.layer_types`` and
       from the module tree (any submodule whose class names one of :data:`_RECURRENT_MIXERS`).
-    - ALiBi models (Bloom; ``config.alibi``) build their bias from a 2D padding mask, not from positions."""
+    - ALiBi models (Bloom; ``config.alibi``) build their bias from a 2D padding mask, not from positions.
+    - The start-up probe (:mod:`rlhf_sg.probe`) found the model's packed rows differ from its sequences alone."""
     module = _unwrap(module)
+    probed = getattr(module, "_rlhf_sg_packing_probe", None)
+    if probed:
+        return probed
     config = getattr(module, "config", None)
     if getattr(config, "model_type", None) == "bloom" or getattr(config, "alibi", False) is True:
         return "its ALiBi bias is built from a 2D padding mask, not from position ids"
@@ -582,6 +595,41 @@ def one_sequence_per_row_reason(module: nn.Module) -> str | None:
 
 
 _FALLBACKS_LOGGED: set[tuple[str, str]] = set()
+
+
+def _rope_scaling(config: Any) -> tuple[str, int] | None:
+    """(rope type, original_max_position_embeddings) of a RoPE whose frequencies transformers picks from the
+    forward's largest position id (``dynamic_rope_update``: ``longrope``, ``dynamic``); None for any other."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return None
+    for entry in [params] + [v for v in params.values() if isinstance(v, dict)]:  # per-layer-type dicts too
+        kind = entry.get("rope_type", entry.get("type"))
+        if kind in ("longrope", "dynamic"):
+            original = entry.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None) or getattr(config, "max_position_embeddings", None)
+            return kind, int(original)
+    return None
+
+
+def check_rope_regime(module: nn.Module, lengths: list[int]) -> None:
+    """Refuse a forward over sequences of ``lengths`` that a LongRoPE / dynamic-NTK model would not give each
+    sequence what it gives alone. transformers picks such a RoPE's frequencies once per forward from the largest
+    position id (every layout here makes that the longest sequence's): LongRoPE takes its long factors for every
+    sequence once one is longer than ``original_max_position_embeddings``, dynamic NTK rescales for the longest.
+    A batch whose sequences are all within that length, or (LongRoPE) all beyond it, is exact."""
+    rope = _rope_scaling(getattr(module, "config", None))
+    if rope is None or not lengths:
+        return
+    kind, original = rope
+    short, longest = min(lengths), max(lengths)
+    mixed = short <= original < longest if kind == "longrope" else longest > original and short != longest
+    if mixed:
+        raise ValueError(
+            f"{type(module).__name__}: its {kind} RoPE takes one set of frequencies per forward from the longest "
+            f"sequence ({longest} tokens, over original_max_position_embeddings={original}), which a sequence of "
+            f"{short} tokens alone would not use; one forward cannot give both their own. Keep every sequence "
+            f"within {original} tokens (--data.max_prompt_len + --rollout.max_new_tokens)")
 
 
 def _one_sequence_per_row(module: nn.Module, what: str) -> bool:
@@ -741,10 +789,20 @@ def _to_response_block(
     return out.index_copy(0, block_positions, token_values).view(shape)
 
 
+def _slot_holders(batch: PackedBatch) -> torch.Tensor:
+    """[R * L] long: 1 on the slots of real tokens, 0 on the rows' pad slots."""
+    holders = torch.zeros(batch.input_ids.numel(), dtype=torch.long, device=batch.slots.device)
+    return holders.index_fill_(0, batch.slots, 1)
+
+
 def _logprob_chunk(
-    hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, temperature: float, with_entropy: bool
+    hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, temperature: float, with_entropy: bool,
+    head: tuple[str, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = lm_head(hidden).float()
+    if head is not None:
+        kind, value = head
+        logits = torch.tanh(logits / value) * value if kind == "softcap" else logits * value
     if temperature != 1.0:
         logits = logits / temperature
     log_normalizer = torch.logsumexp(logits, dim=-1)
@@ -756,16 +814,49 @@ def _logprob_chunk(
     return logp, entropy
 
 
-def _check_plain_lm_head(config: Any) -> None:
-    """Packed log-probs apply the lm_head alone; refuse heads that rescale logits after it."""
-    softcap = getattr(config, "final_logit_softcapping", None)
-    scale = getattr(config, "logit_scale", 1.0)
-    scaling = getattr(config, "logits_scaling", 1.0)
-    if softcap is not None or scale != 1.0 or scaling != 1.0:
-        raise ValueError(
-            f"{type(config).__name__} transforms logits after the lm_head (final_logit_softcapping="
-            f"{softcap}, logit_scale={scale}, logits_scaling={scaling}); packed log-probs do not support that"
-        )
+#: what a causal LM's forward does to the lm_head's logits, found in its source (transformers 5.19): Gemma-2/3's
+#: ``tanh(logits / final_logit_softcapping) * final_logit_softcapping``, Cohere's ``logits * logit_scale``,
+#: Granite's ``logits / logits_scaling``
+_HEAD_TRANSFORMS = (("final_logit_softcapping", "softcap", "logits / self.config.final_logit_softcapping"),
+                    ("logit_scale", "scale", "logits * self.logit_scale"),
+                    ("logits_scaling", "divide", "logits / self.config.logits_scaling"))
+_HEAD_SOURCES: dict[type, str | None] = {}
+
+
+def _forward_source(cls: type) -> str | None:
+    if cls not in _HEAD_SOURCES:
+        import inspect
+
+        try:
+            _HEAD_SOURCES[cls] = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            _HEAD_SOURCES[cls] = None
+    return _HEAD_SOURCES[cls]
+
+
+def _lm_head_transform(module: nn.Module) -> tuple[str, float] | None:
+    """What ``module``'s own forward applies to the lm_head's logits, as ("softcap", cap) or ("scale", factor);
+    None when nothing. Read from the forward's source, so a config attribute the model ignores changes nothing;
+    raises ValueError when the config sets a transform and the source cannot be read, or sets more than one."""
+    config = module.config
+    if callable(getattr(module, "get_base_model", None)):  # an adapter wrapper (PEFT): the model's own forward
+        module = module.get_base_model()
+    defaults = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+    found = []
+    for attribute, kind, line in _HEAD_TRANSFORMS:
+        value = getattr(config, attribute, defaults[attribute])
+        if value is None or value == defaults[attribute]:
+            continue
+        source = _forward_source(type(module))
+        if source is None or "lm_head" not in source:  # unreadable, or a wrapper's forward, not the head's
+            raise ValueError(f"{type(module).__name__}: config.{attribute}={value} and the forward's source cannot "
+                             "be read to tell whether it transforms the logits; packed log-probs do not support that")
+        if line in source:
+            found.append(("scale", 1.0 / value) if kind == "divide" else (kind, float(value)))
+    if len(found) > 1:
+        raise ValueError(f"{type(module).__name__} transforms its logits in more than one way ({found}); packed "
+                         "log-probs do not support that")
+    return found[0] if found else None
 
 
 def response_logprobs(
@@ -779,6 +870,7 @@ def response_logprobs(
     attn_implementation: str | None = None,
     share_prompts: bool = False,
     segment_tokens: int | None = None,
+    router=None,
 ):
     """Log-probs (and entropy) of the response tokens under a causal LM, computed on packed rows.
 
@@ -798,6 +890,8 @@ def response_logprobs(
     ``share_prompts``: where rows repeat a prompt, compute it once per segment of ``segment_tokens``
     (:func:`pack_shared_prompts`; masked attention only); the results equal the unshared ones up to rounding.
     ``segment_tokens=None``: the model's hidden size (see :func:`default_segment_tokens`).
+    ``router``: a :class:`rlhf_sg.moe.RouterLoad` that records the forward's router logits and gets each packed
+    slot's weight (how many sequences hold its token), for the MoE load-balancing loss over the real tokens.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -807,10 +901,11 @@ def response_logprobs(
     lm_head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
     if lm_head is None:
         raise TypeError(f"response_logprobs needs a causal LM with an lm_head, got {type(module).__name__}")
-    _check_plain_lm_head(module.config)
+    head = _lm_head_transform(module)
     device = _model_device(model)
     sequences, attention_mask = sequences.to(device), attention_mask.to(device)
     _check_rollout(sequences, attention_mask, response_width)
+    check_rope_regime(module, attention_mask.sum(dim=1).tolist())
     impl = _attn_implementation(module, attn_implementation)
     groups = _shared_groups(module, share_prompts, sequences, attention_mask, response_width)
     captured: dict[str, torch.Tensor] = {}
@@ -821,15 +916,18 @@ def response_logprobs(
     no_logits = torch.empty(0, dtype=torch.long, device=device)
     hook = module.base_model.register_forward_hook(keep_hidden)
     try:
-        if groups is not None:
-            rows = pack_shared_prompts(sequences, attention_mask, response_width,
-                                       segment_tokens or default_segment_tokens(module), groups=groups)
-            _shared_forward(model, rows, impl, logits_to_keep=no_logits)
-        else:
-            batch = _pack_for(module, impl, sequences, attention_mask)
-            packed_forward(model, batch, impl, logits_to_keep=no_logits)
+        with router.recording() if router is not None else contextlib.nullcontext():
+            if groups is not None:
+                rows = pack_shared_prompts(sequences, attention_mask, response_width,
+                                           segment_tokens or default_segment_tokens(module), groups=groups)
+                _shared_forward(model, rows, impl, logits_to_keep=no_logits)
+            else:
+                batch = _pack_for(module, impl, sequences, attention_mask)
+                packed_forward(model, batch, impl, logits_to_keep=no_logits)
     finally:
         hook.remove()
+    if router is not None:
+        router.set_weights(rows.holders.reshape(-1) if groups is not None else _slot_holders(batch))
     if groups is not None:
         hidden = captured["hidden"].reshape(-1, captured["hidden"].shape[-1])[rows.predictor_slots]
         labels, positions = rows.labels, rows.block_positions
@@ -850,6 +948,7 @@ def response_logprobs(
             lm_head,
             temperature,
             with_entropy,
+            head,
         )
         logp, entropy = (
             checkpoint(_logprob_chunk, *args, use_reentrant=False) if needs_grad else _logprob_chunk(*args)
@@ -895,6 +994,7 @@ def critic_values(
     device = _model_device(critic)
     sequences, attention_mask = sequences.to(device), attention_mask.to(device)
     _check_rollout(sequences, attention_mask, response_width)
+    check_rope_regime(module, attention_mask.sum(dim=1).tolist())
     impl = _attn_implementation(module, attn_implementation)
     shape = (sequences.shape[0], response_width)
     groups = _shared_groups(module, share_prompts, sequences, attention_mask, response_width)
@@ -926,6 +1026,7 @@ def reward_scores(
     sequences, attention_mask = sequences.to(device), attention_mask.to(device)
     impl = _attn_implementation(module, attn_implementation)
     _check_padded(sequences, attention_mask)
+    check_rope_regime(module, attention_mask.sum(dim=1).tolist())
     batch = _pack_for(module, impl, sequences, attention_mask)
     values = _rows_to_tokens(packed_forward(reward_model, batch, impl), batch)
     return values[batch.cu_seqlens[1:].long() - 1]

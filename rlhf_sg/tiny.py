@@ -102,6 +102,8 @@ def save_tiny_model(path: str, arch: str = "qwen2", size: str = "tiny", seed: in
 
 #: sliding window of the windowed families below: small, so rows longer than it make the window matter
 FAMILY_WINDOW = 4
+#: original_max_position_embeddings of the LongRoPE family: between the matrix batch's sequence lengths
+LONGROPE_ORIGINAL = 16
 
 
 def _family_configs() -> dict:
@@ -137,6 +139,21 @@ def _family_configs() -> dict:
                                                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                           "original_max_position_embeddings": 8})),
         "phi-3": ("Phi3Config", dict(attn, sliding_window=w, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+        # LongRoPE past a small original length: the matrix batch's longest sequence (20 tokens) crosses it
+        "phi-3-longrope": ("Phi3Config", dict(attn, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                              original_max_position_embeddings=LONGROPE_ORIGINAL,
+                                              rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                               "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                                               "long_factor": [2.0, 4.0, 8.0, 16.0],
+                                                               "original_max_position_embeddings":
+                                                                   LONGROPE_ORIGINAL})),
+        # final_logit_softcapping small enough to bite on random logits
+        "gemma-2": ("Gemma2Config", dict(attn, head_dim=8, sliding_window=w, final_logit_softcapping=0.5,
+                                         layer_types=["sliding_attention", "full_attention"])),
+        "cohere2": ("Cohere2Config", dict(attn, head_dim=8, sliding_window=w, logit_scale=4.0, pad_token_id=0,
+                                          bos_token_id=1, eos_token_id=2,
+                                          layer_types=["sliding_attention", "full_attention"])),
+        "starcoder2": ("Starcoder2Config", dict(attn, sliding_window=w, bos_token_id=1, eos_token_id=2)),
         "gpt-2": ("GPT2Config", dict(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=256,
                                    bos_token_id=1, eos_token_id=2)),
         "olmo-2": ("Olmo2Config", dict(attn, pad_token_id=0, eos_token_id=2)),

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from rlhf_sg.experience import ActorUpdate, CriticUpdate, Experience, OptimizerStep
+from rlhf_sg.probe import check_packing
 
 
 @dataclass
@@ -49,6 +50,10 @@ class WorkerSpec:
     threads: int = 1
     device: str = "cpu"
     timeout_s: float = 900.0
+    #: the trainer's forwards share prompts (the layouts the start-up probe checks: packed, and shared with this)
+    share_prompts: bool = False
+    #: run the start-up packing probe (:mod:`rlhf_sg.probe`) at model load
+    packing_probe: bool = True
 
 
 def lr_schedule(name: str, warmup_steps: int, total_steps: int):
@@ -111,12 +116,21 @@ def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate,
     """One micro-batch's actor loss (:func:`rlhf_sg.algorithms.actor_loss`) and its per-token metrics.
 
     model: the policy (a DeepSpeed engine or a causal LM), in train mode; mb: the micro-batch on the model's
-    device, with advantages (and old_logp unless ``update.old_logp_from_update``)."""
+    device, with advantages (and old_logp unless ``update.old_logp_from_update``).
+
+    With a router loss in force (:func:`router_aux_loss_coef`), the MoE load-balancing loss of the micro-batch's
+    real tokens (:mod:`rlhf_sg.moe`) is added with that coefficient, weighted by the micro-batch's share of the
+    step's ``normalizer`` (its action tokens, or rows with a per-sequence aggregation, that count in the loss): the
+    step's term is then the micro-batches' weighted mean. Logged as ``router_aux_loss``."""
     from rlhf_sg.algorithms import actor_loss, masked_mean
+    from rlhf_sg.moe import RouterLoad
     from rlhf_sg.packing import response_logprobs
 
+    coef = router_aux_loss_coef(model, update.router_aux_loss_coef)
+    router = RouterLoad(model) if coef > 0 else None
     logp, entropy = response_logprobs(model, mb.sequences, mb.attention_mask, mb.response_width,
-                                      update.temperature, with_entropy=True, share_prompts=update.share_prompts)
+                                      update.temperature, with_entropy=True, share_prompts=update.share_prompts,
+                                      router=router)
     # a single update on fresh samples: the policy that sampled is the one being trained, so the old
     # log-probs are this forward's own
     old_logp = logp.detach() if update.old_logp_from_update else mb.old_logp
@@ -127,7 +141,27 @@ def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate,
                                rollout_logp=mb.rollout_logp, ref_logp=mb.ref_logp)
     if update.old_logp_from_update:
         metrics["logp_gap_engine_vs_trainer"] = masked_mean((mb.rollout_logp - old_logp).abs(), mb.action_mask)
+    if router is not None:
+        aux = router.loss()
+        units = mb.action_mask.sum() if update.loss.aggregation == "token_mean" else mb.action_mask.shape[0]
+        loss = loss + coef * aux * (units / normalizer)
+        metrics["router_aux_loss"] = aux.detach()
     return loss * scale, metrics
+
+
+def router_aux_loss_coef(model, coef: float | None) -> float:
+    """The router loss coefficient in force for ``model``: ``coef`` (``--train.router_aux_loss_coef``), or when
+    None the model's own training default (:func:`rlhf_sg.moe.default_router_aux_loss_coef`). Raises ValueError
+    for a coefficient > 0 on a model without routers."""
+    from rlhf_sg.moe import default_router_aux_loss_coef, has_router
+
+    module = getattr(model, "module", model)
+    if coef is None:
+        coef = default_router_aux_loss_coef(module.config)
+    if coef > 0 and not has_router(module):
+        raise ValueError(f"--train.router_aux_loss_coef {coef}: {type(module).__name__} has no mixture-of-experts "
+                         "router to balance; set it to 0")
+    return float(coef)
 
 
 def _rows_in_loss(mb: Experience) -> tuple[list[int] | None, float]:
@@ -221,6 +255,11 @@ class ModelWorker:
                                                config=self.ds_config)
         if not self.spec.train:
             self.engine.eval()
+        #: the start-up packing probe's max |Δ| per layout ({} when off); a model found wrong when packed now takes
+        #: one sequence per row
+        self.packing_probe = (check_packing(self.module, self.spec.share_prompts and self.spec.role != "reward",
+                                            reduce=self._max_over_ranks)
+                              if self.spec.packing_probe else {})
         self.syncer = None
         self._sync_setups = 0  # weight-sync set-ups so far (each gets group names of its own)
         self._profiler = None
@@ -268,6 +307,21 @@ class ModelWorker:
     @property
     def module(self):
         return self.engine.module
+
+    def _max_over_ranks(self, values: list[float]) -> list[float]:
+        """Each value's max over the group's ranks (one all-reduce; fails after the spec's timeout)."""
+        import torch.distributed as dist
+
+        packed = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            work = dist.all_reduce(packed, op=dist.ReduceOp.MAX, async_op=True)
+            deadline = time.monotonic() + self.spec.timeout_s
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"packing-probe all-reduce did not finish within {self.spec.timeout_s:.0f} s")
+                time.sleep(0.001)
+            work.wait()
+        return packed.tolist()
 
     def ping(self) -> int:
         return self.rank

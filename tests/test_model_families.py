@@ -21,6 +21,10 @@ from rlhf_sg.tiny import FAMILIES
 
 #: families that cannot hold two sequences in a row: recurrent layers (Qwen3.5, Qwen3-Next) or ALiBi (Bloom)
 ONE_PER_ROW = {"qwen3.5", "qwen3-next", "bloom"}
+#: families refused on the matrix batch: LongRoPE whose sequences lie on both sides of its original length
+REFUSED = {"phi-3-longrope": "its longrope RoPE takes one set of frequencies per forward from the longest sequence "
+                             "(20 tokens, over original_max_position_embeddings=16), which a sequence of 8 tokens "
+                             "alone would not use"}
 
 
 @functools.cache
@@ -34,8 +38,40 @@ def test_layout_equals_rows_alone(family, layout):
     """Log-probs, entropy, critic values and log-prob gradients of the layout equal each row run alone through
     the model's own forward (float32 rounding), exactly where the family can pack, by falling back where not."""
     verdict, delta_logp, delta = _matrix(family)[layout]
+    if family in REFUSED:
+        assert verdict.startswith("refused: ") and REFUSED[family] in verdict, verdict
+        return
     assert verdict == ("fell back" if family in ONE_PER_ROW else "exact"), (verdict, delta_logp, delta)
     assert delta <= TOLERANCE
+
+
+@pytest.mark.parametrize("lengths", [(12, 16, 9, 14), (17, 20, 18, 23)], ids=["within", "beyond"])
+def test_longrope_is_exact_when_every_sequence_is_on_one_side_of_its_original_length(lengths):
+    """LongRoPE's frequencies follow the forward's longest sequence: a batch all within original_max_position_embeddings
+    (short factors) or all beyond it (long factors) gives each row what it gives alone, packed and shared."""
+    import torch
+
+    from rlhf_sg.bench.models import alone
+    from rlhf_sg.packing import response_logprobs
+    from rlhf_sg.tiny import LONGROPE_ORIGINAL, tiny_family_model
+
+    model = tiny_family_model("phi-3-longrope")
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128, (5,), generator=gen), torch.randint(3, 128, (7,), generator=gen)]
+    rows = [(prompts[b // 2], n - len(prompts[b // 2])) for b, n in enumerate(lengths)]
+    width = max(n for _, n in rows)
+    sequences = torch.zeros(4, 7 + width, dtype=torch.long)
+    mask = torch.zeros_like(sequences)
+    for b, (prompt, n) in enumerate(rows):
+        sequences[b, 7 - len(prompt) : 7] = prompt
+        sequences[b, 7 : 7 + n] = torch.randint(3, 128, (n,), generator=gen)
+        mask[b, 7 - len(prompt) : 7 + n] = 1
+    assert (min(lengths) > LONGROPE_ORIGINAL) == (max(lengths) > LONGROPE_ORIGINAL)
+    with torch.no_grad():
+        ref, _, _ = alone(model, sequences, mask, width)
+        for share in (False, True):
+            got = response_logprobs(model, sequences, mask, width, share_prompts=share)
+            assert (got - ref).abs().max() <= TOLERANCE, share
 
 
 def test_fallback_is_logged_once_with_its_reason(caplog):
@@ -182,7 +218,7 @@ def test_embedded_engine_greedy_tokens_and_logprobs_equal_the_models_own(family,
 
     from backends.base import BackendConfig, SamplingParams
     from backends.embedded import EmbeddedBackend
-    from rlhf_sg.tiny import save_tiny_model, tiny_family_model
+    from rlhf_sg.tiny import LONGROPE_ORIGINAL, save_tiny_model, tiny_family_model
 
     model = tiny_family_model(family)
     path = save_tiny_model(str(tmp_path / family), model=model)
@@ -190,6 +226,12 @@ def test_embedded_engine_greedy_tokens_and_logprobs_equal_the_models_own(family,
     prompts = [[5, 6, 7, 8, 9, 10][:n] for n in (2, 4, 6)]
     out = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=ENGINE_NEW_TOKENS, temperature=0.0))
     for prompt, completion in zip(prompts, out):
+        if family == "phi-3-longrope":
+            # LongRoPE switches every row of a forward to its long factors once the batch's longest row passes its
+            # original length (as transformers' generate and vLLM do): compare the steps before the longest
+            # prompt's row gets there
+            keep = LONGROPE_ORIGINAL - max(len(p) for p in prompts)
+            completion.token_ids, completion.logprobs = completion.token_ids[:keep], completion.logprobs[:keep]
         ids = torch.tensor([prompt])
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=ENGINE_NEW_TOKENS,
                                   min_new_tokens=ENGINE_NEW_TOKENS, do_sample=False, eos_token_id=None,
@@ -200,3 +242,78 @@ def test_embedded_engine_greedy_tokens_and_logprobs_equal_the_models_own(family,
             logits = model(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1]
         own = logits.float().log_softmax(-1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(completion.logprobs), own, atol=1e-4), (family, len(prompt))
+
+
+def test_a_longrope_model_whose_sequences_may_cross_its_original_length_is_refused_before_ray(tmp_path):
+    from rlhf_sg.config import Config, ConfigError, validate
+    from rlhf_sg.tiny import save_tiny_model, tiny_family_model
+
+    cfg = Config()
+    cfg.model.pretrain = save_tiny_model(str(tmp_path / "longrope"), model=tiny_family_model("phi-3-longrope"))
+    cfg.data.max_prompt_len, cfg.rollout.max_new_tokens = 8, 9
+    with pytest.raises(ConfigError, match=r"--model.pretrain: .* has a longrope RoPE, .* Sequences here reach 17 "
+                                          r"tokens; set --data.max_prompt_len \+ --rollout.max_new_tokens <= 16"):
+        validate(cfg)
+    cfg.rollout.max_new_tokens = 8
+    try:
+        validate(cfg)
+    except ConfigError as e:  # whatever else this minimal config lacks, not the RoPE
+        assert "RoPE" not in str(e)
+
+
+def test_an_adapter_wrapper_gets_its_models_logit_transform_and_an_unknown_wrapper_is_refused():
+    """A wrapper that names its model (``get_base_model``, as PEFT's) gets Gemma-2's softcap from the model's own
+    forward; a wrapper whose forward does not compute the head itself cannot be read, so a softcap is refused."""
+    import torch
+
+    from rlhf_sg.bench.models import rollout_batch
+    from rlhf_sg.packing import response_logprobs
+    from rlhf_sg.tiny import tiny_family_model
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        @property
+        def base_model(self):
+            return self.inner.base_model
+
+        def get_output_embeddings(self):
+            return self.inner.get_output_embeddings()
+
+        def forward(self, **kwargs):
+            return self.inner(**kwargs)
+
+    class Adapter(Wrapper):
+        def get_base_model(self):
+            return self.inner
+
+    model = tiny_family_model("gemma-2")
+    sequences, mask, width = rollout_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(response_logprobs(Adapter(model), sequences, mask, width),
+                                   response_logprobs(model, sequences, mask, width), rtol=0, atol=0)
+        with pytest.raises(ValueError, match="Wrapper: config.final_logit_softcapping=0.5 and the forward's source "
+                                             "cannot be read"):
+            response_logprobs(Wrapper(model), sequences, mask, width)
+
+
+def test_a_dynamic_ntk_rope_is_refused_on_a_batch_past_its_length():
+    """Dynamic NTK rescales its frequencies for the forward's longest sequence past max_position_embeddings: a
+    batch mixing lengths past it is refused (unchecked, the rows here differ from their own by 2.6e-5)."""
+    import torch
+    import transformers
+
+    from rlhf_sg.bench.models import rollout_batch
+    from rlhf_sg.packing import response_logprobs
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    sequences, mask, width = rollout_batch()
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM: its dynamic RoPE takes one set of frequencies per forward "
+                                         r"from the longest sequence \(20 tokens, over original_max_position_embeddings"
+                                         r"=16\), which a sequence of 8 tokens alone would not use"):
+        response_logprobs(model, sequences, mask, width)

@@ -344,15 +344,22 @@ def test_response_logprobs_refuses_a_bad_temperature_chunk_or_model():
 
 @pytest.mark.parametrize("field, value", [("final_logit_softcapping", 30.0), ("logit_scale", 0.5),
                                           ("logits_scaling", 2.0)])
-def test_heads_that_rescale_logits_are_refused(field, value):
+def test_a_logit_transform_applies_only_where_the_models_forward_applies_it(field, value, monkeypatch):
+    """Llama's forward ignores these config attributes: its log-probs stay the plain head's. A forward whose
+    source cannot be read, with such an attribute set, is refused. (Gemma-2's softcap and Cohere2's scale, which
+    their forwards apply, are held exact by the model-family matrix.)"""
+    from rlhf_sg import packing
+
     lm = build_tiny_model("llama", "tiny")
     ids, mask, T = _rollout()
-    setattr(lm.config, field, value)
-    settings = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0, field: value}
+    with torch.no_grad():
+        plain = response_logprobs(lm, ids, mask, T)
+        setattr(lm.config, field, value)
+        assert torch.equal(response_logprobs(lm, ids, mask, T), plain)
+    monkeypatch.setattr(packing, "_HEAD_SOURCES", {type(lm): None})
     assert _refused(ValueError, lambda: response_logprobs(lm, ids, mask, T)) == (
-        f"LlamaConfig transforms logits after the lm_head (final_logit_softcapping="
-        f"{settings['final_logit_softcapping']}, logit_scale={settings['logit_scale']}, "
-        f"logits_scaling={settings['logits_scaling']}); packed log-probs do not support that")
+        f"LlamaForCausalLM: config.{field}={value} and the forward's source cannot be read to tell whether it "
+        "transforms the logits; packed log-probs do not support that")
 
 
 def test_chunks_cover_every_response_token_of_a_long_batch():

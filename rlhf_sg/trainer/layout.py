@@ -11,6 +11,7 @@ from rlhf_sg.config import (
     lr_warmup_steps,
     optimizer_steps,
     rollout_is_async,
+    shares_prompts,
     sleep_engines,
     uses_critic_model,
 )
@@ -135,6 +136,7 @@ class Layout:
             weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, offload=(role == "ref" and t.ref_offload),
             gradient_checkpointing=train and t.gradient_checkpointing, disable_dropout=t.disable_dropout,
             seed=t.seed, threads=self.worker_threads(role), device=t.device, timeout_s=t.timeout_s,
+            share_prompts=shares_prompts(cfg), packing_probe=t.packing_probe,
         )
 
     def engine_config(self):

@@ -413,6 +413,7 @@ class PPOTrainer:
             temperature=self.cfg.rollout.temperature or 1.0,
             old_logp_from_update=not self.recomputes_old_logp,
             share_prompts=self.share_prompts,
+            router_aux_loss_coef=t.router_aux_loss_coef,
         )
 
     def update(self, experience: Experience) -> dict[str, float]:
