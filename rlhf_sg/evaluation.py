@@ -73,7 +73,7 @@ class Evaluator:
             own.rollout.n_samples_per_prompt, own.rollout.temperature = n, temperature
             own.rollout.max_new_tokens = e.max_new_tokens or r.max_new_tokens
             own.train.seed = (cfg.train.seed + EVAL_SEED_OFFSET) % 2**31
-            return RolloutMaker(own, engines, None, eos_ids, pad_id, score=None, restart=restart)
+            return RolloutMaker(own, engines, None, eos_ids, pad_id, score=None, restart=restart, tokenizer=tokenizer)
 
         temperature = r.temperature if e.temperature is None else e.temperature
         self._sampled = maker(e.n_samples, temperature)
@@ -114,11 +114,12 @@ class Evaluator:
         return metrics
 
     def _score(self, maker, step: int, n: int, weight_version: int, records: list, greedy: bool) -> list[float]:
+        from rlhf_sg.agent import completion_text
         from rlhf_sg.rewards import score_with_function
 
         cfg = self.cfg
         completions = maker.generate(self.prompts, step, draw=1 if greedy else 0)
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        texts = [completion_text(self.tokenizer, c) for c in completions]  # multi-turn: the model's text
         prompts = [self.prompts[i // n] for i in range(len(completions))]
         name = cfg.eval.reward_function or cfg.reward.function or "reward function"
         scores, _ = score_with_function(self.reward_fn, name, [p.text for p in prompts], texts,

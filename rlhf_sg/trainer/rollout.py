@@ -156,8 +156,22 @@ class RolloutMaker:
     After ``--rollout.max_engine_restarts`` restarts of one engine in a row, :class:`EngineFailure`."""
 
     def __init__(self, cfg: Config, engines: list, stream: PromptStream, eos_id: int | tuple[int, ...], pad_id: int,
-                 score: ScoreFn, restart: RestartFn | None = None, on_policy: bool = True):
+                 score: ScoreFn, restart: RestartFn | None = None, on_policy: bool = True, tokenizer=None):
         self.cfg, self.engines, self.stream, self.score = cfg, engines, stream, score
+        #: multi-turn rollouts (--agent.env): the environment factory, the tokenizer the environments and the
+        #: reward text use, and the bounded pool environment steps run in
+        self.env_factory = self._env_pool = None
+        self.tokenizer = tokenizer
+        if cfg.agent.env is not None:
+            import concurrent.futures
+
+            from rlhf_sg.agent import load_env_factory
+
+            if tokenizer is None:
+                raise ValueError("RolloutMaker: --agent.env needs the tokenizer (pass tokenizer=)")
+            self.env_factory = load_env_factory(cfg.agent.env)
+            self._env_pool = concurrent.futures.ThreadPoolExecutor(cfg.agent.env_workers,
+                                                                   thread_name_prefix="agent-env")
         #: every EOS id (:func:`eos_token_ids`), each a stop token of the engines
         self.eos_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
         self.pad_id, self.restart = pad_id, restart
@@ -206,6 +220,42 @@ class RolloutMaker:
                                        calls)
                 for k, tail in zip(rows, tails):
                     completions[k] = continue_completion(completions[k], tail, params.max_new_tokens)
+
+    def _agent_generate(self, prompts: list[Prompt], params, step: int, draw: int) -> list:
+        from rlhf_sg.agent import run_agent_rollout, turn_seed
+
+        seed = self.cfg.train.seed
+        return run_agent_rollout(
+            prompts, params.n, params, self._generate_on, self.env_factory, self.tokenizer, self.cfg.agent,
+            len(self.engines), self.cfg.rollout.max_model_len,
+            lambda engine, turn, budget: turn_seed(seed, step, draw, engine, turn, budget), self._env_pool)
+
+    def _generate_on(self, calls: list[tuple[int, list[list[int]], object]]) -> list[list]:
+        """Each call ``(engine index, prompts, params)`` on that engine (affinity: never another), the engines
+        working concurrently; an engine that dies is restarted and its calls made again."""
+        from rlhf_sg.engine_actor import EngineDied, wait_engine_calls_or_died
+
+        results: dict[int, list] = {}
+        pending = list(range(len(calls)))
+        while pending:
+            self.before_generate()
+            try:
+                refs = [(calls[j][0], "generate", self.engines[calls[j][0]].generate.remote(calls[j][1], calls[j][2]))
+                        for j in pending]
+                got = wait_engine_calls_or_died(refs, self.cfg.train.timeout_s)
+            finally:
+                self.after_generate()
+            died = {}
+            for j, result in zip(pending, got):
+                if isinstance(result, EngineDied):
+                    died[calls[j][0]] = result
+                else:
+                    results[j] = result
+                    self._in_a_row[calls[j][0]] = 0
+            for engine, error in died.items():
+                self._restart(engine, error)
+            pending = [j for j in pending if j not in results]
+        return [results[j] for j in range(len(calls))]
 
     def _generate(self, prompts: list[list[int]], params, step: int, draw: int, segment: int = 0) -> list:
         """``params.n`` completions per token-id prompt, prompt-major, the prompts spread over the engines; an
@@ -274,15 +324,17 @@ class RolloutMaker:
             with timer.phase("generate"):
                 completions = self.generate(prompts, step, draw=draws)
             draws += 1
-            if self.on_policy:
-                check_weight_versions([c.weight_version for c in completions], weight_version)
+            if self.on_policy:  # every turn of a multi-turn sample
+                check_weight_versions([v for c in completions for v in getattr(c, "turn_versions", None)
+                                       or [c.weight_version]], weight_version)
             experience = self._experience(prompts, completions)
             with timer.phase("reward"):
-                scores = self.score(prompts, completions, experience)
+                scores = self._agent_scores(prompts, completions, experience)
             scores = self.shape_scores(scores, experience)
+            agent_stats = self._agent_stats(completions)
             if not t.dynamic_filtering:
                 experience.scores = scores
-                return prompts, experience, reward_metrics(scores)
+                return prompts, experience, {**reward_metrics(scores), **agent_stats}
             groups += [(p, completions[g * n : (g + 1) * n], scores[g * n : (g + 1) * n])
                        for g, p in enumerate(prompts)]
             signal = groups_with_signal([sc for _, _, sc in groups], t.score_clip, t.dynamic_filtering_range)
@@ -297,7 +349,7 @@ class RolloutMaker:
         experience.scores = torch.cat([groups[g][2] for g in chosen])
         # filler groups run through the forwards but stay out of the losses and their normaliser
         experience.loss_rows = torch.tensor([signal[g] for g in chosen for _ in range(n)])
-        metrics = reward_metrics(torch.cat([sc for _, _, sc in groups]))
+        metrics = {**reward_metrics(torch.cat([sc for _, _, sc in groups])), **agent_stats}
         metrics.update({"rollout/sample_draws": draws, "rollout/groups_kept_frac": sum(signal) / len(signal),
                         "rollout/unfiltered_groups": filler})
         return prompts, experience, metrics
@@ -311,7 +363,21 @@ class RolloutMaker:
             self.pad_id,
             weight_versions=[c.weight_version for c in completions],
             finish_reasons=[c.finish_reason for c in completions],
+            action_masks=[c.action_mask for c in completions] if self.env_factory is not None else None,
         )
+
+    def _agent_scores(self, prompts: list[Prompt], completions: list, experience: Experience) -> torch.Tensor:
+        """The reward function's scores, with the environments' rewards as ``--agent.env_reward`` says."""
+        how = self.cfg.agent.env_reward if self.env_factory is not None else "ignore"
+        if how == "ignore":
+            return self.score(prompts, completions, experience)
+        env = torch.tensor([c.env_reward or 0.0 for c in completions], dtype=torch.float32)
+        return env if how == "replace" else self.score(prompts, completions, experience).float() + env
+
+    def _agent_stats(self, completions: list) -> dict[str, float]:
+        from rlhf_sg.agent import agent_metrics
+
+        return agent_metrics(completions) if self.env_factory is not None else {}
 
     def shape_scores(self, scores: torch.Tensor, experience: Experience) -> torch.Tensor:
         """The reward's scores [B] with DAPO's overlong penalty added (``--reward.overlong_buffer_len``):
