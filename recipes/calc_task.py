@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", default="runs/calc")
     parser.add_argument("--backend", default="hf")
-    parser.add_argument("--warm-start-steps", type=int, default=300)
+    parser.add_argument("--warm-start-steps", type=int, default=800)
     parser.add_argument("--skip-control", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

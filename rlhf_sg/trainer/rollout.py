@@ -198,8 +198,13 @@ class RolloutMaker:
         call seeded by :func:`rollout_seed` (``draw``: the generation round within the step).
 
         Partial rollout: completions a weight sync cut short (``finish_reason == "abort"``) are continued after
-        it, each from its prompt plus its tokens so far, until none is left (:func:`continue_completion`)."""
+        it, each from its prompt plus its tokens so far, until none is left (:func:`continue_completion`).
+
+        With ``--agent.env`` every sample is a multi-turn :class:`rlhf_sg.agent.Trajectory`
+        (:func:`rlhf_sg.agent.run_agent_rollout`); a turn cut short at a weight sync continues there."""
         params = self.sampling_params()
+        if self.env_factory is not None:
+            return self._agent_generate(prompts, params, step, draw)
         completions = self._generate([p.token_ids for p in prompts], params, step, draw)
         calls, spanning = 0, set()
         while True:
