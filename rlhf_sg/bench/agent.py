@@ -8,8 +8,8 @@ trajectories each, ``--turns`` model turns of ``--turn-tokens`` tokens (no stop 
 cap) with an observation of ``--obs-tokens`` tokens between them (:func:`rlhf_sg.agent.run_agent_rollout`, the
 trainer's loop, one engine in-process). Printed per side: the prompt tokens the generate calls sent, how many
 the engine served from its prefix cache (its own counters: SGLang ``cached_tokens``, vLLM
-``num_cached_tokens``), the hit fraction over turns 2.. and over every turn, the prefill tokens saved, and each
-turn's generate time. The embedded engine keeps no prefix cache and reports none.
+``num_cached_tokens``), the hit fraction over turns 2.. and over every turn, the hits over what turns 2.. could
+reuse (their previous context and sampled tokens: everything but the new observation), the prefill tokens saved, and each turn's generate time. The embedded engine keeps no prefix cache and reports none.
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ def run_side(backend, tokenizer, prompts, args, flush: bool) -> dict:
                 backend.reset_prefix_cache()
             start = time.perf_counter()
             completions = backend.generate(ps, params)
-            calls.append({"turn": len(calls), "seconds": time.perf_counter() - start,
+            # what an engine could have cached: the context of the trajectory's previous call and the tokens it
+            # sampled; the new observation it cannot have
+            reusable = 0 if not calls else sum(len(p) - args.obs_tokens for p in ps) * params.n
+            calls.append({"turn": len(calls), "seconds": time.perf_counter() - start, "reusable": reusable,
                           "sent": sum(len(p) for p in ps) * params.n,
                           "cached": [c.cached_tokens for c in completions]})
             out.append(completions)
@@ -70,6 +73,7 @@ def run_side(backend, tokenizer, prompts, args, flush: bool) -> dict:
         "sent": sum(c["sent"] for c in calls), "cached": sum(cached), "reported": reported,
         "hit_later": sum(cached[i] for i in later) / max(1, sum(calls[i]["sent"] for i in later)),
         "hit_all": sum(cached) / max(1, sum(c["sent"] for c in calls)),
+        "hit_reusable": sum(cached[i] for i in later) / max(1, sum(calls[i]["reusable"] for i in later)),
         "turn_seconds": [c["seconds"] for c in calls],
     }
 
@@ -80,27 +84,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--turn-tokens", type=int, default=16)
-    parser.add_argument("--obs-tokens", type=int, default=16)
+    parser.add_argument("--obs-tokens", type=int, default=8)
     parser.add_argument("--size", default="tiny", help="tiny model size from rlhf_sg.tiny.SIZES")
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--block-size", type=int, default=32,
+                        help="vLLM's KV block size (its prefix cache hits are whole blocks); 0: vLLM's default")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     import backends
     from backends.base import BackendConfig
     from rlhf_sg.data import Prompt, load_tokenizer
-    from rlhf_sg.tiny import save_tiny_model
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_sg.tiny import save_tiny_model, tiny_config
 
     name = ENGINES[args.backend]
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
-        save_tiny_model(tmp, size=args.size, seed=args.seed)
+        # heads of 32: a head size vLLM's CPU attention takes
+        config = tiny_config("qwen2", args.size)
+        config.num_attention_heads = config.hidden_size // 32
+        config.num_key_value_heads = max(1, config.num_attention_heads // 2)
+        torch.manual_seed(args.seed)
+        save_tiny_model(tmp, model=AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
         tokenizer = load_tokenizer(tmp)
         extra = {"gpu_memory_utilization": 0.05} if name == "vllm" and args.device == "cpu" else {}
-        if name == "vllm":
+        if name == "vllm":  # prefix caching on; it reuses whole KV blocks only (--block-size)
             extra["enable_prefix_caching"] = True
+            if args.block_size:
+                extra["engine_kwargs"] = {"block_size": args.block_size}
         backend = backends.create_backend(name, BackendConfig(model_path=tmp, max_model_len=args.max_model_len,
                                                               seed=args.seed, device=args.device, num_threads=1,
                                                               extra=extra))
@@ -116,10 +132,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"agent bench: backend {args.backend}, {args.prompts} prompts x {args.samples} samples x {args.turns} "
           f"turns, prompt {args.prompt_len}, turn {args.turn_tokens}, observation {args.obs_tokens} tokens")
     print(f"{'side':<10} {'turns':>6} {'prompt tok':>11} {'cached':>8} {'hit turns2+':>12} {'hit all':>8} "
-          f"{'median turn s':>14}")
+          f"{'of reusable':>12} {'median turn s':>14}")
     for side, r in sides.items():
-        hit = (f"{r['hit_later']:>12.3f} {r['hit_all']:>8.3f}" if r["reported"]
-               else f"{'n/a':>12} {'n/a':>8}")
+        hit = (f"{r['hit_later']:>12.3f} {r['hit_all']:>8.3f} {r['hit_reusable']:>12.3f}" if r["reported"]
+               else f"{'n/a':>12} {'n/a':>8} {'n/a':>12}")
         print(f"{side:<10} {r['turns']:>6.2f} {r['sent']:>11d} {r['cached']:>8d} {hit} "
               f"{statistics.median(r['turn_seconds']):>14.4f}")
         print(f"{'':<10} per-turn generate s: " + ", ".join(f"{s:.4f}" for s in r["turn_seconds"]))
