@@ -95,12 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    import backends
-    from backends.base import BackendConfig
-    from rlhf_sg.data import Prompt, load_tokenizer
     import torch
     from transformers import AutoModelForCausalLM
 
+    import backends
+    from backends.base import BackendConfig
+    from rlhf_sg.data import Prompt, load_tokenizer
     from rlhf_sg.tiny import save_tiny_model, tiny_config
 
     name = ENGINES[args.backend]
