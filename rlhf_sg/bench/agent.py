@@ -3,15 +3,16 @@ one engine, against a control that flushes the cache before every turn.
 
 ``python -m rlhf_sg.bench agent [--backend sglang|vllm|embedded] [--prompts 8] [--samples 4] [--turns 3]``
 
-A tiny Qwen2 model (``--size``), ``--prompts`` random prompts of ``--prompt-len`` tokens, ``--samples``
-trajectories each, ``--turns`` model turns of ``--turn-tokens`` tokens (no stop token: every turn runs to its
-cap) with an observation of ``--obs-tokens`` tokens between them (:func:`rlhf_sg.agent.run_agent_rollout`, the
-trainer's loop, one engine in-process). Printed per side: the prompt tokens the generate calls sent, how many
+A tiny Qwen2 model (``--size``, heads of 32), ``--prompts`` random prompts of ``--prompt-len`` tokens,
+``--samples`` trajectories each, ``--turns`` model turns of ``--turn-tokens`` tokens (no stop token: every turn
+runs to its cap) with an observation of ``--obs-tokens`` tokens between them (:func:`rlhf_sg.agent.run_agent_rollout`,
+the trainer's loop, one engine in-process). Printed per side: the prompt tokens the generate calls sent, how many
 the engine served from its prefix cache (its own counters: SGLang ``cached_tokens``, vLLM
 ``num_cached_tokens``), the hit fraction over turns 2.. and over every turn, the hits over what turns 2.. could
-reuse (their previous context and sampled tokens: everything but the new observation), the prefill tokens saved, and each turn's generate time. The embedded engine keeps no prefix cache
-and reports none. The flushed control still hits where a call's siblings (the samples of one prompt) share the
-prompt (vLLM); vLLM caches whole KV blocks only (``--block-size``).
+reuse (their previous context and sampled tokens: everything but the new observation), the prefill tokens saved,
+and each turn's generate time. The embedded engine keeps no prefix cache and reports none. The flushed control
+still hits where the samples of one prompt share it within a call (vLLM); vLLM caches whole KV blocks only
+(``--block-size``).
 """
 
 from __future__ import annotations
