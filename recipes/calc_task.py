@@ -17,7 +17,7 @@ What it does, top to bottom:
 5. the control: the same run with a calculator that always answers an error (``calc_task:make_broken_env``),
    whose accuracy stays low.
 
-    python recipes/calc_task.py [--steps 30] [--out runs/calc] [--skip-control] [--backend hf|sglang|vllm]
+    python recipes/calc_task.py [--steps 30] [--out runs/calc] [--runs tool,control] [--backend hf|sglang|vllm]
 """
 
 from __future__ import annotations
@@ -239,17 +239,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="runs/calc")
     parser.add_argument("--backend", default="hf")
     parser.add_argument("--warm-start-steps", type=int, default=800)
-    parser.add_argument("--skip-control", action="store_true")
+    parser.add_argument("--runs", default="tool,control",
+                        help="comma-separated: tool (the calculator), control (a calculator that always errors)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
+    runs = {"tool": ("calculator", "calc_task:make_env"),
+            "control": ("control (calculator always errors)", "calc_task:make_broken_env")}
+    chosen = [r.strip() for r in args.runs.split(",") if r.strip()]
+    if not chosen or set(chosen) - set(runs):
+        parser.error(f"--runs: choose from {sorted(runs)}, got {args.runs!r}")
     policy, prompts, eval_prompts = prepare(args.out, args.warm_start_steps)
-    results = {"calculator": run(make_config(policy, prompts, eval_prompts, os.path.join(args.out, "tool"),
-                                             args.steps, "calc_task:make_env", args.backend))}
-    if not args.skip_control:
-        results["control (calculator always errors)"] = run(make_config(
-            policy, prompts, eval_prompts, os.path.join(args.out, "control"), args.steps, "calc_task:make_broken_env",
-            args.backend))
+    results = {}
+    for key in chosen:
+        name, env = runs[key]
+        results[name] = run(make_config(policy, prompts, eval_prompts, os.path.join(args.out, key), args.steps, env,
+                                        args.backend))
     for name, r in results.items():
         report(name, r)
 
