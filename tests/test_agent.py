@@ -423,3 +423,48 @@ def test_agent_flags_are_checked_before_ray(engine, tmp_path):
     ]:
         with pytest.raises(ConfigError, match=message):
             validate(cfg_with(**agent))
+
+
+def test_a_turn_cut_by_a_weight_sync_continues_and_the_sample_carries_the_oldest_version(engine):
+    """Partial rollout: a turn the engine returns with finish "abort" (a weight sync cut it) goes on from its tokens
+    so far with the new weights, within the same turn budget; the sample keeps every turn's version, the oldest
+    as its own."""
+    backend, tokenizer, _ = engine
+    heads = [p.token_ids for p in prompts_for(tokenizer)]
+
+    class CutFirstCalls(Recorder):
+        def __call__(self, calls):
+            out = []
+            for engine_index, prompts, params in calls:
+                if self.cuts < 2:  # the first two calls: two tokens, then a sync to the next version
+                    short = backend.generate(prompts, dataclasses.replace(params, max_new_tokens=2))
+                    completions = [dataclasses.replace(c, finish_reason="abort") for c in short]
+                    self.cuts += 1
+                    backend.finish_weight_update(backend.weight_version + 1)
+                else:
+                    completions = backend.generate(prompts, params)
+                self.calls.append((engine_index, prompts, params, completions))
+                out.append(completions)
+            return out
+
+    rec = CutFirstCalls([backend])
+    rec.cuts = 0
+    cfg = agent_cfg(max_turn_tokens=8, max_turns=2)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, stop_token_ids=(2,))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            out = run_agent_rollout(prompts_for(tokenizer), 2, params, rec, lambda tok: Calc(tok), tokenizer, cfg, 1,
+                                    256, lambda e, t, b: turn_seed(0, 0, 0, e, t, b), pool)
+    finally:
+        backend.finish_weight_update(0)
+    for t in out:
+        assert t.weight_version == 0 and t.turn_versions[0] == 0 and max(t.turn_versions) == 2
+        assert len(t.turn_versions) == 4  # two cut segments of turn 1, the rest of it, turn 2
+        # the continuation was asked from the prompt plus the tokens so far, for the rest of the turn's budget
+        cont = [(p, params_) for _, ps, params_, _ in rec.calls[1:3] for p in ps if p[:len(heads[t.prompt_index])]
+                == heads[t.prompt_index] and t.token_ids[:len(p) - len(heads[t.prompt_index])]
+                == p[len(heads[t.prompt_index]):]]
+        assert cont and all(q.max_new_tokens == 8 - (len(p) - len(heads[t.prompt_index])) for p, q in cont)
+        assert t.turns == 2 and t.finish_reason in ("max_turns", "env_done")
+        obs_start = t.action_mask.index(False)
+        assert obs_start <= 8  # turn 1, its cut segments together, within its cap
