@@ -59,6 +59,7 @@ __all__ = [
     "completion_text",
     "load_env_factory",
     "run_agent_rollout",
+    "sampled_versions",
     "turn_seed",
 ]
 
@@ -145,6 +146,12 @@ class Trajectory:
     prompt_tokens_sent: int = 0  #: prompt tokens of every turn's generate call, summed (prefill work asked)
     cached_tokens: int | None = None  #: of those, the engine's prefix-cache hits (None: the engine does not say)
     info: list[dict] = field(default_factory=list)
+
+
+def sampled_versions(completions: list) -> list[int]:
+    """Every weight version that sampled a token of these samples: each turn's of a trajectory, else the
+    completion's (sync mode checks that all are the trainer's)."""
+    return [v for c in completions for v in (c.turn_versions if isinstance(c, Trajectory) else [c.weight_version])]
 
 
 def completion_text(tokenizer, completion) -> str:

@@ -468,3 +468,25 @@ def test_a_turn_cut_by_a_weight_sync_continues_and_the_sample_carries_the_oldest
         assert t.turns == 2 and t.finish_reason in ("max_turns", "env_done")
         obs_start = t.action_mask.index(False)
         assert obs_start <= 8  # turn 1, its cut segments together, within its cap
+
+
+def test_sync_mode_checks_every_turn_version_and_metrics_count_cache_hits():
+    from backends.base import Completion
+    from rlhf_sg.agent import Trajectory, sampled_versions
+    from rlhf_sg.trainer.rollout import check_weight_versions
+
+    def traj(versions, cached, sent, mask=(True, False, True)):
+        return Trajectory(token_ids=[5, 6, 7], logprobs=[0.0] * 3, action_mask=list(mask), finish_reason="env_done",
+                          weight_version=min(versions), prompt_index=0, turns=len(versions), turn_versions=versions,
+                          cached_tokens=cached, prompt_tokens_sent=sent, tool_calls=1, tool_errors={"timeout": 1})
+
+    ok = [traj([3, 3], 10, 40), traj([3, 3, 3], 30, 60)]
+    check_weight_versions(sampled_versions(ok), 3)
+    # the oldest version is the trainer's, a later turn's is not: still refused
+    with pytest.raises(RuntimeError, match=r"weight version\(s\) \[4\]"):
+        check_weight_versions(sampled_versions([*ok, traj([3, 4], 0, 10)]), 3)
+    assert sampled_versions([Completion([1], [0.0], "stop", 2, 0)]) == [2]
+    m = agent_metrics(ok)
+    assert m["agent/prefix_cache_hit"] == 40 / 100 and m["agent/tool_error_frac"] == 1.0
+    assert m["agent/observation_tokens"] == 1.0 and m["agent/turns"] == 2.5
+    assert "agent/prefix_cache_hit" not in agent_metrics([traj([3], None, 10)])

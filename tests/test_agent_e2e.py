@@ -68,6 +68,7 @@ def test_trainer_steps_and_evaluation_run_multi_turn(ray_cluster, task, tmp_path
         # the trainer's log-probs of the sampled tokens equal the engine's on rows with holes
         assert h["rollout/logp_gap_engine_vs_trainer"] < 1e-4
     # evaluation ran the same loop; the reward saw the model's text only (no observation in it)
+    assert trainer.eval_history[-1][1]["eval/agent/turns"] == 2
     records = [json.loads(line) for line in open(tmp_path / "run" / "eval" / "step2.jsonl")]
     assert records and all(OBSERVATION not in r["completion"] for r in records)
     assert all(r["tokens"] > len(OBSERVATION) for r in records)

@@ -330,8 +330,9 @@ class RolloutMaker:
                 completions = self.generate(prompts, step, draw=draws)
             draws += 1
             if self.on_policy:  # every turn of a multi-turn sample
-                check_weight_versions([v for c in completions for v in getattr(c, "turn_versions", None)
-                                       or [c.weight_version]], weight_version)
+                from rlhf_sg.agent import sampled_versions
+
+                check_weight_versions(sampled_versions(completions), weight_version)
             experience = self._experience(prompts, completions)
             with timer.phase("reward"):
                 scores = self._agent_scores(prompts, completions, experience)
