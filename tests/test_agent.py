@@ -490,3 +490,49 @@ def test_sync_mode_checks_every_turn_version_and_metrics_count_cache_hits():
     assert m["agent/prefix_cache_hit"] == 40 / 100 and m["agent/tool_error_frac"] == 1.0
     assert m["agent/observation_tokens"] == 1.0 and m["agent/turns"] == 2.5
     assert "agent/prefix_cache_hit" not in agent_metrics([traj([3], None, 10)])
+
+
+def test_calculator_environment_of_the_recipe():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
+    import calc_task
+
+    from rlhf_sg.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    assert calc_task.calculate("417*38") == 15846 and calc_task.calculate("12-30") == -18
+    # parsed with ast, never evaluated: code is a malformed call, not run
+    for bad in ("__import__('os').getpid()", "2**3", "1*2*3", "a*b", "417*", "9999999*2", "(1).real*2"):
+        with pytest.raises(ToolError) as err:
+            calc_task.calculate(bad)
+        assert err.value.kind == "malformed"
+    env = calc_task.make_env(tok)
+    env.reset(Prompt(tok.encode("417*38="), "417*38=", "15846"))
+    call = env.step(tok.encode("{417*38}"), "{417*38}", "stop")
+    assert tok.decode(call.observation_ids) == "=15846;" and call.tool_call and not call.done
+    assert env.step(tok.encode("15846") + [tok.eos_token_id], "15846", "stop").done
+    with pytest.raises(ToolError):
+        env.step(tok.encode("417*38}"), "417*38}", "stop")
+    assert tok.decode(env.error_observation("timeout", "slow")) == "=error;"
+    broken = calc_task.make_broken_env(tok)
+    broken.reset(None)
+    with pytest.raises(RuntimeError):
+        broken.step(tok.encode("{1*2}"), "{1*2}", "stop")
+    # the reward reads the answer after the last call, in the model's text only
+    assert calc_task.calc_reward([""] * 3, ["{417*38}15846", "15846", "{417*38}15847"], ["15846"] * 3) == [1, 1, 0]
+    # the warm start never trains on the tool's observation
+    assert [t for t, trained in calc_task.trace("417*38=", "15846", tool=True) if not trained] == ["=15846;"]
+
+
+def test_agent_flags_on_the_command_line():
+    from rlhf_sg.config import Config, apply_overrides, build_parser
+
+    ns = vars(build_parser().parse_args(["--agent.env", "calc_task:make_env", "--agent.max_turns", "3",
+                                         "--agent.stop_token_ids", "5,7", "--agent.overflow", "truncate",
+                                         "--agent.tool_timeout_s", "2.5"]))
+    ns.pop("config", None)
+    cfg = apply_overrides(Config(), ns, "flag")
+    assert (cfg.agent.env, cfg.agent.max_turns, cfg.agent.stop_token_ids) == ("calc_task:make_env", 3, [5, 7])
+    assert cfg.agent.overflow == "truncate" and cfg.agent.tool_timeout_s == 2.5
