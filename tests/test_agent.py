@@ -536,3 +536,25 @@ def test_agent_flags_on_the_command_line():
     cfg = apply_overrides(Config(), ns, "flag")
     assert (cfg.agent.env, cfg.agent.max_turns, cfg.agent.stop_token_ids) == ("calc_task:make_env", 3, [5, 7])
     assert cfg.agent.overflow == "truncate" and cfg.agent.tool_timeout_s == 2.5
+
+
+@pytest.mark.parametrize("how", ["ignore", "add", "replace"])
+def test_environment_reward_as_configured(engine, how):
+    from rlhf_sg.config import Config
+    from rlhf_sg.trainer.rollout import RolloutMaker
+
+    _, tokenizer, _ = engine
+    cfg = Config()
+    cfg.agent.env, cfg.agent.env_reward = "rlhf_sg.agent:Environment", how
+    called = []
+
+    def score(prompts, completions, experience):
+        called.append(len(completions))
+        return torch.tensor([0.5] * len(completions))
+
+    maker = RolloutMaker(cfg, [], None, 2, 0, score, tokenizer=tokenizer)
+    out, _ = run(engine, n=2)  # Calc: env reward 1.0 per trajectory
+    scores = maker._agent_scores(prompts_for(tokenizer), out, None)
+    expected = {"ignore": 0.5, "add": 1.5, "replace": 1.0}[how]
+    assert torch.equal(scores, torch.full((len(out),), expected))
+    assert called == ([] if how == "replace" else [len(out)])
