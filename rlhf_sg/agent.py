@@ -56,10 +56,12 @@ __all__ = [
     "ToolError",
     "Trajectory",
     "agent_metrics",
+    "check_turn_boundaries",
     "completion_text",
     "load_env_factory",
     "run_agent_rollout",
     "sampled_versions",
+    "turn_glue",
     "turn_seed",
 ]
 
@@ -159,6 +161,55 @@ def completion_text(tokenizer, completion) -> str:
     if isinstance(completion, Trajectory):
         return completion.reward_text
     return tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+def turn_glue(tokenizer) -> tuple[int, list[int]] | None:
+    """What the tokenizer's chat template puts after an assistant message and before the next (tool, else user)
+    message's content: (the end-of-turn special token id, the ids after it: Qwen's ``\n<|im_start|>tool\n``).
+    None when the tokenizer has no chat template or the boundary does not start with a special token."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    said, seen = "\u2023MODEL\u2023", "\u2023OBSERVED\u2023"
+    for role in ("tool", "user"):
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": said},
+                    {"role": role, "content": seen}]
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template without this role raises; try the next one
+            continue
+        if said in text and seen in text:
+            ids = list(tokenizer.encode(text[text.index(said) + len(said) : text.index(seen)],
+                                        add_special_tokens=False))
+            if ids and ids[0] in set(tokenizer.all_special_ids):
+                return ids[0], ids[1:]
+    return None
+
+
+def check_turn_boundaries(trajectories: list[Trajectory], glue: tuple[int, list[int]], mode: str) -> int:
+    """Every model turn that ends on the template's end-of-turn token and is followed by an observation: the
+    observation starts with the template's glue (``turn_glue``), neither dropped nor counted twice. Returns the
+    mismatches; ``warn`` logs each, ``strict`` raises ValueError naming the first."""
+    import logging
+
+    end_id, after = glue
+    bad = 0
+    for k, t in enumerate(trajectories):
+        m = t.action_mask
+        for i in range(len(m) - 1):
+            if not (m[i] and not m[i + 1]) or t.token_ids[i] != end_id:
+                continue
+            obs = t.token_ids[i + 1 : i + 1 + len(after)]
+            if obs == after:
+                continue
+            bad += 1
+            message = (f"agent: sample {k}: the model's turn ends on token {end_id} at {i}, and the observation after "
+                       f"it starts {t.token_ids[i + 1 : i + 1 + len(after) + 2]}, not the chat template's glue "
+                       f"{after}; put the template's text after the end-of-turn token at the start of each "
+                       "observation (or set --agent.template_check off)")
+            if mode == "strict":
+                raise ValueError(message)
+            logging.getLogger("rlhf_sg").warning(message)
+    return bad
 
 
 def load_env_factory(spec: str) -> Callable:

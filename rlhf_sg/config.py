@@ -309,6 +309,9 @@ class AgentConfig:
     reward_text: str = "model"
     #: the environment's own reward: "ignore", "add" (to the reward function's score) or "replace" it
     env_reward: str = "ignore"
+    #: compare each turn boundary with the tokenizer's chat template (the glue after the end-of-turn token at the
+    #: start of the observation): "off", "warn" (log and count, agent/template_mismatch) or "strict" (stop the run)
+    template_check: str = "warn"
 
 
 @dataclass
@@ -797,6 +800,8 @@ def _validate_agent(cfg: Config) -> None:
     _need(a.max_observation_tokens >= 1, f"--agent.max_observation_tokens must be >= 1, got {a.max_observation_tokens}")
     _need(a.max_error_chars >= 1, f"--agent.max_error_chars must be >= 1, got {a.max_error_chars}")
     _need(a.reward_text in ("model", "all"), f"--agent.reward_text must be model or all, got {a.reward_text!r}")
+    _need(a.template_check in ("off", "warn", "strict"),
+          f"--agent.template_check must be off, warn or strict, got {a.template_check!r}")
     _need(a.env_reward in ("ignore", "add", "replace"),
           f"--agent.env_reward must be ignore, add or replace, got {a.env_reward!r}")
 

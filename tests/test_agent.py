@@ -420,6 +420,7 @@ def test_agent_flags_are_checked_before_ray(engine, tmp_path):
         (dict(env="rlhf_sg.agent:Environment", max_turns=0), "--agent.max_turns must be >= 1"),
         (dict(env="rlhf_sg.agent:Environment", reward_text="text"), "--agent.reward_text must be model or all"),
         (dict(env="rlhf_sg.agent:Environment", env_reward="x"), "--agent.env_reward must be ignore, add or replace"),
+        (dict(env="rlhf_sg.agent:Environment", template_check="x"), "--agent.template_check must be off, warn or"),
     ]:
         with pytest.raises(ConfigError, match=message):
             validate(cfg_with(**agent))
@@ -558,3 +559,42 @@ def test_environment_reward_as_configured(engine, how):
     expected = {"ignore": 0.5, "add": 1.5, "replace": 1.0}[how]
     assert torch.equal(scores, torch.full((len(out),), expected))
     assert called == ([] if how == "replace" else [len(out)])
+
+
+def chat_tokenizer():
+    """The character tokenizer with Qwen's turn markers and a Qwen-style chat template."""
+    from rlhf_sg.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tok
+
+
+@pytest.mark.parametrize("mode", ["warn", "strict"])
+def test_turn_boundaries_are_checked_against_the_chat_template(mode):
+    from rlhf_sg.agent import Trajectory, check_turn_boundaries, turn_glue
+
+    tok = chat_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    glue = turn_glue(tok)
+    assert glue == (end, tok.encode("\n<|im_start|>tool\n", add_special_tokens=False))
+    assert turn_glue(merged_tokenizer()) is None  # no chat template: nothing to compare with
+
+    def traj(observation: str):
+        turn = tok.encode('<tool_call>{"name": "calc"}</tool_call>', add_special_tokens=False) + [end]
+        obs = tok.encode(observation, add_special_tokens=False)
+        ids = turn + obs + tok.encode("42", add_special_tokens=False) + [end]
+        mask = [True] * len(turn) + [False] * len(obs) + [True] * (len(ids) - len(turn) - len(obs))
+        return Trajectory(ids, [0.0] * len(ids), mask, "env_done", 0, 0)
+
+    good = traj("\n<|im_start|>tool\n=5;<|im_end|>\n<|im_start|>assistant\n")
+    dropped = traj("<|im_start|>tool\n=5;<|im_end|>\n<|im_start|>assistant\n")  # the "\n" after <|im_end|> lost
+    doubled = traj("<|im_end|>\n<|im_start|>tool\n=5;<|im_end|>\n<|im_start|>assistant\n")  # end token twice
+    assert check_turn_boundaries([good], glue, mode) == 0
+    if mode == "strict":
+        with pytest.raises(ValueError, match="not the chat template's glue"):
+            check_turn_boundaries([good, dropped], glue, mode)
+    elif mode == "warn":
+        assert check_turn_boundaries([good, dropped, doubled], glue, mode) == 2

@@ -162,6 +162,7 @@ class RolloutMaker:
         #: reward text use, and the bounded pool environment steps run in
         self.env_factory = self._env_pool = None
         self.tokenizer = tokenizer
+        self.template_mismatches = 0  # turn boundaries unlike the chat template's in the last agent rollout
         if cfg.agent.env is not None:
             import concurrent.futures
 
@@ -227,13 +228,20 @@ class RolloutMaker:
                     completions[k] = continue_completion(completions[k], tail, params.max_new_tokens)
 
     def _agent_generate(self, prompts: list[Prompt], params, step: int, draw: int) -> list:
-        from rlhf_sg.agent import run_agent_rollout, turn_seed
+        from rlhf_sg.agent import check_turn_boundaries, run_agent_rollout, turn_glue, turn_seed
 
         seed = self.cfg.train.seed
-        return run_agent_rollout(
+        trajectories = run_agent_rollout(
             prompts, params.n, params, self._generate_on, self.env_factory, self.tokenizer, self.cfg.agent,
             len(self.engines), self.cfg.rollout.max_model_len,
             lambda engine, turn, budget: turn_seed(seed, step, draw, engine, turn, budget), self._env_pool)
+        mode = self.cfg.agent.template_check
+        if mode != "off":
+            if not hasattr(self, "_glue"):
+                self._glue = turn_glue(self.tokenizer)
+            if self._glue is not None:
+                self.template_mismatches = check_turn_boundaries(trajectories, self._glue, mode)
+        return trajectories
 
     def _generate_on(self, calls: list[tuple[int, list[list[int]], object]]) -> list[list]:
         """Each call ``(engine index, prompts, params)`` on that engine (affinity: never another), the engines
@@ -383,7 +391,9 @@ class RolloutMaker:
     def _agent_stats(self, completions: list) -> dict[str, float]:
         from rlhf_sg.agent import agent_metrics
 
-        return agent_metrics(completions) if self.env_factory is not None else {}
+        if self.env_factory is None:
+            return {}
+        return {**agent_metrics(completions), "agent/template_mismatch": float(self.template_mismatches)}
 
     def shape_scores(self, scores: torch.Tensor, experience: Experience) -> torch.Tensor:
         """The reward's scores [B] with DAPO's overlong penalty added (``--reward.overlong_buffer_len``):
