@@ -305,15 +305,20 @@ def run_agent_rollout(
             live = [k for k, s in enumerate(states) if s.finish is None]
             if not live:
                 break
+            stepping: list[int] = []
             for k in live:
                 s = states[k]
-                if budget(s) <= 0:  # no room for another token: the budget (or an aborted turn's cap) is spent
-                    if s.open_turn:
+                if budget(s) <= 0:  # no room for another token in this turn
+                    if s.open_turn:  # a turn cut at a weight sync that has reached its cap: it ends here
                         s.turns += 1
-                        _close_turn(s)
+                        ids = _close_turn(s)
+                        if min(total - len(s.row), context_len - len(s.prompt_ids) - len(s.row)) > 0:
+                            stepping.append(k)
+                            s.pending = (ids, "length")
+                            continue
                     s.finish = "length"
-            live = [k for k in live if states[k].finish is None]
-            if not live:
+            live = [k for k in live if states[k].finish is None and states[k].pending is None]
+            if not live and not stepping:
                 break
             # one call per (engine, budget); the first turn of a group with one context shares it (n per prompt)
             calls: dict[tuple[int, int], list[int]] = {}
@@ -330,8 +335,7 @@ def run_agent_rollout(
                     batch.append((engine, [states[k].prompt_ids + states[k].row + states[k].open_turn for k in ks],
                                   dataclasses.replace(call_params, n=1)))
                 members.append(ks)
-            results = generate_many(batch)
-            stepping: list[int] = []
+            results = generate_many(batch) if batch else []
             for ks, completions in zip(members, results):
                 if len(completions) != len(ks):
                     raise RuntimeError(f"agent rollout: an engine returned {len(completions)} completion(s) for a "

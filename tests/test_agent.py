@@ -598,3 +598,29 @@ def test_turn_boundaries_are_checked_against_the_chat_template(mode):
             check_turn_boundaries([good, dropped], glue, mode)
     elif mode == "warn":
         assert check_turn_boundaries([good, dropped, doubled], glue, mode) == 2
+
+
+def test_a_cut_turn_that_reached_its_cap_goes_to_the_environment(engine):
+    backend, tokenizer, _ = engine
+    steps = []
+
+    class Seen(Calc):
+        def step(self, turn_ids, turn_text, finish_reason):
+            steps.append((len(turn_ids), finish_reason))
+            return super().step(turn_ids, turn_text, finish_reason)
+
+    def cut_first(calls):  # the first call's samples come back at the turn cap, labelled cut by a sync
+        out = [backend.generate(ps, q) for _, ps, q in calls]
+        if not steps and not cut_first.done:
+            cut_first.done = True
+            out = [[dataclasses.replace(c, finish_reason="abort") for c in cs] for cs in out]
+        return out
+
+    cut_first.done = False
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=60, stop_token_ids=())
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        out = run_agent_rollout(prompts_for(tokenizer), 2, params, cut_first, lambda tok: Seen(tok), tokenizer,
+                                agent_cfg(max_turn_tokens=6, max_turns=2), 1, 256, lambda e, t, b: 5 + t, pool)
+    assert cut_first.done and all(t.turns == 2 for t in out)
+    full = [(n_ids, r) for n_ids, r in steps[:4]]
+    assert all(r == "length" for _, r in full) and all(n_ids == 6 for n_ids, _ in full)
