@@ -146,6 +146,9 @@ class Completion:
         (cut short by :meth:`RolloutBackend.abort_generation`; the tokens so far).
     weight_version: the engine's weight version when the answer was sampled.
     prompt_index: index of the prompt in the ``generate`` call that produced it.
+    cached_tokens: how many of the prompt's tokens the engine took from its prefix cache (SGLang's
+        ``meta_info["cached_tokens"]``, vLLM's ``RequestOutput.num_cached_tokens``); None where the engine has no
+        prefix cache or does not say.
     """
 
     token_ids: list[int]
@@ -153,6 +156,7 @@ class Completion:
     finish_reason: str
     weight_version: int
     prompt_index: int
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1014,6 +1014,7 @@ class SGLangBackend(RolloutBackend):
             finish_reason=kind,
             weight_version=self._weight_version,
             prompt_index=prompt_index,
+            cached_tokens=int(meta["cached_tokens"]) if meta.get("cached_tokens") is not None else None,
         )
 
     def _check_usable(self, what: str) -> None:

@@ -273,6 +273,7 @@ class VLLMBackend(RolloutBackend):
                     finish_reason=sample.finish_reason,
                     weight_version=version,
                     prompt_index=k // n,
+                    cached_tokens=out.num_cached_tokens,  # None when prefix caching is off
                 )
             )
         return completions

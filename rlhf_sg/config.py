@@ -296,6 +296,37 @@ class EvalConfig:
 
 
 @dataclass
+class AgentConfig:
+    #: multi-turn rollouts: the environment factory, module:factory, called as factory(tokenizer) once per
+    #: trajectory (rlhf_sg.agent); None: single-turn rollouts
+    env: str | None = None
+    #: model turns per trajectory at most
+    max_turns: int = 4
+    #: tokens one model turn may sample (None: --rollout.max_new_tokens, the whole trajectory's budget)
+    max_turn_tokens: int | None = None
+    #: token ids that end a model turn (besides --rollout.stop_token_ids and EOS); they stay in the turn
+    stop_token_ids: list[int] = field(default_factory=list)
+    #: an observation that does not fit the budget left: "rollback" (dropped) or "truncate" (cut to fit); the
+    #: trajectory ends either way ("overflow")
+    overflow: str = "rollback"
+    #: one environment step (a tool call) at most this long; then an error observation (kind "timeout")
+    tool_timeout_s: float = 30.0
+    #: threads running environment steps (a step that hangs holds one until it returns)
+    env_workers: int = 8
+    #: an observation is cut to this many tokens
+    max_observation_tokens: int = 256
+    #: an error observation's message is cut to this many characters
+    max_error_chars: int = 200
+    #: what the reward function sees: "model" (the model's turns only) or "all" (observations included)
+    reward_text: str = "model"
+    #: the environment's own reward: "ignore", "add" (to the reward function's score) or "replace" it
+    env_reward: str = "ignore"
+    #: compare each turn boundary with the tokenizer's chat template (the glue after the end-of-turn token at the
+    #: start of the observation): "off", "warn" (log and count, agent/template_mismatch) or "strict" (stop the run)
+    template_check: str = "warn"
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -304,6 +335,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -712,6 +744,7 @@ def validate(cfg: Config) -> Config:
     if rw.kind == "model":
         _need(bool(m.reward_pretrain), "--model.reward_pretrain is required with --reward.kind model")
     _validate_eval(cfg)
+    _validate_agent(cfg)
     if rw.kind == "remote":
         _need(bool(rw.url) and rw.url.startswith(("http://", "https://")),
               f"--reward.url must be an http(s) URL with --reward.kind remote, got {rw.url!r}")
@@ -812,6 +845,31 @@ def _validate_eval(cfg: Config) -> None:
     else:
         _need(cfg.reward.kind == "function", f"--eval.prompt_data: evaluation scores with a reward function; with "
                                              f"--reward.kind {cfg.reward.kind} set --eval.reward_function")
+
+
+def _validate_agent(cfg: Config) -> None:
+    a = cfg.agent
+    if a.env is None:
+        return
+    from rlhf_sg.agent import load_env_factory
+
+    try:
+        load_env_factory(a.env)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _need(a.max_turns >= 1, f"--agent.max_turns must be >= 1, got {a.max_turns}")
+    _need(a.max_turn_tokens is None or a.max_turn_tokens >= 1,
+          f"--agent.max_turn_tokens must be >= 1 (or unset: --rollout.max_new_tokens), got {a.max_turn_tokens}")
+    _need(a.overflow in ("rollback", "truncate"), f"--agent.overflow must be rollback or truncate, got {a.overflow!r}")
+    _need(a.tool_timeout_s > 0, f"--agent.tool_timeout_s must be > 0, got {a.tool_timeout_s}")
+    _need(a.env_workers >= 1, f"--agent.env_workers must be >= 1, got {a.env_workers}")
+    _need(a.max_observation_tokens >= 1, f"--agent.max_observation_tokens must be >= 1, got {a.max_observation_tokens}")
+    _need(a.max_error_chars >= 1, f"--agent.max_error_chars must be >= 1, got {a.max_error_chars}")
+    _need(a.reward_text in ("model", "all"), f"--agent.reward_text must be model or all, got {a.reward_text!r}")
+    _need(a.template_check in ("off", "warn", "strict"),
+          f"--agent.template_check must be off, warn or strict, got {a.template_check!r}")
+    _need(a.env_reward in ("ignore", "add", "replace"),
+          f"--agent.env_reward must be ignore, add or replace, got {a.env_reward!r}")
 
 
 def _jit_toolchain_missing() -> list[str]:

@@ -75,11 +75,12 @@ class Evaluator:
             own.rollout.n_samples_per_prompt, own.rollout.temperature = n, temperature
             own.rollout.max_new_tokens = e.max_new_tokens or r.max_new_tokens
             own.train.seed = (cfg.train.seed + EVAL_SEED_OFFSET) % 2**31
-            return RolloutMaker(own, engines, None, eos_ids, pad_id, score=None, restart=restart)
+            return RolloutMaker(own, engines, None, eos_ids, pad_id, score=None, restart=restart, tokenizer=tokenizer)
 
         temperature = r.temperature if e.temperature is None else e.temperature
         self._sampled = maker(e.n_samples, temperature)
         self._greedy = maker(1, 0.0) if e.greedy else None
+        self.agent_metrics: dict[str, float] = {}
 
     def due(self, step: int, resumed_from: int = -1) -> bool:
         """Whether an evaluation runs after ``step`` (0: before training); a resumed run skips the steps up to
@@ -108,6 +109,7 @@ class Evaluator:
         metrics["eval/response_len"] = sum(r["tokens"] for r in sampled) / len(sampled)
         metrics["eval/truncated_frac"] = sum(r["finish_reason"] == "length" for r in sampled) / len(sampled)
         metrics["eval/prompts"] = float(len(self.prompts))
+        metrics.update(self.agent_metrics)  # multi-turn: turns, tool calls and errors, finish reasons
         metrics["eval/time_s"] = time.perf_counter() - start
         os.makedirs(os.path.join(out_dir, "eval"), exist_ok=True)
         with open(os.path.join(out_dir, "eval", f"step{step}.jsonl"), "w") as f:
@@ -115,16 +117,20 @@ class Evaluator:
         return metrics
 
     def _score(self, maker, step: int, n: int, weight_version: int, records: list, greedy: bool) -> list[float]:
+        from rlhf_sg.agent import Trajectory, agent_metrics, completion_text
         from rlhf_sg.rewards import score_with_function
 
         cfg = self.cfg
         completions = maker.generate(self.prompts, step, draw=1 if greedy else 0)
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        texts = [completion_text(self.tokenizer, c) for c in completions]  # multi-turn: the model's text
         prompts = [self.prompts[i // n] for i in range(len(completions))]
         name = cfg.eval.reward_function or cfg.reward.function or "reward function"
         scores, _ = score_with_function(self.reward_fn, name, [p.text for p in prompts], texts,
                                         [p.label for p in prompts], on_error=cfg.reward.on_error,
                                         timeout_s=cfg.reward.timeout_s or cfg.train.timeout_s)
+        if not greedy:
+            self.agent_metrics = agent_metrics(completions, "eval/agent/") if isinstance(
+                completions[0], Trajectory) else {}
         for i, (p, c, text, s) in enumerate(zip(prompts, completions, texts, scores)):
             if c.weight_version != weight_version:
                 raise RuntimeError(f"evaluation after step {step}: a completion came from weight version "

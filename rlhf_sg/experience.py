@@ -126,12 +126,16 @@ def build_rollout_batch(
     pad_id: int,
     weight_versions: list[int] | None = None,
     finish_reasons: list[str] | None = None,
+    action_masks: list[list[bool]] | None = None,
 ) -> Experience:
     """The engines' samples as an :class:`Experience`: left-padded prompts and right-padded responses.
 
     prompts[i], responses[i], rollout_logps[i]: sample i's prompt ids, completion ids and the engine's
     log-prob of each completion token; weight_versions[i]: the engine weights that sampled it;
-    finish_reasons[i]: why the engine stopped it ("length" marks it ``truncated``).
+    finish_reasons[i]: why the engine stopped it ("length" marks it ``truncated``); action_masks[i]: for
+    multi-turn samples, 1 on the tokens the engine sampled and 0 on the observations between them
+    (None: every response token was sampled). Observation tokens are real tokens (attention mask 1) with
+    rollout log-prob 0.
     """
     B = len(prompts)
     P = max(len(p) for p in prompts)
@@ -146,7 +150,14 @@ def build_rollout_batch(
         sequences[i, P - len(p) : P] = torch.as_tensor(p)
         sequences[i, P : P + len(r)] = torch.as_tensor(r)
         attention_mask[i, P - len(p) : P + len(r)] = 1
-        action_mask[i, : len(r)] = True
+        if action_masks is None:
+            action_mask[i, : len(r)] = True
+        else:
+            if len(action_masks[i]) != len(r) or not any(action_masks[i]):
+                raise ValueError(f"rollout sample {i}: its action mask has {len(action_masks[i])} entries "
+                                 f"({sum(map(bool, action_masks[i]))} set) for {len(r)} tokens; it needs one per "
+                                 "token and at least one sampled token")
+            action_mask[i, : len(r)] = torch.as_tensor(action_masks[i], dtype=torch.bool)
         rollout_logp[i, : len(r)] = torch.as_tensor(lp, dtype=torch.float32)
     return Experience(
         sequences=sequences, attention_mask=attention_mask, action_mask=action_mask, rollout_logp=rollout_logp,

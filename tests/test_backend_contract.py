@@ -371,6 +371,39 @@ def test_logprobs_match_trainer_recomputation(backend, reference, prompts, tempe
     assert worst <= LOGPROB_ATOL, f"engine vs trainer log-prob max abs diff {worst:.2e} > {LOGPROB_ATOL}"
 
 
+def test_multi_turn_rows_logprobs_match_trainer_recomputation(backend, reference, model_dir, prompts):
+    """Multi-turn rows (rlhf_sg.agent): each turn generated from the prompt, the earlier turns and the
+    observations (ids the engine never sampled, served from its prefix cache where it has one); the engine's
+    log-prob of every sampled token equals the trainer's recomputation on the whole row."""
+    import concurrent.futures
+
+    from rlhf_sg.agent import Environment, StepResult, run_agent_rollout
+    from rlhf_sg.config import AgentConfig
+    from rlhf_sg.data import Prompt, load_tokenizer
+
+    class Observe(Environment):
+        def reset(self, prompt):
+            self.turns = 0
+
+        def step(self, turn_ids, turn_text, finish_reason):
+            self.turns += 1
+            return StepResult(done=self.turns == 3, observation_ids=[5 + self.turns, 7, 9, 11])
+
+    params = SamplingParams(n=2, temperature=0.9, max_new_tokens=40, stop_token_ids=(EOS_ID,))
+    cfg = AgentConfig(env="-", max_turns=3, max_turn_tokens=8)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        out = run_agent_rollout([Prompt(p, "") for p in prompts], 2, params,
+                                lambda calls: [backend.generate(ps, q) for _, ps, q in calls], Observe,
+                                load_tokenizer(model_dir), cfg, 1, MAX_MODEL_LEN, lambda e, t, b: 11 + 7 * t + b, pool)
+    assert sum(t.turns for t in out) > len(out), "no trajectory took a second turn"
+    worst = 0.0
+    for t, expected in zip(out, trainer_logprobs(reference, prompts, out, 0.9)):
+        mask = torch.tensor(t.action_mask)
+        assert not mask.all() or t.turns == 1
+        worst = max(worst, (expected - torch.tensor(t.logprobs))[mask].abs().max().item())
+    assert worst <= LOGPROB_ATOL, f"multi-turn rows: engine vs trainer log-prob max abs diff {worst:.2e}"
+
+
 def test_greedy_matches_hf_model(backend, reference, prompts):
     expected = [hf_greedy(reference, p, 12, {EOS_ID}) for p in prompts]
     assert greedy(backend, prompts) == expected

@@ -416,7 +416,7 @@ def test_yaml_files_must_be_mappings_of_mappings(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_yaml(str(top))
     assert str(info.value) == (f"{top}: the top level must be a mapping of sections "
-                               "(model, rollout, train, data, reward, log, eval)")
+                               "(model, rollout, train, data, reward, log, eval, agent)")
     section = tmp_path / "section.yaml"
     section.write_text("train: [1, 2]\n")
     with pytest.raises(ConfigError) as info:
@@ -482,7 +482,7 @@ def test_unknown_yaml_keys_suggest_the_closest_setting():
     with pytest.raises(ConfigError) as info:
         apply_overrides(Config(), {"qqq.www": 1}, "flag")
     assert str(info.value) == ("flag: unknown setting 'qqq.www'; sections are "
-                               "['data', 'eval', 'log', 'model', 'reward', 'rollout', 'train']")
+                               "['agent', 'data', 'eval', 'log', 'model', 'reward', 'rollout', 'train']")
     with pytest.raises(ConfigError) as info:  # a flag's value names the flag
         apply_overrides(Config(), {"train.max_steps": "many"}, "flag")
     assert str(info.value) == "--train.max_steps: cannot read 'many' as int"
@@ -614,7 +614,7 @@ def test_sleep_and_offload_follow_colocate_all_unless_set(base, setting, colocat
 
 def test_to_dict_is_every_section():
     d = Config().to_dict()
-    assert list(d) == ["model", "rollout", "train", "data", "reward", "log", "eval"]
+    assert list(d) == ["model", "rollout", "train", "data", "reward", "log", "eval", "agent"]
     assert d["train"]["clip_low"] == 0.2 and d["rollout"]["stop_token_ids"] == []
 
 
@@ -684,7 +684,7 @@ def test_settings_with_two_dots_or_a_misspelled_section_are_named():
     with pytest.raises(ConfigError) as info:
         apply_overrides(Config(), {"trian.max_steps": 1}, "run.yaml")
     assert str(info.value) == ("run.yaml: unknown setting 'trian.max_steps' (did you mean 'train.max_steps'?); "
-                               "sections are ['data', 'eval', 'log', 'model', 'reward', 'rollout', 'train']")
+                               "sections are ['agent', 'data', 'eval', 'log', 'model', 'reward', 'rollout', 'train']")
 
 
 def test_yaml_errors_quote_the_parsers_problem(tmp_path):

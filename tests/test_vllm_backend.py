@@ -170,6 +170,7 @@ if HAVE_VLLM:
             test_greedy_matches_hf_model,
             test_logprobs_match_trainer_recomputation,
             test_mismatched_manifest_is_refused_before_any_copy,
+            test_multi_turn_rows_logprobs_match_trainer_recomputation,
             test_seeded_sampling_is_reproducible,
             test_sleep_then_wake_keeps_outputs,
             test_stop_token_ids_end_each_row_at_its_first_stop,

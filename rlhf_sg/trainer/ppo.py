@@ -188,7 +188,7 @@ class PPOTrainer:
         eos_ids = eos_token_ids(cfg.model.pretrain, self.tokenizer)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_ids[0]
         self.rollout = RolloutMaker(cfg, self.cluster.engines, self.stream, eos_ids, pad_id, self.compute_rewards,
-                                    restart=self._restart_engine)
+                                    restart=self._restart_engine, tokenizer=self.tokenizer)
         if cfg.eval.prompt_data:
             from rlhf_sg.evaluation import Evaluator
 
@@ -464,6 +464,7 @@ class PPOTrainer:
 
     def compute_rewards(self, prompts: list[Prompt], completions: list, experience: Experience) -> torch.Tensor:
         """Scores [B], one per completion. Override for custom scoring."""
+        from rlhf_sg.agent import completion_text
         from rlhf_sg.rewards import remote_reward, score_with_function
 
         cfg, t = self.cfg, self.cfg.train
@@ -473,7 +474,7 @@ class PPOTrainer:
             plans = microbatch_plans(experience, cfg.reward.num_ranks, t.max_tokens_per_microbatch)
             return self.cluster.reward_model.forward(_put(experience), plans, len(completions))
         texts_p = [prompts[i // n].text for i in range(len(completions))]
-        texts_c = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        texts_c = [completion_text(self.tokenizer, c) for c in completions]  # multi-turn: the model's text
         labels = [prompts[i // n].label for i in range(len(completions))]
         if cfg.reward.kind == "remote":
             scores = remote_reward(cfg.reward.url, texts_p, texts_c, labels, timeout_s,

@@ -156,8 +156,23 @@ class RolloutMaker:
     After ``--rollout.max_engine_restarts`` restarts of one engine in a row, :class:`EngineFailure`."""
 
     def __init__(self, cfg: Config, engines: list, stream: PromptStream, eos_id: int | tuple[int, ...], pad_id: int,
-                 score: ScoreFn, restart: RestartFn | None = None, on_policy: bool = True):
+                 score: ScoreFn, restart: RestartFn | None = None, on_policy: bool = True, tokenizer=None):
         self.cfg, self.engines, self.stream, self.score = cfg, engines, stream, score
+        #: multi-turn rollouts (--agent.env): the environment factory, the tokenizer the environments and the
+        #: reward text use, and the bounded pool environment steps run in
+        self.env_factory = self._env_pool = None
+        self.tokenizer = tokenizer
+        self.template_mismatches = 0  # turn boundaries unlike the chat template's in the last agent rollout
+        if cfg.agent.env is not None:
+            import concurrent.futures
+
+            from rlhf_sg.agent import load_env_factory
+
+            if tokenizer is None:
+                raise ValueError("RolloutMaker: --agent.env needs the tokenizer (pass tokenizer=)")
+            self.env_factory = load_env_factory(cfg.agent.env)
+            self._env_pool = concurrent.futures.ThreadPoolExecutor(cfg.agent.env_workers,
+                                                                   thread_name_prefix="agent-env")
         #: every EOS id (:func:`eos_token_ids`), each a stop token of the engines
         self.eos_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
         self.pad_id, self.restart = pad_id, restart
@@ -184,8 +199,13 @@ class RolloutMaker:
         call seeded by :func:`rollout_seed` (``draw``: the generation round within the step).
 
         Partial rollout: completions a weight sync cut short (``finish_reason == "abort"``) are continued after
-        it, each from its prompt plus its tokens so far, until none is left (:func:`continue_completion`)."""
+        it, each from its prompt plus its tokens so far, until none is left (:func:`continue_completion`).
+
+        With ``--agent.env`` every sample is a multi-turn :class:`rlhf_sg.agent.Trajectory`
+        (:func:`rlhf_sg.agent.run_agent_rollout`); a turn cut short at a weight sync continues there."""
         params = self.sampling_params()
+        if self.env_factory is not None:
+            return self._agent_generate(prompts, params, step, draw)
         completions = self._generate([p.token_ids for p in prompts], params, step, draw)
         calls, spanning = 0, set()
         while True:
@@ -206,6 +226,49 @@ class RolloutMaker:
                                        calls)
                 for k, tail in zip(rows, tails):
                     completions[k] = continue_completion(completions[k], tail, params.max_new_tokens)
+
+    def _agent_generate(self, prompts: list[Prompt], params, step: int, draw: int) -> list:
+        from rlhf_sg.agent import check_turn_boundaries, run_agent_rollout, turn_glue, turn_seed
+
+        seed = self.cfg.train.seed
+        trajectories = run_agent_rollout(
+            prompts, params.n, params, self._generate_on, self.env_factory, self.tokenizer, self.cfg.agent,
+            len(self.engines), self.cfg.rollout.max_model_len,
+            lambda engine, turn, budget: turn_seed(seed, step, draw, engine, turn, budget), self._env_pool)
+        mode = self.cfg.agent.template_check
+        if mode != "off":
+            if not hasattr(self, "_glue"):
+                self._glue = turn_glue(self.tokenizer)
+            if self._glue is not None:
+                self.template_mismatches = check_turn_boundaries(trajectories, self._glue, mode)
+        return trajectories
+
+    def _generate_on(self, calls: list[tuple[int, list[list[int]], object]]) -> list[list]:
+        """Each call ``(engine index, prompts, params)`` on that engine (affinity: never another), the engines
+        working concurrently; an engine that dies is restarted and its calls made again."""
+        from rlhf_sg.engine_actor import EngineDied, wait_engine_calls_or_died
+
+        results: dict[int, list] = {}
+        pending = list(range(len(calls)))
+        while pending:
+            self.before_generate()
+            try:
+                refs = [(calls[j][0], "generate", self.engines[calls[j][0]].generate.remote(calls[j][1], calls[j][2]))
+                        for j in pending]
+                got = wait_engine_calls_or_died(refs, self.cfg.train.timeout_s)
+            finally:
+                self.after_generate()
+            died = {}
+            for j, result in zip(pending, got):
+                if isinstance(result, EngineDied):
+                    died[calls[j][0]] = result
+                else:
+                    results[j] = result
+                    self._in_a_row[calls[j][0]] = 0
+            for engine, error in died.items():
+                self._restart(engine, error)
+            pending = [j for j in pending if j not in results]
+        return [results[j] for j in range(len(calls))]
 
     def _generate(self, prompts: list[list[int]], params, step: int, draw: int, segment: int = 0) -> list:
         """``params.n`` completions per token-id prompt, prompt-major, the prompts spread over the engines; an
@@ -274,15 +337,18 @@ class RolloutMaker:
             with timer.phase("generate"):
                 completions = self.generate(prompts, step, draw=draws)
             draws += 1
-            if self.on_policy:
-                check_weight_versions([c.weight_version for c in completions], weight_version)
+            if self.on_policy:  # every turn of a multi-turn sample
+                from rlhf_sg.agent import sampled_versions
+
+                check_weight_versions(sampled_versions(completions), weight_version)
             experience = self._experience(prompts, completions)
             with timer.phase("reward"):
-                scores = self.score(prompts, completions, experience)
+                scores = self._agent_scores(prompts, completions, experience)
             scores = self.shape_scores(scores, experience)
+            agent_stats = self._agent_stats(completions)
             if not t.dynamic_filtering:
                 experience.scores = scores
-                return prompts, experience, reward_metrics(scores)
+                return prompts, experience, {**reward_metrics(scores), **agent_stats}
             groups += [(p, completions[g * n : (g + 1) * n], scores[g * n : (g + 1) * n])
                        for g, p in enumerate(prompts)]
             signal = groups_with_signal([sc for _, _, sc in groups], t.score_clip, t.dynamic_filtering_range)
@@ -297,7 +363,7 @@ class RolloutMaker:
         experience.scores = torch.cat([groups[g][2] for g in chosen])
         # filler groups run through the forwards but stay out of the losses and their normaliser
         experience.loss_rows = torch.tensor([signal[g] for g in chosen for _ in range(n)])
-        metrics = reward_metrics(torch.cat([sc for _, _, sc in groups]))
+        metrics = {**reward_metrics(torch.cat([sc for _, _, sc in groups])), **agent_stats}
         metrics.update({"rollout/sample_draws": draws, "rollout/groups_kept_frac": sum(signal) / len(signal),
                         "rollout/unfiltered_groups": filler})
         return prompts, experience, metrics
@@ -311,7 +377,23 @@ class RolloutMaker:
             self.pad_id,
             weight_versions=[c.weight_version for c in completions],
             finish_reasons=[c.finish_reason for c in completions],
+            action_masks=[c.action_mask for c in completions] if self.env_factory is not None else None,
         )
+
+    def _agent_scores(self, prompts: list[Prompt], completions: list, experience: Experience) -> torch.Tensor:
+        """The reward function's scores, with the environments' rewards as ``--agent.env_reward`` says."""
+        how = self.cfg.agent.env_reward if self.env_factory is not None else "ignore"
+        if how == "ignore":
+            return self.score(prompts, completions, experience)
+        env = torch.tensor([c.env_reward or 0.0 for c in completions], dtype=torch.float32)
+        return env if how == "replace" else self.score(prompts, completions, experience).float() + env
+
+    def _agent_stats(self, completions: list) -> dict[str, float]:
+        from rlhf_sg.agent import agent_metrics
+
+        if self.env_factory is None:
+            return {}
+        return {**agent_metrics(completions), "agent/template_mismatch": float(self.template_mismatches)}
 
     def shape_scores(self, scores: torch.Tensor, experience: Experience) -> torch.Tensor:
         """The reward's scores [B] with DAPO's overlong penalty added (``--reward.overlong_buffer_len``):

@@ -1,0 +1,626 @@
+"""Multi-turn rollouts (rlhf_sg.agent): exact ids, masks from provenance, budgets, tool failures, seeds, and the
+trainer's log-probs on multi-turn rows. Fast tier: the embedded engine in-process, a tokenizer with merges."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import string
+import time
+
+import pytest
+import torch
+
+from backends.base import BackendConfig, SamplingParams
+from rlhf_sg.agent import Environment, StepResult, ToolError, agent_metrics, run_agent_rollout, turn_seed
+from rlhf_sg.config import AgentConfig
+from rlhf_sg.data import Prompt
+from rlhf_sg.experience import build_rollout_batch
+
+DIGITS = "0123456789"
+
+
+def merged_tokenizer():
+    """Characters plus every digit pair as one token, with merges: "12" encodes as one id, so the two ids of
+    "1" then "2", which an engine may sample, are a non-canonical segmentation of the same text."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
+    for ch in string.printable.replace("\x0b", "").replace("\x0c", ""):
+        vocab.setdefault(ch, len(vocab))
+    merges = [(a, b) for a in DIGITS for b in DIGITS]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False))
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """A tiny random model over the merged tokenizer, saved, and the embedded engine on it (in-process)."""
+    from backends.embedded import EmbeddedBackend
+    from rlhf_sg.tiny import build_tiny_model
+
+    tokenizer = merged_tokenizer()
+    path = str(tmp_path_factory.mktemp("agent_model"))
+    model = build_tiny_model(vocab_size=len(tokenizer), seed=3)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    backend = EmbeddedBackend(BackendConfig(model_path=path, max_model_len=256, num_threads=1))
+    yield backend, tokenizer, model
+    backend.shutdown()
+
+
+class Recorder:
+    """generate_many over in-process backends (one per engine index), recording every call and completion."""
+
+    def __init__(self, backends):
+        self.backends, self.calls = backends, []
+
+    def __call__(self, calls):
+        out = []
+        for engine, prompts, params in calls:
+            completions = self.backends[engine].generate(prompts, params)
+            self.calls.append((engine, prompts, params, completions))
+            out.append(completions)
+        return out
+
+
+class Calc(Environment):
+    """Answers each turn with "=<digits of the turn>;" (ids as the tokenizer encodes them), done after 3 turns."""
+
+    made = 0
+
+    def __init__(self, tokenizer, turns=3, obs=None):
+        super().__init__(tokenizer)
+        Calc.made += 1
+        self.turns, self.seen, self.obs = turns, 0, obs
+
+    def reset(self, prompt):
+        self.prompt = prompt
+
+    def step(self, turn_ids, turn_text, finish_reason):
+        self.seen += 1
+        if self.seen >= self.turns:
+            return StepResult(done=True, reward=1.0)
+        obs = self.obs if self.obs is not None else self.encode("\n=" + "".join(c for c in turn_text if c.isdigit())[:6]
+                                                               + ";")
+        return StepResult(observation_ids=obs, tool_call=True)
+
+
+def agent_cfg(**kw):
+    base = dict(env="x:y", max_turns=3, max_turn_tokens=8, tool_timeout_s=5.0)
+    return AgentConfig(**{**base, **kw})
+
+
+def prompts_for(tokenizer, texts=("417*38=", "12+34=")):
+    return [Prompt(list(tokenizer.encode(t)), t) for t in texts]
+
+
+def run(engine, cfg=None, n=3, total=40, factory=None, context_len=256, seed=0, step=0, backends=None,
+        params_kw=None):
+    backend, tokenizer, _ = engine
+    rec = Recorder(backends or [backend])
+    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=total, stop_token_ids=(2,), **(params_kw or {}))
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        out = run_agent_rollout(prompts_for(tokenizer), n, params, rec, factory or (lambda tok: Calc(tok)), tokenizer,
+                                cfg or agent_cfg(), len(rec.backends), context_len,
+                                lambda e, t, b: turn_seed(seed, step, 0, e, t, b), pool)
+    return out, rec
+
+
+# ---- exact ids, masks from provenance -------------------------------------------------------------------------------
+
+
+def _turns_of(traj, rec, prompt_ids):
+    """Every (call prompt, completion) whose prompt is this trajectory's prompt plus a prefix of its row, in order."""
+    found = []
+    for _, prompts, params, completions in rec.calls:
+        for j, p in enumerate(prompts):
+            if p[: len(prompt_ids)] != prompt_ids or p[len(prompt_ids):] != traj.token_ids[: len(p) - len(prompt_ids)]:
+                continue
+            for c in completions[j * params.n:(j + 1) * params.n]:
+                end = len(p) - len(prompt_ids) + len(c.token_ids)
+                if traj.token_ids[len(p) - len(prompt_ids):end] == c.token_ids:
+                    found.append((len(p) - len(prompt_ids), c))
+                    break
+    return found
+
+
+def test_rows_hold_the_engine_ids_under_a_non_canonical_segmentation(engine):
+    _, tokenizer, _ = engine
+    out, rec = run(engine, n=4)
+    assert [t.prompt_index for t in out] == [0] * 4 + [1] * 4
+    non_canonical = 0
+    for traj in out:
+        prompt = prompts_for(tokenizer)[traj.prompt_index].token_ids
+        mask = [False] * len(traj.token_ids)
+        logp = [0.0] * len(traj.token_ids)
+        for start, c in _turns_of(traj, rec, prompt):
+            mask[start:start + len(c.token_ids)] = [True] * len(c.token_ids)
+            logp[start:start + len(c.token_ids)] = c.logprobs
+            text = tokenizer.decode(c.token_ids)
+            non_canonical += list(tokenizer.encode(text, add_special_tokens=False)) != c.token_ids
+        # every sampled token found in a call at its place, nothing else marked as an action
+        assert traj.action_mask == mask
+        assert traj.logprobs == logp
+        assert len(traj.token_ids) <= 40
+        # the observation tokens are exactly the environment's ids (glue "\n" first, mask 0)
+        turns = _turns_of(traj, rec, prompt)
+        for (start, c), (nxt, _) in zip(turns, turns[1:]):
+            obs = traj.token_ids[start + len(c.token_ids):nxt]
+            assert obs[0] == tokenizer.convert_tokens_to_ids("\n") and not any(traj.action_mask[start + len(
+                c.token_ids):nxt])
+    # the engine did sample segmentations a decode/re-encode round trip would change
+    assert non_canonical > 0
+
+
+def test_stop_token_stays_with_the_model_turn(engine):
+    _, tokenizer, _ = engine
+    stops = [tokenizer.convert_tokens_to_ids(c) for c in string.ascii_letters]  # turns end early, on a letter
+    out, rec = run(engine, cfg=agent_cfg(stop_token_ids=stops, max_turn_tokens=16), n=2)
+    stopped = 0
+    for traj in out:
+        prompt = prompts_for(tokenizer)[traj.prompt_index].token_ids
+        for start, c in _turns_of(traj, rec, prompt):
+            if c.finish_reason != "stop":
+                continue
+            stopped += 1
+            end = start + len(c.token_ids)  # the stop token is the model's last token: an action
+            assert c.token_ids[-1] in stops + [2] and traj.action_mask[end - 1]
+            assert end == len(traj.token_ids) or not traj.action_mask[end]  # the glue after it is not
+    assert stopped > 0, "no turn ended on a stop token"
+
+
+# ---- environments: one per trajectory, tool failures, hangs ---------------------------------------------------------
+
+
+def test_one_environment_per_trajectory(engine):
+    envs = []
+
+    def factory(tok):
+        envs.append(Calc(tok))
+        return envs[-1]
+
+    out, _ = run(engine, n=3, factory=factory)
+    assert len(envs) == len(out) == 6 and len({id(e) for e in envs}) == 6
+    assert all(e.seen == t.turns for e, t in zip(envs, out))
+    assert all(t.finish_reason == "env_done" and t.env_reward == 1.0 for t in out)
+
+
+class Failing(Environment):
+    def __init__(self, tokenizer, how):
+        super().__init__(tokenizer)
+        self.how = how
+
+    def step(self, turn_ids, turn_text, finish_reason):
+        if self.how == "hang":
+            time.sleep(1.0)
+        if self.how == "raise":
+            raise KeyError("boom")
+        raise ToolError(self.how, "bad call")
+
+
+@pytest.mark.parametrize("how,kind", [("malformed", "malformed"), ("unknown_tool", "unknown_tool"),
+                                      ("raise", "exception"), ("hang", "timeout")])
+def test_tool_failures_become_error_observations(engine, how, kind):
+    _, tokenizer, _ = engine
+    cfg = agent_cfg(tool_timeout_s=0.2 if how == "hang" else 5.0, max_turns=2 if how == "hang" else 3)
+    out, rec = run(engine, cfg=cfg, n=2, total=120, factory=lambda tok: Failing(tok, how))
+    for traj in out:  # every turn's step failed, the run went on to the turn limit
+        assert traj.finish_reason == "max_turns" and traj.turns == cfg.max_turns
+        assert traj.tool_errors == {kind: traj.turns}
+        assert traj.tool_calls == sum(traj.tool_errors.values()) >= 1
+        err = tokenizer.decode([t for t, m in zip(traj.token_ids, traj.action_mask) if not m])
+        assert f"[error {kind}:" in err
+    m = agent_metrics(out)
+    assert m["agent/tool_error_frac"] == 1.0 and m["agent/tool_calls"] >= 1
+
+
+# ---- budgets and finish reasons --------------------------------------------------------------------------------------
+
+
+def test_per_turn_budget_is_min_of_turn_cap_total_and_context(engine):
+    _, tokenizer, _ = engine
+    heads = [p.token_ids for p in prompts_for(tokenizer)]
+    prompt_len = max(map(len, heads))
+    for total, cap, context in [(40, 8, 256), (20, 16, 256), (40, 16, prompt_len + 30)]:
+        out, rec = run(engine, cfg=agent_cfg(max_turn_tokens=cap, max_turns=6), total=total, context_len=context)
+        for _, prompts, params, _ in rec.calls:
+            # one call per budget: it asks exactly each of its trajectories' min(turn cap, total left, context left)
+            wanted = set()
+            for p in prompts:
+                head = next(h for h in heads if p[:len(h)] == h)
+                wanted.add(min(cap, total - (len(p) - len(head)), context - len(p)))
+            assert wanted == {params.max_new_tokens}
+        for t in out:  # the row is the total budget wide at most, never one turn's cap
+            assert len(t.token_ids) <= total and len(t.token_ids) + len(heads[t.prompt_index]) <= context
+        assert max(len(t.token_ids) for t in out) > cap
+
+
+@pytest.mark.parametrize("policy", ["rollback", "truncate"])
+def test_an_observation_that_does_not_fit_overflows(engine, policy):
+    _, tokenizer, _ = engine
+    big = tokenizer.encode("=" + "x" * 30 + ";")
+    cfg = agent_cfg(overflow=policy, max_turn_tokens=8, max_observation_tokens=64)
+    out, _ = run(engine, cfg=cfg, n=2, total=30, factory=lambda tok: Calc(tok, obs=big))
+    for t in out:
+        assert t.finish_reason == "overflow" and t.turns == 1
+        holes = len(t.token_ids) - sum(t.action_mask)
+        if policy == "rollback":
+            assert holes == 0 and len(t.token_ids) == sum(t.action_mask)
+        else:
+            assert holes > 0 and len(t.token_ids) == 30 and t.token_ids[sum(t.action_mask):] == big[:holes]
+
+
+def test_observation_length_bound_and_max_turns(engine):
+    _, tokenizer, _ = engine
+    obs = tokenizer.encode("=" + "y" * 20 + ";")
+    cfg = agent_cfg(max_observation_tokens=5, max_turns=2, max_turn_tokens=4)
+    out, _ = run(engine, cfg=cfg, n=2, total=60, factory=lambda tok: Calc(tok, turns=99, obs=obs))
+    for t in out:
+        assert t.finish_reason == "max_turns" and t.turns == 2
+        assert len(t.token_ids) - sum(t.action_mask) == 5  # one observation, cut to the bound, none after turn 2
+
+
+# ---- seeds, affinity, versions ---------------------------------------------------------------------------------------
+
+
+def test_seeded_reruns_repeat_and_steps_differ(engine):
+    a, _ = run(engine, seed=7, step=1)
+    b, _ = run(engine, seed=7, step=1)
+    c, _ = run(engine, seed=7, step=2)
+    assert [t.token_ids for t in a] == [t.token_ids for t in b]
+    assert [t.logprobs for t in a] == [t.logprobs for t in b]
+    assert [t.token_ids for t in a] != [t.token_ids for t in c]
+
+
+def test_every_turn_goes_to_the_engine_of_the_first(engine):
+    backend, tokenizer, _ = engine
+    out, rec = run(engine, backends=[backend, backend, backend], n=2, cfg=agent_cfg(max_turns=3))
+    for t in out:
+        assert t.engine == t.prompt_index % 3
+        prompt = prompts_for(tokenizer)[t.prompt_index].token_ids
+        engines = {e for e, prompts, _, _ in rec.calls for p in prompts
+                   if p[:len(prompt)] == prompt and p[len(prompt):] == t.token_ids[:len(p) - len(prompt)]}
+        assert engines == {t.engine} and t.turns == 3
+        assert t.turn_versions == [0, 0, 0] and t.weight_version == 0
+
+
+# ---- experience: masks used everywhere, advantages across holes ------------------------------------------------------
+
+
+def _experience(engine, n=2):
+    backend, tokenizer, _ = engine
+    out, _ = run(engine, n=n)
+    prompts = prompts_for(tokenizer)
+    return out, build_rollout_batch([prompts[t.prompt_index].token_ids for t in out], [t.token_ids for t in out],
+                                    [t.logprobs for t in out], 0, [t.weight_version for t in out],
+                                    [t.finish_reason for t in out], action_masks=[t.action_mask for t in out])
+
+
+def test_engine_and_trainer_logprobs_agree_on_multi_turn_rows(engine):
+    """Contract tolerance (tests/test_backend_contract.py LOGPROB_ATOL) on every action token of multi-turn rows,
+    observations and the earlier turns in the context; packed and with shared prompts."""
+    from test_backend_contract import LOGPROB_ATOL
+
+    from rlhf_sg.packing import response_logprobs
+
+    _, _, model = engine
+    out, exp = _experience(engine)
+    assert (~exp.action_mask & exp.attention_mask[:, -exp.response_width:].bool()).any(), "no holes in the rows"
+    for share in (False, True):
+        logp = response_logprobs(model, exp.sequences, exp.attention_mask, exp.response_width,
+                                 share_prompts=share, attn_implementation="sdpa")
+        gap = (logp - exp.rollout_logp).abs()[exp.action_mask]
+        assert gap.max().item() < LOGPROB_ATOL
+
+
+def test_values_at_masked_positions_change_no_loss(engine):
+    from rlhf_sg import algorithms as algo
+
+    out, exp = _experience(engine)
+    m = exp.action_mask
+    g = torch.Generator().manual_seed(0)
+    fields = {k: torch.randn(m.shape, generator=g) for k in ("logp", "old", "adv", "ref", "ent", "val", "oldv", "ret")}
+    fields["rollout"] = fields["old"] + 0.1 * torch.randn(m.shape, generator=g)
+    cfg = algo.ActorLossConfig(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0)
+
+    def losses(f):
+        normalizer = float(m.sum())
+        a, am = algo.actor_loss(f["logp"], f["ent"], f["old"], f["adv"], m, cfg, normalizer, f["rollout"], f["ref"])
+        v, _ = algo.value_loss(f["val"], f["oldv"], f["ret"], m, clip=0.2, normalizer=normalizer)
+        return torch.stack([a, v, *am.values()])
+
+    base = losses(fields)
+    holes = ~m
+    for k in fields:
+        changed = dict(fields)
+        changed[k] = torch.where(holes, fields[k] + 100.0, fields[k])
+        assert torch.equal(losses(changed), base), k
+    # the token-mean normaliser counts action tokens only
+    assert algo.masked_aggregate(torch.ones(m.shape), m).item() == 1.0
+
+
+def _compact(x: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's action-token values moved left, holes and padding dropped."""
+    width = int(m.sum(dim=1).max())
+    out, cm = torch.zeros(m.shape[0], width), torch.zeros(m.shape[0], width, dtype=torch.bool)
+    for b in range(m.shape[0]):
+        k = int(m[b].sum())
+        out[b, :k], cm[b, :k] = x[b][m[b]], True
+    return out, cm
+
+
+@pytest.mark.parametrize("name", ["gae", "reinforce", "reinforce_baseline", "grpo"])
+def test_advantages_across_holes_equal_their_compact_equivalents(name):
+    from rlhf_sg.advantages import AdvantageInputs, advantage_estimator
+
+    g = torch.Generator().manual_seed(1)
+    B, T = 6, 14
+    m = torch.rand(B, T, generator=g) < 0.6
+    m[:, 0] = True
+    m[0, 3:7] = False  # a long hole
+    kl, values = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    scores = torch.randn(B, generator=g)
+    kw = dict(scores=scores, kl_coef=0.05, group_size=3, gamma=0.9 if name in ("gae", "reinforce") else 1.0,
+              lam=0.8)
+    holed = AdvantageInputs(action_mask=m, kl=kl, values=values, **kw)
+    ckl, cm = _compact(kl, m)
+    cvals, _ = _compact(values, m)
+    compact = AdvantageInputs(action_mask=cm, kl=ckl, values=cvals, **kw)
+    adv, ret = advantage_estimator(name)(holed)
+    cadv, cret = advantage_estimator(name)(compact)
+    assert torch.allclose(_compact(adv, m)[0], cadv, atol=1e-5)
+    assert (adv[~m] == 0).all()
+    if ret is not None:
+        assert torch.allclose(_compact(ret, m)[0], cret, atol=1e-5)
+
+
+def test_metrics_and_finish_reasons(engine):
+    out, _ = run(engine, n=2)
+    m = agent_metrics(out)
+    assert m["agent/turns"] == 3 and m["agent/finish_env_done"] == 1.0
+    assert m["agent/action_tokens"] == sum(sum(t.action_mask) for t in out) / len(out)
+    assert m["agent/observation_tokens"] > 0 and m["agent/tool_calls"] == 2
+
+
+def test_reward_sees_the_model_text_only(engine):
+    _, tokenizer, _ = engine
+    for how in ("model", "all"):
+        out, _ = run(engine, cfg=agent_cfg(reward_text=how), n=1)
+        for t in out:
+            model = tokenizer.decode([i for i, mk in zip(t.token_ids, t.action_mask) if mk], skip_special_tokens=True)
+            whole = tokenizer.decode(t.token_ids, skip_special_tokens=True)
+            assert t.reward_text == (model if how == "model" else whole)
+            assert "=" in whole
+
+
+def test_agent_flags_are_checked_before_ray(engine, tmp_path):
+    from rlhf_sg.config import Config, ConfigError, validate
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1="}\n')
+
+    def cfg_with(**agent):
+        cfg = Config()
+        cfg.model.pretrain, cfg.data.prompt_data, cfg.reward.function = engine[0].config.model_path, str(prompts), "m:f"
+        cfg.agent = dataclasses.replace(cfg.agent, **agent)
+        return cfg
+
+    validate(cfg_with(env="rlhf_sg.agent:Environment"))
+    validate(cfg_with())
+    for agent, message in [
+        (dict(env="no_such_module_anywhere:make"), "--agent.env 'no_such_module_anywhere:make': cannot import"),
+        (dict(env="rlhf_sg.agent"), "give module:factory"),
+        (dict(env="rlhf_sg.agent:nothing"), "has no callable 'nothing'"),
+        (dict(env="rlhf_sg.agent:Environment", overflow="drop"), "--agent.overflow must be rollback or truncate"),
+        (dict(env="rlhf_sg.agent:Environment", max_turns=0), "--agent.max_turns must be >= 1"),
+        (dict(env="rlhf_sg.agent:Environment", reward_text="text"), "--agent.reward_text must be model or all"),
+        (dict(env="rlhf_sg.agent:Environment", env_reward="x"), "--agent.env_reward must be ignore, add or replace"),
+        (dict(env="rlhf_sg.agent:Environment", template_check="x"), "--agent.template_check must be off, warn or"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate(cfg_with(**agent))
+
+
+def test_a_turn_cut_by_a_weight_sync_continues_and_the_sample_carries_the_oldest_version(engine):
+    """Partial rollout: a turn the engine returns with finish "abort" (a weight sync cut it) goes on from its tokens
+    so far with the new weights, within the same turn budget; the sample keeps every turn's version, the oldest
+    as its own."""
+    backend, tokenizer, _ = engine
+    heads = [p.token_ids for p in prompts_for(tokenizer)]
+
+    class CutFirstCalls(Recorder):
+        def __call__(self, calls):
+            out = []
+            for engine_index, prompts, params in calls:
+                if self.cuts < 2:  # the first two calls: two tokens, then a sync to the next version
+                    short = backend.generate(prompts, dataclasses.replace(params, max_new_tokens=2))
+                    completions = [dataclasses.replace(c, finish_reason="abort") for c in short]
+                    self.cuts += 1
+                    backend.finish_weight_update(backend.weight_version + 1)
+                else:
+                    completions = backend.generate(prompts, params)
+                self.calls.append((engine_index, prompts, params, completions))
+                out.append(completions)
+            return out
+
+    rec = CutFirstCalls([backend])
+    rec.cuts = 0
+    cfg = agent_cfg(max_turn_tokens=8, max_turns=2)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, stop_token_ids=(2,))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            out = run_agent_rollout(prompts_for(tokenizer), 2, params, rec, lambda tok: Calc(tok), tokenizer, cfg, 1,
+                                    256, lambda e, t, b: turn_seed(0, 0, 0, e, t, b), pool)
+    finally:
+        backend.finish_weight_update(0)
+    for t in out:
+        assert t.weight_version == 0 and t.turn_versions[0] == 0 and max(t.turn_versions) == 2
+        assert len(t.turn_versions) == 4  # two cut segments of turn 1, the rest of it, turn 2
+        # the continuation was asked from the prompt plus the tokens so far, for the rest of the turn's budget
+        cont = [(p, params_) for _, ps, params_, _ in rec.calls[1:3] for p in ps if p[:len(heads[t.prompt_index])]
+                == heads[t.prompt_index] and t.token_ids[:len(p) - len(heads[t.prompt_index])]
+                == p[len(heads[t.prompt_index]):]]
+        assert cont and all(q.max_new_tokens == 8 - (len(p) - len(heads[t.prompt_index])) for p, q in cont)
+        assert t.turns == 2 and t.finish_reason in ("max_turns", "env_done")
+        obs_start = t.action_mask.index(False)
+        assert obs_start <= 8  # turn 1, its cut segments together, within its cap
+
+
+def test_sync_mode_checks_every_turn_version_and_metrics_count_cache_hits():
+    from backends.base import Completion
+    from rlhf_sg.agent import Trajectory, sampled_versions
+    from rlhf_sg.trainer.rollout import check_weight_versions
+
+    def traj(versions, cached, sent, mask=(True, False, True)):
+        return Trajectory(token_ids=[5, 6, 7], logprobs=[0.0] * 3, action_mask=list(mask), finish_reason="env_done",
+                          weight_version=min(versions), prompt_index=0, turns=len(versions), turn_versions=versions,
+                          cached_tokens=cached, prompt_tokens_sent=sent, tool_calls=1, tool_errors={"timeout": 1})
+
+    ok = [traj([3, 3], 10, 40), traj([3, 3, 3], 30, 60)]
+    check_weight_versions(sampled_versions(ok), 3)
+    # the oldest version is the trainer's, a later turn's is not: still refused
+    with pytest.raises(RuntimeError, match=r"weight version\(s\) \[4\]"):
+        check_weight_versions(sampled_versions([*ok, traj([3, 4], 0, 10)]), 3)
+    assert sampled_versions([Completion([1], [0.0], "stop", 2, 0)]) == [2]
+    m = agent_metrics(ok)
+    assert m["agent/prefix_cache_hit"] == 40 / 100 and m["agent/tool_error_frac"] == 1.0
+    assert m["agent/observation_tokens"] == 1.0 and m["agent/turns"] == 2.5
+    assert "agent/prefix_cache_hit" not in agent_metrics([traj([3], None, 10)])
+
+
+def test_calculator_environment_of_the_recipe():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
+    import calc_task
+
+    from rlhf_sg.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    assert calc_task.calculate("417*38") == 15846 and calc_task.calculate("12-30") == -18
+    # parsed with ast, never evaluated: code is a malformed call, not run
+    for bad in ("__import__('os').getpid()", "2**3", "1*2*3", "a*b", "417*", "9999999*2", "(1).real*2"):
+        with pytest.raises(ToolError) as err:
+            calc_task.calculate(bad)
+        assert err.value.kind == "malformed"
+    env = calc_task.make_env(tok)
+    env.reset(Prompt(tok.encode("417*38="), "417*38=", "15846"))
+    call = env.step(tok.encode("{417*38}"), "{417*38}", "stop")
+    assert tok.decode(call.observation_ids) == "=15846;" and call.tool_call and not call.done
+    assert env.step(tok.encode("15846") + [tok.eos_token_id], "15846", "stop").done
+    with pytest.raises(ToolError):
+        env.step(tok.encode("417*38}"), "417*38}", "stop")
+    assert tok.decode(env.error_observation("timeout", "slow")) == "=error;"
+    broken = calc_task.make_broken_env(tok)
+    broken.reset(None)
+    with pytest.raises(RuntimeError):
+        broken.step(tok.encode("{1*2}"), "{1*2}", "stop")
+    # the reward reads the answer after the last call, in the model's text only
+    assert calc_task.calc_reward([""] * 3, ["{417*38}15846", "15846", "{417*38}15847"], ["15846"] * 3) == [1, 1, 0]
+    # the warm start never trains on the tool's observation
+    assert [t for t, trained in calc_task.trace("417*38=", "15846", tool=True) if not trained] == ["=15846;"]
+
+
+def test_agent_flags_on_the_command_line():
+    from rlhf_sg.config import Config, apply_overrides, build_parser
+
+    ns = vars(build_parser().parse_args(["--agent.env", "calc_task:make_env", "--agent.max_turns", "3",
+                                         "--agent.stop_token_ids", "5,7", "--agent.overflow", "truncate",
+                                         "--agent.tool_timeout_s", "2.5"]))
+    ns.pop("config", None)
+    cfg = apply_overrides(Config(), ns, "flag")
+    assert (cfg.agent.env, cfg.agent.max_turns, cfg.agent.stop_token_ids) == ("calc_task:make_env", 3, [5, 7])
+    assert cfg.agent.overflow == "truncate" and cfg.agent.tool_timeout_s == 2.5
+
+
+@pytest.mark.parametrize("how", ["ignore", "add", "replace"])
+def test_environment_reward_as_configured(engine, how):
+    from rlhf_sg.config import Config
+    from rlhf_sg.trainer.rollout import RolloutMaker
+
+    _, tokenizer, _ = engine
+    cfg = Config()
+    cfg.agent.env, cfg.agent.env_reward = "rlhf_sg.agent:Environment", how
+    called = []
+
+    def score(prompts, completions, experience):
+        called.append(len(completions))
+        return torch.tensor([0.5] * len(completions))
+
+    maker = RolloutMaker(cfg, [], None, 2, 0, score, tokenizer=tokenizer)
+    out, _ = run(engine, n=2)  # Calc: env reward 1.0 per trajectory
+    scores = maker._agent_scores(prompts_for(tokenizer), out, None)
+    expected = {"ignore": 0.5, "add": 1.5, "replace": 1.0}[how]
+    assert torch.equal(scores, torch.full((len(out),), expected))
+    assert called == ([] if how == "replace" else [len(out)])
+
+
+def chat_tokenizer():
+    """The character tokenizer with Qwen's turn markers and a Qwen-style chat template."""
+    from rlhf_sg.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tok
+
+
+@pytest.mark.parametrize("mode", ["warn", "strict"])
+def test_turn_boundaries_are_checked_against_the_chat_template(mode):
+    from rlhf_sg.agent import Trajectory, check_turn_boundaries, turn_glue
+
+    tok = chat_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    glue = turn_glue(tok)
+    assert glue == (end, tok.encode("\n<|im_start|>tool\n", add_special_tokens=False))
+    assert turn_glue(merged_tokenizer()) is None  # no chat template: nothing to compare with
+
+    def traj(observation: str):
+        turn = tok.encode('<tool_call>{"name": "calc"}</tool_call>', add_special_tokens=False) + [end]
+        obs = tok.encode(observation, add_special_tokens=False)
+        ids = turn + obs + tok.encode("42", add_special_tokens=False) + [end]
+        mask = [True] * len(turn) + [False] * len(obs) + [True] * (len(ids) - len(turn) - len(obs))
+        return Trajectory(ids, [0.0] * len(ids), mask, "env_done", 0, 0)
+
+    good = traj("\n<|im_start|>tool\n=5;<|im_end|>\n<|im_start|>assistant\n")
+    dropped = traj("<|im_start|>tool\n=5;<|im_end|>\n<|im_start|>assistant\n")  # the "\n" after <|im_end|> lost
+    doubled = traj("<|im_end|>\n<|im_start|>tool\n=5;<|im_end|>\n<|im_start|>assistant\n")  # end token twice
+    assert check_turn_boundaries([good], glue, mode) == 0
+    if mode == "strict":
+        with pytest.raises(ValueError, match="not the chat template's glue"):
+            check_turn_boundaries([good, dropped], glue, mode)
+    elif mode == "warn":
+        assert check_turn_boundaries([good, dropped, doubled], glue, mode) == 2
+
+
+def test_a_cut_turn_that_reached_its_cap_goes_to_the_environment(engine):
+    backend, tokenizer, _ = engine
+    steps = []
+
+    class Seen(Calc):
+        def step(self, turn_ids, turn_text, finish_reason):
+            steps.append((len(turn_ids), finish_reason))
+            return super().step(turn_ids, turn_text, finish_reason)
+
+    def cut_first(calls):  # the first call's samples come back at the turn cap, labelled cut by a sync
+        out = [backend.generate(ps, q) for _, ps, q in calls]
+        if not steps and not cut_first.done:
+            cut_first.done = True
+            out = [[dataclasses.replace(c, finish_reason="abort") for c in cs] for cs in out]
+        return out
+
+    cut_first.done = False
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=60, stop_token_ids=())
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        out = run_agent_rollout(prompts_for(tokenizer), 2, params, cut_first, lambda tok: Seen(tok), tokenizer,
+                                agent_cfg(max_turn_tokens=6, max_turns=2), 1, 256, lambda e, t, b: 5 + t, pool)
+    assert cut_first.done and all(t.turns == 2 for t in out)
+    full = [(n_ids, r) for n_ids, r in steps[:4]]
+    assert all(r == "length" for _, r in full) and all(n_ids == 6 for n_ids, _ in full)
