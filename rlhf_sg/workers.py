@@ -49,6 +49,9 @@ class WorkerSpec:
     threads: int = 1
     device: str = "cpu"
     timeout_s: float = 900.0
+    #: --lora.* (a :class:`rlhf_sg.config.LoraConfig` as a dict) when this model carries a LoRA adapter: the
+    #: actor trains it; a reference started from --lora.init_adapter holds it frozen
+    lora: dict | None = None
 
 
 def lr_schedule(name: str, warmup_steps: int, total_steps: int):
@@ -259,6 +262,11 @@ class ModelWorker:
             for module in model.modules():
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
+        if self.spec.lora is not None:
+            from rlhf_sg.lora import LoraSpec, apply_lora
+
+            model = apply_lora(model, LoraSpec.from_config(self.spec.lora), self.spec.disable_dropout,
+                               trainable=self.spec.train)
         if not self.spec.train:
             model.requires_grad_(False)
         elif self.spec.gradient_checkpointing:
@@ -268,6 +276,21 @@ class ModelWorker:
     @property
     def module(self):
         return self.engine.module
+
+    def optimizer_state_bytes(self) -> dict[str, int]:
+        """This rank's optimizer state: ``moments`` (the inner optimizer's per-parameter state: Adam's two
+        moments) and ``master`` (ZeRO's fp32 partitions of the trained parameters), in bytes; ``trainable`` the
+        trained parameters' element count (whole, all ranks)."""
+        if not self.spec.train:
+            return {"moments": 0, "master": 0, "trainable": 0}
+        optimizer = self.engine.optimizer
+        inner = getattr(optimizer, "optimizer", optimizer)
+        moments = sum(t.nbytes for state in inner.state.values() for t in state.values() if torch.is_tensor(t)
+                      and t.dim() > 0)
+        master = sum(t.nbytes for t in getattr(optimizer, "fp32_partitioned_groups_flat", []))
+        trainable = sum(math.prod(p.ds_shape) if hasattr(p, "ds_shape") else p.numel()
+                        for p in self.module.parameters() if p.requires_grad)
+        return {"moments": int(moments), "master": int(master), "trainable": int(trainable)}
 
     def ping(self) -> int:
         return self.rank
@@ -293,14 +316,22 @@ class ModelWorker:
     # ---- forwards ------------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, experience: Experience, plan: list[list[int]], temperature: float = 1.0,
-                share_prompts: bool = False):
+                share_prompts: bool = False, without_adapter: bool = False):
         """Run this role's forward over the rows of ``plan`` (micro-batches of global row indices); with
         ``share_prompts`` rows with one prompt compute it once (log-probs and values).
 
         Returns (row indices, result): log-probs [n, T] (actor, ref), values [n, T] (critic) or
         scores [n] (reward), rows in the order of the flattened plan. Runs in eval mode: scoring forwards
         use no dropout, so old log-probs and values are the deterministic policy's (updates run in train mode).
+        ``without_adapter`` (a LoRA actor): the base model's log-probs, the adapter disabled (the reference).
         """
+        if without_adapter:
+            from rlhf_sg.lora import adapter_disabled
+
+            if self.spec.lora is None:
+                raise ValueError(f"{self.spec.role} rank {self.rank}: without_adapter needs a LoRA model")
+            with adapter_disabled(self.module):
+                return self.forward(experience, plan, temperature, share_prompts)
         from rlhf_sg.packing import critic_values, response_logprobs, reward_scores
 
         self.engine.eval()
@@ -399,15 +430,24 @@ class ModelWorker:
             bucket_bytes=bucket_bytes,
             timeout_s=timeout_s,
             group_name=f"weight-sync{self._sync_setups}",
+            lora=self._lora_spec(),
         )
         self.syncer.setup()
+
+    def _lora_spec(self):
+        if self.spec.lora is None:
+            return None
+        from rlhf_sg.lora import LoraSpec
+
+        return LoraSpec.from_config(self.spec.lora)
 
     def sync_weights(self, version: int, release_buffers: bool = False) -> dict[str, float]:
         """Push the weights as ``version``. ``release_buffers`` (colocated runs, before the engines' KV cache
         wakes): free the sync's buffers afterwards and return the cached device memory they took."""
         if self.syncer is None:
             raise RuntimeError(f"actor rank {self.rank}: setup_weight_sync was not called")
-        stats = self.syncer.sync(self.engine, version)
+        # sleeping engines may have dropped their weights: an adapter sync sends the base first
+        stats = self.syncer.sync(self.engine, version, with_base=release_buffers)
         if release_buffers:
             self.syncer.release_buffers()
             self.release_device_cache()
