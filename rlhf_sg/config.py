@@ -304,6 +304,8 @@ class LoraConfig:
     #: start from this saved PEFT adapter directory (adapter_config.json + adapter_model.safetensors); the
     #: reference is then that adapter, frozen (a reference group runs it)
     init_adapter: str | None = None
+    #: the final export (--log.export_hf) also writes the merged model, in <output_dir>/final_hf/merged
+    export_merged: bool = False
 
 
 @dataclass
@@ -928,9 +930,10 @@ def tis_cap(cfg: Config) -> float | None:
 
 def _validate_colocation(cfg: Config) -> None:
     r, t, rw = cfg.rollout, cfg.train, cfg.reward
-    uses_critic, uses_ref, uses_rm = uses_critic_model(cfg), t.kl_coef > 0, rw.kind == "model"
+    uses_critic, uses_ref, uses_rm = uses_critic_model(cfg), t.kl_coef > 0 and not ref_in_actor(cfg), rw.kind == "model"
     if t.colocate_actor_ref:
-        _need(uses_ref, "--train.colocate_actor_ref: there is no reference model to colocate (--train.kl_coef is 0)")
+        _need(uses_ref, "--train.colocate_actor_ref: there is no reference model to colocate (--train.kl_coef is 0, "
+                        "or a LoRA actor computes the reference itself with its adapter disabled)")
         _need(t.ref_num_ranks == t.actor_num_ranks,
               f"--train.colocate_actor_ref puts reference rank i on actor rank i's device: set --train.ref_num_ranks "
               f"to --train.actor_num_ranks ({t.actor_num_ranks}), got {t.ref_num_ranks}")
@@ -966,7 +969,7 @@ def devices_needed(cfg: Config) -> tuple[int, str]:
     sizes = {"actor": t.actor_num_ranks, "engines": r.num_engines}
     if uses_critic_model(cfg):
         sizes["critic"] = t.critic_num_ranks
-    if t.kl_coef > 0:
+    if t.kl_coef > 0 and not ref_in_actor(cfg):
         sizes["ref"] = t.ref_num_ranks
     if cfg.reward.kind == "model":
         sizes["reward"] = cfg.reward.num_ranks
@@ -1031,6 +1034,13 @@ def check_devices(cfg: Config, visible: int | None = None) -> None:
           f"the layout needs {need} GPUs ({parts}) but {visible} are visible; lower --train.*_num_ranks / "
           "--rollout.num_engines / --rollout.tensor_parallel_size, or share devices (--train.colocate_all, "
           "--train.colocate_actor_ref, --train.colocate_critic_reward), or join a larger Ray cluster (RAY_ADDRESS)")
+
+
+def ref_in_actor(cfg: Config) -> bool:
+    """Whether the reference log-probs come from the LoRA actor with its adapter disabled (no reference group):
+    a fresh adapter (B = 0) starts as the base, so the base is the reference. From --lora.init_adapter, the
+    reference is that adapter, frozen, in a reference group of its own."""
+    return cfg.train.kl_coef > 0 and cfg.lora.rank > 0 and cfg.lora.init_adapter is None
 
 
 def uses_critic_model(cfg: Config) -> bool:

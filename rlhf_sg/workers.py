@@ -507,10 +507,13 @@ class ModelWorker:
         state = dict(client_state, torch_rng=torch.get_rng_state())
         if torch.cuda.is_available():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
-        self.engine.save_checkpoint(path, tag=tag, client_state=state)
+        # a LoRA actor: the adapter and its optimizer state, not the frozen base (the run's --model.pretrain)
+        self.engine.save_checkpoint(path, tag=tag, client_state=state,
+                                    exclude_frozen_parameters=self.spec.lora is not None)
 
     def load_checkpoint(self, path: str, tag: str) -> dict[str, Any]:
-        load_path, client_state = self.engine.load_checkpoint(path, tag=tag)
+        load_path, client_state = self.engine.load_checkpoint(path, tag=tag,
+                                                              load_module_strict=self.spec.lora is None)
         if load_path is None:
             raise FileNotFoundError(f"{self.spec.role} rank {self.rank}: no DeepSpeed checkpoint {tag!r} in {path}")
         if "torch_rng" in client_state:
@@ -521,7 +524,10 @@ class ModelWorker:
         return client_state
 
     def export_hf(self, path: str) -> str | None:
-        """Gather the full weights one tensor at a time and save an HF checkpoint from rank 0."""
+        """Gather the full weights one tensor at a time and save an HF checkpoint from rank 0. A LoRA actor writes
+        a PEFT adapter directory there instead (:meth:`export_lora`)."""
+        if self.spec.lora is not None:
+            return self.export_lora(path)
         import deepspeed
 
         state = {}
@@ -533,6 +539,39 @@ class ModelWorker:
             return None
         os.makedirs(path, exist_ok=True)
         self.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+        return path
+
+    def export_lora(self, path: str, merged_path: str | None = None) -> str | None:
+        """A LoRA actor's adapter as PEFT saves one (adapter_model.safetensors, adapter_config.json) in ``path``,
+        and with ``merged_path`` (--lora.export_merged) the merged model (``W + scaling * B @ A``, in fp32, cast
+        to the base dtype) as an HF checkpoint there; gathered one tensor at a time, written by rank 0."""
+        from rlhf_sg.lora import LoraSpec, adapter_name, split_lora, write_adapter_dir
+        from rlhf_sg.sync import gathered, hf_name
+
+        spec = LoraSpec.from_config(self.spec.lora)
+        base, adapters, lora_named = split_lora([(hf_name(n), p) for n, p in self.module.named_parameters()])
+        adapter = {}
+        for name, param in lora_named:
+            with gathered([param]):
+                if self.rank == 0:
+                    adapter[adapter_name(name)] = param.data.detach().to("cpu", copy=True)
+        merged = {}
+        if merged_path is not None:
+            for name, param in base:
+                pair = adapters.get(name)
+                with gathered([param] + ([pair.a, pair.b] if pair else [])):
+                    if self.rank != 0:
+                        continue
+                    weight = param.data.detach().to("cpu", torch.float32, copy=True)
+                    if pair is not None:
+                        weight.addmm_(pair.b.data.float().cpu(), pair.a.data.float().cpu(), alpha=spec.scaling)
+                    merged[name] = weight.to(param.dtype)
+        if self.rank != 0:
+            return None
+        write_adapter_dir(path, adapter, spec, self.spec.model_path)
+        if merged_path is not None:
+            os.makedirs(merged_path, exist_ok=True)
+            self.module.get_base_model().save_pretrained(merged_path, state_dict=merged, safe_serialization=True)
         return path
 
     # ---- profiling ------------------------------------------------------------------------------------
@@ -685,9 +724,10 @@ class ModelGroup:
         return self._get(refs, what or method)
 
     def forward(self, batch_ref, plans: list[list[list[int]]], batch_size: int, temperature: float = 1.0,
-                share_prompts: bool = False):
-        """Results of every rank reassembled in global row order: [B, T] or [B]."""
-        results = self.call("forward", per_rank=[(batch_ref, plans[i], temperature, share_prompts)
+                share_prompts: bool = False, without_adapter: bool = False):
+        """Results of every rank reassembled in global row order: [B, T] or [B]. ``without_adapter``: a LoRA
+        actor's base model (the reference)."""
+        results = self.call("forward", per_rank=[(batch_ref, plans[i], temperature, share_prompts, without_adapter)
                                                  for i in range(len(plans))])
         out = None
         for order, tensor in results:

@@ -6,6 +6,7 @@ nothing), against the trainer's own PeftModel, and the base weights are compared
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -267,3 +268,73 @@ def test_raw_peft_names_are_refused_by_the_plan_check_before_any_byte_moves(engi
             syncer.sync(peft_model, 300)
     finally:
         syncer.close()
+
+
+# ---- the actor under ZeRO-3 ---------------------------------------------------------------------------
+
+
+def _zero3_lora_actor(model_path: str, out_dir: str) -> dict:
+    """One ZeRO-3 LoRA actor rank (adapter dropout 0.3, --train.disable_dropout): its first update, the reference
+    from its disabled adapter, the optimizer state, a checkpoint round trip and the exports."""
+    import torch.distributed as dist
+    from zero3_rank import PLAIN_UPDATE, actor_rank, one_step
+
+    lora = {"rank": 4, "alpha": 8.0, "dropout": 0.3, "target_modules": "all-linear"}
+    worker, batch, plan = actor_rank(model_path, lora=lora)
+    try:
+        out = {"dtypes": {str(p.dtype) for p in worker.module.parameters()}}
+        out["trainable"] = sorted({n.split(".")[-3] for n, p in worker.module.named_parameters() if p.requires_grad})
+        lora_numel = sum(math.prod(p.ds_shape) for n, p in worker.module.named_parameters() if "lora_" in n)
+        batch.old_logp = worker.forward(batch, plan)[1]
+        out["first"] = worker.train_actor(batch, one_step(plan, batch), PLAIN_UPDATE)
+        out["lora_numel"], out["state"] = lora_numel, worker.optimizer_state_bytes()
+        out["after"] = worker.forward(batch, plan)[1]
+        out["ref"] = worker.forward(batch, plan, without_adapter=True)[1]
+        worker.save_checkpoint(out_dir, "step1", {"step": 1})
+        out["ckpt_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out_dir) for f in fs)
+        worker.train_actor(batch, one_step(plan, batch), PLAIN_UPDATE)
+        out["moved"] = worker.forward(batch, plan)[1]
+        worker.load_checkpoint(out_dir, "step1")
+        out["resumed"] = worker.forward(batch, plan)[1]
+        worker.export_lora(os.path.join(out_dir, "adapter"), os.path.join(out_dir, "merged"))
+        out["batch"] = batch
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_zero3_lora_actor_trains_the_adapter_only_and_its_reference_is_the_base(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from zero3_rank import in_fresh_process
+
+    from rlhf_sg.packing import response_logprobs
+
+    path = save_tiny_model(str(tmp_path / "m"))
+    out = in_fresh_process(_zero3_lora_actor, path, str(tmp_path / "ckpt"))
+    assert out["dtypes"] == {"torch.float32"}
+    assert out["trainable"] == ["lora_A", "lora_B"]
+    total = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
+    # Adam's two fp32 moments and the fp32 master copy of the adapter's elements, nothing for the base
+    state = out["state"]
+    assert state["trainable"] == out["lora_numel"]
+    assert state["moments"] == 8 * out["lora_numel"] and state["master"] == 4 * out["lora_numel"]
+    assert out["lora_numel"] < total / 5
+    # dropout 0.3 asked for, zeroed with disable_dropout: the first update's ratio is exactly 1
+    assert out["first"]["actor/ratio_mean"] == 1.0 and out["first"]["actor/ppo_kl"] == 0.0
+    batch = out["batch"]
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        base_logp = response_logprobs(base, batch.sequences, batch.attention_mask, batch.response_width)
+    assert (out["after"] - out["ref"]).abs().max() > 1e-3  # the update moved the policy...
+    torch.testing.assert_close(out["ref"], base_logp, rtol=0, atol=1e-5)  # ...and the reference is the base
+    assert out["ckpt_bytes"] < 4 * total  # the adapter and its optimizer state, not the base's
+    assert not torch.equal(out["moved"], out["after"])
+    assert torch.equal(out["resumed"], out["after"])
+    adapter = PeftModel.from_pretrained(base, str(tmp_path / "ckpt" / "adapter")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt" / "merged"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for model in (adapter, merged):
+            logp = response_logprobs(model, batch.sequences, batch.attention_mask, batch.response_width)
+            torch.testing.assert_close(logp, out["after"], rtol=0, atol=1e-5)
