@@ -292,7 +292,9 @@ def _zero3_lora_actor(model_path: str, out_dir: str) -> dict:
         out["ref"] = worker.forward(batch, plan, without_adapter=True)[1]
         worker.save_checkpoint(out_dir, "step1", {"step": 1})
         out["ckpt_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out_dir) for f in fs)
-        worker.train_actor(batch, one_step(plan, batch), PLAIN_UPDATE)
+        # the next step's first update: B is nonzero now, so adapter dropout would show in the ratio
+        batch.old_logp = out["after"]
+        out["second"] = worker.train_actor(batch, one_step(plan, batch), PLAIN_UPDATE)
         out["moved"] = worker.forward(batch, plan)[1]
         worker.load_checkpoint(out_dir, "step1")
         out["resumed"] = worker.forward(batch, plan)[1]
@@ -321,8 +323,10 @@ def test_zero3_lora_actor_trains_the_adapter_only_and_its_reference_is_the_base(
     assert state["trainable"] == out["lora_numel"]
     assert state["moments"] == 8 * out["lora_numel"] and state["master"] == 4 * out["lora_numel"]
     assert out["lora_numel"] < total / 5
-    # dropout 0.3 asked for, zeroed with disable_dropout: the first update's ratio is exactly 1
-    assert out["first"]["actor/ratio_mean"] == 1.0 and out["first"]["actor/ppo_kl"] == 0.0
+    # dropout 0.3 asked for, zeroed with disable_dropout: a step's first update has a ratio of exactly 1, also once
+    # B is nonzero (at the first step B = 0 hides any adapter dropout)
+    for update in ("first", "second"):
+        assert out[update]["actor/ratio_mean"] == 1.0 and out[update]["actor/ppo_kl"] == 0.0, update
     batch = out["batch"]
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():

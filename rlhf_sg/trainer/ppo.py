@@ -539,6 +539,9 @@ class PPOTrainer:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl', 0.0):.4f}",
                             tok_s=f"{metrics.get('throughput/tokens_per_s', 0.0):.0f}", **held_out)
         bar.close()
+        state = self.cluster.actor.call("optimizer_state_bytes", what="optimizer state size")
+        log.info("actor optimizer state: %d bytes over %d ranks (%d trained parameters)",
+                 sum(s["moments"] + s["master"] for s in state), len(state), state[0]["trainable"])
         if not self.cfg.log.save_steps or self.step % self.cfg.log.save_steps:
             self.save_checkpoint()
         if self.cfg.log.export_hf:
