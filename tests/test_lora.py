@@ -342,3 +342,28 @@ def test_zero3_lora_actor_trains_the_adapter_only_and_its_reference_is_the_base(
         for model in (adapter, merged):
             logp = response_logprobs(model, batch.sequences, batch.attention_mask, batch.response_width)
             torch.testing.assert_close(logp, out["after"], rtol=0, atol=1e-5)
+
+
+def test_a_saved_adapter_starts_a_policy_that_computes_as_the_saved_one(tmp_path):
+    """--lora.init_adapter: an adapter written in the export's format (PEFT's) loads back into the same policy,
+    trainable for the actor and frozen for the reference."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_sg.lora import write_adapter_dir
+
+    path = save_tiny_model(str(tmp_path / "m"))
+    trained = _peft_model(path, seed=4)
+    _, _, lora_named = split_lora(list(trained.named_parameters()))
+    spec = LoraSpec(rank=4, alpha=8.0)
+    adapter = write_adapter_dir(str(tmp_path / "adapter"), {adapter_name(n): p.detach() for n, p in lora_named},
+                                spec, path)
+    validate(_cfg(tmp_path, rank=4, alpha=8.0, init_adapter=adapter))
+    with pytest.raises(ConfigError, match="set --lora.rank, --lora.alpha"):
+        validate(_cfg(tmp_path, rank=8, alpha=8.0, init_adapter=adapter))
+    prompt, tokens = PROMPTS[0], [7, 8, 9, 10]
+    for trainable in (True, False):
+        loaded = apply_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                            LoraSpec(rank=4, alpha=8.0, init_adapter=adapter), disable_dropout=True,
+                            trainable=trainable).eval()
+        assert torch.equal(_logp(loaded, prompt, tokens), _logp(trained, prompt, tokens))
+        assert {p.requires_grad for n, p in loaded.named_parameters() if "lora_" in n} == {trainable}
