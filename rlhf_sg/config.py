@@ -930,13 +930,15 @@ def tis_cap(cfg: Config) -> float | None:
 
 def _validate_colocation(cfg: Config) -> None:
     r, t, rw = cfg.rollout, cfg.train, cfg.reward
-    uses_critic, uses_ref, uses_rm = uses_critic_model(cfg), t.kl_coef > 0 and not ref_in_actor(cfg), rw.kind == "model"
+    uses_critic, uses_ref, uses_rm = uses_critic_model(cfg), t.kl_coef > 0, rw.kind == "model"
     if t.colocate_actor_ref:
-        _need(uses_ref, "--train.colocate_actor_ref: there is no reference model to colocate (--train.kl_coef is 0, "
-                        "or a LoRA actor computes the reference itself with its adapter disabled)")
+        _need(uses_ref, "--train.colocate_actor_ref: there is no reference model to colocate (--train.kl_coef is 0)")
+        _need(not ref_in_actor(cfg), "--train.colocate_actor_ref: there is no reference group to colocate: the LoRA "
+                                     "actor computes the reference itself, its adapter disabled; drop the flag")
         _need(t.ref_num_ranks == t.actor_num_ranks,
               f"--train.colocate_actor_ref puts reference rank i on actor rank i's device: set --train.ref_num_ranks "
               f"to --train.actor_num_ranks ({t.actor_num_ranks}), got {t.ref_num_ranks}")
+    uses_ref = uses_ref and not ref_in_actor(cfg)
     if t.colocate_critic_reward:
         _need(uses_critic and uses_rm,
               "--train.colocate_critic_reward needs both a critic (an estimator such as gae) and a reward "
