@@ -3,9 +3,9 @@
 Each test runs in its engine's venv (``recipes/install/{sglang,vllm}_cpu.sh``; the engine CI stages) and is
 skipped where the engine is not installed. The trainer side is a PeftModel whose B is random (a zero adapter
 would leave the base unchanged and prove nothing); after a merged sync the engine's log-probs must be the
-PeftModel's and not the base's, and after B is set back to 0 and synced again, the base's. Both engines get
-merged weights only: SGLang's CPU engine crashes with ``--enable-lora``, and the vLLM backend does not declare
-adapter loading (``supports_lora_adapter``) yet.
+PeftModel's and not the base's, and after B is set back to 0 and synced again, the base's. vLLM also takes the
+adapter alone (``--lora.sync_mode adapter``); SGLang gets merged weights only (its CPU engine crashes with
+``--enable-lora``).
 """
 
 from __future__ import annotations
