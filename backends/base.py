@@ -293,6 +293,8 @@ class RolloutBackend(abc.ABC):
     #: whether :meth:`abort_generation` can cut a running ``generate`` short (partial rollout); without it
     #: the trainer waits for a generate in flight to finish before a weight sync
     supports_abort: ClassVar[bool] = False
+    #: whether :meth:`load_lora_adapter` serves a LoRA adapter sent as its own tensors (--lora.sync_mode adapter)
+    supports_lora_adapter: ClassVar[bool] = False
 
     def __init__(self, config: BackendConfig):
         self.config = config
@@ -379,6 +381,19 @@ class RolloutBackend(abc.ABC):
     def update_weights_from_disk(self, path: str) -> None:
         """Reload all weights from a directory of safetensors files in HF naming."""
         raise BackendError(f"backend {self.name!r} has no disk transport; use one of {sorted(self.transports)}")
+
+    def load_lora_adapter(self, manifest: BucketManifest, flat: torch.Tensor, peft_config: dict[str, Any]) -> None:
+        """Serve the LoRA adapter in ``flat`` from now on, in place of any adapter loaded before (over the base
+        weights the engine holds).
+
+        manifest: the adapter's tensors in PEFT's saved naming (``base_model.model.<module>.lora_A.weight``,
+        ``lora_B.weight``: A [r, in], B [out, r]); flat: [manifest.numel] of manifest.dtype (a CPU tensor);
+        peft_config: ``r``, ``lora_alpha``, ``use_rslora``, ``target_modules`` as PEFT's adapter_config.json
+        holds them. Every later ``generate`` uses the adapter, scaled ``lora_alpha / r`` (``/ sqrt(r)`` with
+        rsLoRA); a backend whose engine caches KV drops the cache (:meth:`finish_weight_update` follows too).
+        Backends that set ``supports_lora_adapter`` implement it."""
+        raise BackendError(f"backend {self.name!r} cannot load a LoRA adapter (supports_lora_adapter is False); "
+                           "use --lora.sync_mode merged")
 
     def finish_weight_update(self, version: int) -> None:
         """Close a sync: record ``version`` and reset the prefix cache (stale KV must not be reused)."""

@@ -326,6 +326,7 @@ class EmbeddedBackend(RolloutBackend):
     name = "hf"
     transports = frozenset({"collective", "tensor", "disk"})
     supports_abort = True
+    supports_lora_adapter = True
 
     def __init__(self, config: BackendConfig):
         super().__init__(config)
@@ -403,6 +404,7 @@ class EmbeddedBackend(RolloutBackend):
         self._abort_lock = threading.Lock()
         self._generating = False
         self.decode_steps = 0  # decode steps the running (or last) generate has taken: its progress
+        self._lora_hooks: list = []  # forward hooks serving the loaded LoRA adapter
 
     # ---- rollout -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -777,6 +779,56 @@ class EmbeddedBackend(RolloutBackend):
         for file in files:
             with safe_open(file, framework="pt") as f:
                 self._load((key, f.get_tensor(key)) for key in f.keys())
+
+    @torch.no_grad()
+    def load_lora_adapter(self, manifest: BucketManifest, flat, peft_config: dict) -> None:
+        """Serve a LoRA adapter: each adapted linear layer's output gains ``scaling * (x A^T) B^T`` (a forward
+        hook; the base weights stay as they are), replacing the adapter loaded before. Names as PEFT saves them
+        (``base_model.model.<module>.lora_A.weight``); scaling ``lora_alpha / r`` (``/ sqrt(r)`` with
+        ``use_rslora``). Checks every tensor before anything changes."""
+        self._check_usable("load_lora_adapter")
+        rank, alpha = int(peft_config["r"]), float(peft_config["lora_alpha"])
+        for key in ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern"):
+            if peft_config.get(key):
+                raise BackendError(f"load_lora_adapter: {key} is not supported by the embedded engine")
+        scaling = alpha / (math.sqrt(rank) if peft_config.get("use_rslora") else rank)
+        if not isinstance(flat, torch.Tensor):
+            raise BackendError(f"load_lora_adapter: flat must be a tensor, got {type(flat).__name__}")
+        modules = dict(self.model.named_modules())
+        halves: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in manifest.unflatten(flat):
+            module_name, sep, which = name.removeprefix("base_model.model.").rpartition(".lora_")
+            if not sep or which not in ("A.weight", "B.weight"):
+                raise BackendError(f"load_lora_adapter: tensor {name!r} is not a LoRA A / B weight "
+                                   "(base_model.model.<module>.lora_A.weight); nothing was loaded")
+            layer = modules.get(module_name)
+            if not isinstance(layer, torch.nn.Linear):
+                raise BackendError(f"load_lora_adapter: {name!r} names no linear layer of this model "
+                                   f"({module_name!r}); nothing was loaded")
+            want = (rank, layer.in_features) if which[0] == "A" else (layer.out_features, rank)
+            if tuple(tensor.shape) != want:
+                raise BackendError(f"load_lora_adapter: {name!r} has shape {tuple(tensor.shape)}, expected {want} "
+                                   f"(r={rank}); nothing was loaded")
+            halves.setdefault(module_name, {})[which[0]] = tensor.to(self._device, layer.weight.dtype, copy=True)
+        for module_name, pair in halves.items():
+            if set(pair) != {"A", "B"}:
+                raise BackendError(f"load_lora_adapter: {module_name!r} has only lora_{''.join(pair)}; nothing was "
+                                   "loaded")
+        self.unload_lora_adapter()
+        for module_name, pair in halves.items():
+            a, b = pair["A"], pair["B"]
+
+            def add_delta(_module, args, output, a=a, b=b):
+                return output + scaling * torch.nn.functional.linear(torch.nn.functional.linear(args[0], a), b)
+
+            self._lora_hooks.append(modules[module_name].register_forward_hook(add_delta))
+        self.reset_prefix_cache()
+
+    def unload_lora_adapter(self) -> None:
+        """Serve the base weights alone again."""
+        for hook in self._lora_hooks:
+            hook.remove()
+        self._lora_hooks = []
 
     def _tied_aliases(self, present: Iterable[str]) -> set[str]:
         """Names that share storage with a name in ``present`` (a tied lm_head, say)."""

@@ -174,6 +174,9 @@ class VLLMBackend(RolloutBackend):
     name = "vllm"
     transports = frozenset({"collective", "tensor", "disk"})
     supports_abort = True
+    #: the engine must start with LoRA on: --rollout.engine_kwargs '{"engine_kwargs": {"enable_lora": true,
+    #: "max_lora_rank": R}}' (R in vLLM's {1, 8, 16, 32, 64, ...}, >= --lora.rank)
+    supports_lora_adapter = True
 
     def __init__(self, config: BackendConfig):
         super().__init__(config)
@@ -210,6 +213,8 @@ class VLLMBackend(RolloutBackend):
                 f"tensor_parallel_size={config.tensor_parallel_size}): {type(exc).__name__}: {exc}"
             ) from exc
         self._rpc("rlhf_install_logprob_hook")
+        self._lora_request = None  # the adapter every generate uses (load_lora_adapter), or None: the base
+        self._lora_dir: str | None = None
 
     # ---- rollout -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -286,7 +291,7 @@ class VLLMBackend(RolloutBackend):
         ``FinishReason.ABORT`` (what ``OutputProcessor.abort_requests`` sends a streaming client), then
         ``LLMEngine.abort_request`` removes the requests from the engine, in this thread, between two steps.
         """
-        request_ids = self.llm.enqueue(requests, sampling, use_tqdm=False)
+        request_ids = self.llm.enqueue(requests, sampling, lora_request=self._lora_request, use_tqdm=False)
         engine = self.llm.llm_engine
         finished: dict[str, Any] = {}
         aborted = False
@@ -527,6 +532,43 @@ class VLLMBackend(RolloutBackend):
         self._released.difference_update(wanted)
         self._asleep = bool(self._released)
 
+    def load_lora_adapter(self, manifest, flat: torch.Tensor, peft_config: dict[str, Any]) -> None:
+        """Serve this adapter from the next generate on: written as a PEFT adapter directory, loaded under a LoRA id
+        never used before (a reload under the same id or name could reuse stale prefix-cache blocks), the previous
+        adapter removed, the prefix cache reset. The engine must have started with ``enable_lora``."""
+        import shutil
+        import tempfile
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        self._check_usable("load_lora_adapter")
+        lora_config = getattr(self.llm.llm_engine.vllm_config, "lora_config", None)
+        if lora_config is None:
+            raise BackendError('load_lora_adapter: this vLLM engine started without LoRA; set --rollout.engine_kwargs '
+                               '\'{"engine_kwargs": {"enable_lora": true, "max_lora_rank": R}}\' (R >= --lora.rank)')
+        if int(peft_config["r"]) > lora_config.max_lora_rank:
+            raise BackendError(f"load_lora_adapter: rank {peft_config['r']} exceeds the engine's max_lora_rank "
+                               f"{lora_config.max_lora_rank}; raise max_lora_rank in --rollout.engine_kwargs")
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.mkdtemp(prefix="rlhf_sg-vllm-lora-")
+        previous = self._lora_request
+        lora_id = 1 if previous is None else previous.lora_int_id + 1
+        path = os.path.join(self._lora_dir, f"v{lora_id}")
+        os.makedirs(path)
+        save_file({name: t.contiguous().clone() for name, t in manifest.unflatten(flat)},
+                  os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as f:
+            json.dump(dict(peft_config, peft_type="LORA"), f)
+        request = LoRARequest(f"policy-{lora_id}", lora_id, path)
+        if not self.llm.llm_engine.add_lora(request):
+            raise BackendError(f"load_lora_adapter: vLLM refused adapter {path}")
+        self._lora_request = request
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self.reset_prefix_cache()
+
     def reset_prefix_cache(self) -> None:
         self._check_usable("reset_prefix_cache")
         if self._asleep and self._can_sleep:
@@ -540,6 +582,10 @@ class VLLMBackend(RolloutBackend):
         try:
             self.destroy_weight_update_group()
         finally:
+            if self._lora_dir is not None:
+                import shutil
+
+                shutil.rmtree(self._lora_dir, ignore_errors=True)
             self._closed = True
             self.llm.llm_engine.engine_core.shutdown()
             del self.llm

@@ -295,6 +295,31 @@ class EvalConfig:
     threshold: float = 1.0
 
 
+LORA_SYNC_MODES = ("merged", "adapter")
+
+
+@dataclass
+class LoraConfig:
+    #: LoRA rank of the actor's adapters (0: off, the actor trains every weight)
+    rank: int = 0
+    #: the adapters' scale is alpha / rank (alpha / sqrt(rank) with rslora)
+    alpha: float = 16.0
+    #: dropout on the adapters' input; forced to 0 with --train.disable_dropout
+    dropout: float = 0.0
+    #: the modules given adapters: "all-linear" (every linear layer but the output head) or module names,
+    #: comma-separated names (q_proj,v_proj)
+    target_modules: str = "all-linear"
+    rslora: bool = False
+    #: how the engines get the policy: "merged" (W + scale * B @ A in the send buffer, every backend) or "adapter"
+    #: (only the LoRA tensors; backends that declare they can load an adapter)
+    sync_mode: str = "merged"
+    #: start from this saved PEFT adapter directory (adapter_config.json + adapter_model.safetensors); the
+    #: reference is then that adapter, frozen (a reference group runs it)
+    init_adapter: str | None = None
+    #: the final export (--log.export_hf) also writes the merged model, in <output_dir>/final_hf/merged
+    export_merged: bool = False
+
+
 @dataclass
 class AgentConfig:
     #: multi-turn rollouts: the environment factory, module:factory, called as factory(tokenizer) once per
@@ -336,6 +361,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -419,6 +445,22 @@ def _closest(name: str, candidates: list[str]) -> str | None:
     return close[0] if close else None
 
 
+#: PEFT LoRA options no rollout engine serves from a synced adapter or merge (vLLM refuses DoRA and
+#: modules_to_save; per-module ranks and alphas would need a rank per engine module): refused by name
+LORA_REFUSED = {
+    "use_dora": "DoRA (a learned magnitude per output channel)",
+    "modules_to_save": "modules_to_save (fully trained copies of whole modules)",
+    "rank_pattern": "rank_pattern (a rank per module)",
+    "alpha_pattern": "alpha_pattern (an alpha per module)",
+}
+
+
+def _refused_lora_option(key: str, where: str) -> ConfigError:
+    return ConfigError(f"{where}: {LORA_REFUSED[key]} is not supported: the engines are given one rank, one alpha "
+                       "and plain LoRA on linear layers; drop it (use --lora.rank, --lora.alpha, "
+                       "--lora.target_modules)")
+
+
 def _did_you_mean(dotted: str) -> str:
     close = _closest(dotted, dotted_keys())
     return f" (did you mean {close!r}?)" if close else ""
@@ -433,6 +475,8 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any], source: str) -> Conf
             raise ConfigError(f"{source}: unknown setting {dotted!r}{_did_you_mean(str(dotted))}; sections are "
                               f"{sorted(classes)}")
         hints = typing.get_type_hints(classes[section])
+        if section == "lora" and key in LORA_REFUSED:
+            raise _refused_lora_option(key, f"--{dotted}" if source == "flag" else f"{source}: {dotted}")
         if key not in hints:
             raise ConfigError(
                 f"{source}: unknown setting {dotted!r}{_did_you_mean(str(dotted))}; {section} has {sorted(hints)}"
@@ -498,6 +542,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
         if flag is None:
             raise ConfigError(f"unexpected argument {extra[0]!r}: settings are given as --section.key value")
         name = flag.split("=", 1)[0]
+        if name.startswith("--lora.") and name[len("--lora."):] in LORA_REFUSED:
+            raise _refused_lora_option(name[len("--lora."):], name)
         close = _closest(name.lstrip("-"), dotted_keys() + [a.lstrip("-") for a in ALIASES])
         hint = f" (did you mean --{close}?)" if close else ""
         raise ConfigError(f"unknown flag {name}{hint}; `rlhf-sg train-ppo --help` lists every setting")
@@ -769,8 +815,62 @@ def validate(cfg: Config) -> Config:
               "the rewards (--train.kl_mode loss or --train.kl_coef 0)")
     _validate_colocation(cfg)
     _validate_rollout_mode(cfg)
+    _validate_lora(cfg)
     _validate_gpu_path(cfg)
     return cfg
+
+
+def lora_scaling(alpha: float, rank: int, rslora: bool) -> float:
+    """The LoRA update's scale: ``alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA."""
+    return alpha / (math.sqrt(rank) if rslora else rank)
+
+
+def lora_target_modules(lora: LoraConfig) -> str | list[str]:
+    """--lora.target_modules as PEFT takes it: ``"all-linear"`` or a list of module names."""
+    if lora.target_modules.strip() == "all-linear":
+        return "all-linear"
+    return [m.strip() for m in lora.target_modules.split(",") if m.strip()]
+
+
+def _validate_lora(cfg: Config) -> None:
+    lo = cfg.lora
+    if lo.rank == 0:
+        _need(lo.init_adapter is None, "--lora.init_adapter needs --lora.rank > 0 (the adapter's rank)")
+        return
+    _need(lo.rank > 0, f"--lora.rank must be >= 0 (0: off), got {lo.rank}")
+    _need(lo.alpha > 0, f"--lora.alpha must be > 0, got {lo.alpha}")
+    _need(0.0 <= lo.dropout < 1.0, f"--lora.dropout must be in [0, 1), got {lo.dropout}")
+    _need(bool(lora_target_modules(lo)), "--lora.target_modules is empty: give all-linear or module names "
+                                         "(q_proj,k_proj,v_proj,o_proj)")
+    _need(lo.sync_mode in LORA_SYNC_MODES,
+          f"--lora.sync_mode must be one of {LORA_SYNC_MODES}, got {lo.sync_mode!r}")
+    if lo.sync_mode == "adapter":
+        from backends.registry import get_backend_class
+
+        try:
+            cls = get_backend_class(cfg.rollout.backend)
+        except Exception as e:  # an engine not installed here: the run would fail to start it anyway
+            raise ConfigError(f"--lora.sync_mode adapter: cannot look up --rollout.backend "
+                              f"{cfg.rollout.backend!r} ({e})") from e
+        _need(getattr(cls, "supports_lora_adapter", False),
+              f"--lora.sync_mode adapter: backend {cfg.rollout.backend!r} does not declare it can load a LoRA "
+              "adapter (supports_lora_adapter); use --lora.sync_mode merged (every backend)")
+    if lo.init_adapter is not None:
+        import json
+
+        path = os.path.join(lo.init_adapter, "adapter_config.json")
+        _need(os.path.isfile(path), f"--lora.init_adapter: {lo.init_adapter!r} has no adapter_config.json; give a "
+                                    "directory written by PEFT's save_pretrained or by rlhf_sg's export")
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        for key in LORA_REFUSED:
+            if saved.get(key):
+                raise _refused_lora_option(key, f"--lora.init_adapter {path}")
+        _need(saved.get("r") == lo.rank and float(saved.get("lora_alpha", -1)) == lo.alpha
+              and bool(saved.get("use_rslora", False)) == lo.rslora,
+              f"--lora.init_adapter {path}: r={saved.get('r')}, lora_alpha={saved.get('lora_alpha')}, "
+              f"use_rslora={saved.get('use_rslora', False)}; set --lora.rank, --lora.alpha and --lora.rslora to "
+              "match")
 
 
 def _validate_gpu_path(cfg: Config) -> None:
@@ -957,9 +1057,12 @@ def _validate_colocation(cfg: Config) -> None:
     uses_critic, uses_ref, uses_rm = uses_critic_model(cfg), t.kl_coef > 0, rw.kind == "model"
     if t.colocate_actor_ref:
         _need(uses_ref, "--train.colocate_actor_ref: there is no reference model to colocate (--train.kl_coef is 0)")
+        _need(not ref_in_actor(cfg), "--train.colocate_actor_ref: there is no reference group to colocate: the LoRA "
+                                     "actor computes the reference itself, its adapter disabled; drop the flag")
         _need(t.ref_num_ranks == t.actor_num_ranks,
               f"--train.colocate_actor_ref puts reference rank i on actor rank i's device: set --train.ref_num_ranks "
               f"to --train.actor_num_ranks ({t.actor_num_ranks}), got {t.ref_num_ranks}")
+    uses_ref = uses_ref and not ref_in_actor(cfg)
     if t.colocate_critic_reward:
         _need(uses_critic and uses_rm,
               "--train.colocate_critic_reward needs both a critic (an estimator such as gae) and a reward "
@@ -992,7 +1095,7 @@ def devices_needed(cfg: Config) -> tuple[int, str]:
     sizes = {"actor": t.actor_num_ranks, "engines": r.num_engines}
     if uses_critic_model(cfg):
         sizes["critic"] = t.critic_num_ranks
-    if t.kl_coef > 0:
+    if t.kl_coef > 0 and not ref_in_actor(cfg):
         sizes["ref"] = t.ref_num_ranks
     if cfg.reward.kind == "model":
         sizes["reward"] = cfg.reward.num_ranks
@@ -1057,6 +1160,13 @@ def check_devices(cfg: Config, visible: int | None = None) -> None:
           f"the layout needs {need} GPUs ({parts}) but {visible} are visible; lower --train.*_num_ranks / "
           "--rollout.num_engines / --rollout.tensor_parallel_size, or share devices (--train.colocate_all, "
           "--train.colocate_actor_ref, --train.colocate_critic_reward), or join a larger Ray cluster (RAY_ADDRESS)")
+
+
+def ref_in_actor(cfg: Config) -> bool:
+    """Whether the reference log-probs come from the LoRA actor with its adapter disabled (no reference group):
+    a fresh adapter (B = 0) starts as the base, so the base is the reference. From --lora.init_adapter, the
+    reference is that adapter, frozen, in a reference group of its own."""
+    return cfg.train.kl_coef > 0 and cfg.lora.rank > 0 and cfg.lora.init_adapter is None
 
 
 def uses_critic_model(cfg: Config) -> bool:

@@ -92,6 +92,7 @@ class EngineActor:
             "weight_group_size": self.backend.config.tensor_parallel_size,
             "weight_version": self.backend.weight_version,
             "supports_abort": self.backend.supports_abort,
+            "supports_lora_adapter": self.backend.supports_lora_adapter,
         }
 
     # ---- rollout -------------------------------------------------------------------------
@@ -255,6 +256,12 @@ class EngineActor:
 
     def update_weights_from_disk(self, path: str) -> None:
         self.backend.update_weights_from_disk(path)
+
+    def load_lora_adapter(self, manifest: BucketManifest, flat: torch.Tensor, peft_config: dict[str, Any]) -> float:
+        """The backend's ``load_lora_adapter`` (the adapter's tensors in one CPU bucket); returns the seconds."""
+        start = time.perf_counter()
+        self.backend.load_lora_adapter(manifest, flat, peft_config)
+        return time.perf_counter() - start
 
     def finish_weight_update(self, version: int) -> int:
         """Close a sync (new weight version, prefix cache reset); returns the engine's version."""

@@ -795,8 +795,29 @@ def _slot_holders(batch: PackedBatch) -> torch.Tensor:
     return holders.index_fill_(0, batch.slots, 1)
 
 
+def _frozen_zero3(module: nn.Module) -> bool:
+    params = list(module.parameters())
+    return bool(params) and all(hasattr(p, "ds_id") and not p.requires_grad for p in params)
+
+
+class _FrozenHead:
+    """A frozen, ZeRO-3 partitioned linear lm_head as one full detached copy, applied without its module hooks."""
+
+    def __init__(self, lm_head: nn.Module):
+        from rlhf_sg.sync.gather import gathered
+
+        if not isinstance(lm_head, nn.Linear):
+            raise TypeError(f"a frozen ZeRO-3 lm_head must be an nn.Linear, got {type(lm_head).__name__}")
+        with gathered(list(lm_head.parameters())):
+            self.weight = lm_head.weight.detach().clone()
+            self.bias = None if lm_head.bias is None else lm_head.bias.detach().clone()
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(hidden, self.weight, self.bias)
+
+
 def _logprob_chunk(
-    hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, temperature: float, with_entropy: bool,
+    hidden: torch.Tensor, labels: torch.Tensor, lm_head, temperature: float, with_entropy: bool,
     head: tuple[str, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = lm_head(hidden).float()
@@ -914,7 +935,9 @@ def response_logprobs(
         captured["hidden"] = output[0]
 
     no_logits = torch.empty(0, dtype=torch.long, device=device)
-    hook = module.base_model.register_forward_hook(keep_hidden)
+    # the decoder backbone; a PEFT model (LoRA actor) wraps the causal LM, whose backbone it is
+    causal_lm = module.get_base_model() if hasattr(module, "get_base_model") else module
+    hook = causal_lm.base_model.register_forward_hook(keep_hidden)
     try:
         with router.recording() if router is not None else contextlib.nullcontext():
             if groups is not None:
@@ -940,12 +963,18 @@ def response_logprobs(
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters())
     )
+    projection: nn.Module | _FrozenHead = lm_head
+    if needs_grad and _frozen_zero3(lm_head):
+        # a frozen ZeRO-3 lm_head (a LoRA actor's): DeepSpeed partitions it again after each call, also after the
+        # backward's recomputation of a chunk, which then finds it empty; one full copy for this call instead,
+        # gathered once (no collective in the backward, whose chunk count differs across ranks)
+        projection = _FrozenHead(lm_head)
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         args = (
             hidden[start : start + chunk_tokens],
             labels[start : start + chunk_tokens],
-            lm_head,
+            projection,
             temperature,
             with_entropy,
             head,

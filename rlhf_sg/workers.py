@@ -54,6 +54,9 @@ class WorkerSpec:
     share_prompts: bool = False
     #: run the start-up packing probe (:mod:`rlhf_sg.probe`) at model load
     packing_probe: bool = True
+    #: --lora.* (a :class:`rlhf_sg.config.LoraConfig` as a dict) when this model carries a LoRA adapter: the
+    #: actor trains it; a reference started from --lora.init_adapter holds it frozen
+    lora: dict | None = None
 
 
 def lr_schedule(name: str, warmup_steps: int, total_steps: int):
@@ -298,6 +301,11 @@ class ModelWorker:
             for module in model.modules():
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
+        if self.spec.lora is not None:
+            from rlhf_sg.lora import LoraSpec, apply_lora
+
+            model = apply_lora(model, LoraSpec.from_config(self.spec.lora), self.spec.disable_dropout,
+                               trainable=self.spec.train)
         if not self.spec.train:
             model.requires_grad_(False)
         elif self.spec.gradient_checkpointing:
@@ -323,6 +331,21 @@ class ModelWorker:
             work.wait()
         return packed.tolist()
 
+    def optimizer_state_bytes(self) -> dict[str, int]:
+        """This rank's optimizer state: ``moments`` (the inner optimizer's per-parameter state: Adam's two
+        moments) and ``master`` (ZeRO's fp32 partitions of the trained parameters), in bytes; ``trainable`` the
+        trained parameters' element count (whole, all ranks)."""
+        if not self.spec.train:
+            return {"moments": 0, "master": 0, "trainable": 0}
+        optimizer = self.engine.optimizer
+        inner = getattr(optimizer, "optimizer", optimizer)
+        moments = sum(t.nbytes for state in inner.state.values() for t in state.values() if torch.is_tensor(t)
+                      and t.dim() > 0)
+        master = sum(t.nbytes for t in getattr(optimizer, "fp32_partitioned_groups_flat", []))
+        trainable = sum(math.prod(p.ds_shape) if hasattr(p, "ds_shape") else p.numel()
+                        for p in self.module.parameters() if p.requires_grad)
+        return {"moments": int(moments), "master": int(master), "trainable": int(trainable)}
+
     def ping(self) -> int:
         return self.rank
 
@@ -347,14 +370,22 @@ class ModelWorker:
     # ---- forwards ------------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, experience: Experience, plan: list[list[int]], temperature: float = 1.0,
-                share_prompts: bool = False):
+                share_prompts: bool = False, without_adapter: bool = False):
         """Run this role's forward over the rows of ``plan`` (micro-batches of global row indices); with
         ``share_prompts`` rows with one prompt compute it once (log-probs and values).
 
         Returns (row indices, result): log-probs [n, T] (actor, ref), values [n, T] (critic) or
         scores [n] (reward), rows in the order of the flattened plan. Runs in eval mode: scoring forwards
         use no dropout, so old log-probs and values are the deterministic policy's (updates run in train mode).
+        ``without_adapter`` (a LoRA actor): the base model's log-probs, the adapter disabled (the reference).
         """
+        if without_adapter:
+            from rlhf_sg.lora import adapter_disabled
+
+            if self.spec.lora is None:
+                raise ValueError(f"{self.spec.role} rank {self.rank}: without_adapter needs a LoRA model")
+            with adapter_disabled(self.module):
+                return self.forward(experience, plan, temperature, share_prompts)
         from rlhf_sg.packing import critic_values, response_logprobs, reward_scores
 
         self.engine.eval()
@@ -453,15 +484,24 @@ class ModelWorker:
             bucket_bytes=bucket_bytes,
             timeout_s=timeout_s,
             group_name=f"weight-sync{self._sync_setups}",
+            lora=self._lora_spec(),
         )
         self.syncer.setup()
+
+    def _lora_spec(self):
+        if self.spec.lora is None:
+            return None
+        from rlhf_sg.lora import LoraSpec
+
+        return LoraSpec.from_config(self.spec.lora)
 
     def sync_weights(self, version: int, release_buffers: bool = False) -> dict[str, float]:
         """Push the weights as ``version``. ``release_buffers`` (colocated runs, before the engines' KV cache
         wakes): free the sync's buffers afterwards and return the cached device memory they took."""
         if self.syncer is None:
             raise RuntimeError(f"actor rank {self.rank}: setup_weight_sync was not called")
-        stats = self.syncer.sync(self.engine, version)
+        # sleeping engines may have dropped their weights: an adapter sync sends the base first
+        stats = self.syncer.sync(self.engine, version, with_base=release_buffers)
         if release_buffers:
             self.syncer.release_buffers()
             self.release_device_cache()
@@ -521,10 +561,13 @@ class ModelWorker:
         state = dict(client_state, torch_rng=torch.get_rng_state())
         if torch.cuda.is_available():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
-        self.engine.save_checkpoint(path, tag=tag, client_state=state)
+        # a LoRA actor: the adapter and its optimizer state, not the frozen base (the run's --model.pretrain)
+        self.engine.save_checkpoint(path, tag=tag, client_state=state,
+                                    exclude_frozen_parameters=self.spec.lora is not None)
 
     def load_checkpoint(self, path: str, tag: str) -> dict[str, Any]:
-        load_path, client_state = self.engine.load_checkpoint(path, tag=tag)
+        load_path, client_state = self.engine.load_checkpoint(path, tag=tag,
+                                                              load_module_strict=self.spec.lora is None)
         if load_path is None:
             raise FileNotFoundError(f"{self.spec.role} rank {self.rank}: no DeepSpeed checkpoint {tag!r} in {path}")
         if "torch_rng" in client_state:
@@ -535,7 +578,10 @@ class ModelWorker:
         return client_state
 
     def export_hf(self, path: str) -> str | None:
-        """Gather the full weights one tensor at a time and save an HF checkpoint from rank 0."""
+        """Gather the full weights one tensor at a time and save an HF checkpoint from rank 0. A LoRA actor writes
+        a PEFT adapter directory there instead (:meth:`export_lora`)."""
+        if self.spec.lora is not None:
+            return self.export_lora(path)
         import deepspeed
 
         state = {}
@@ -547,6 +593,39 @@ class ModelWorker:
             return None
         os.makedirs(path, exist_ok=True)
         self.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+        return path
+
+    def export_lora(self, path: str, merged_path: str | None = None) -> str | None:
+        """A LoRA actor's adapter as PEFT saves one (adapter_model.safetensors, adapter_config.json) in ``path``,
+        and with ``merged_path`` (--lora.export_merged) the merged model (``W + scaling * B @ A``, in fp32, cast
+        to the base dtype) as an HF checkpoint there; gathered one tensor at a time, written by rank 0."""
+        from rlhf_sg.lora import LoraSpec, adapter_name, split_lora, write_adapter_dir
+        from rlhf_sg.sync import gathered, hf_name
+
+        spec = LoraSpec.from_config(self.spec.lora)
+        base, adapters, lora_named = split_lora([(hf_name(n), p) for n, p in self.module.named_parameters()])
+        adapter = {}
+        for name, param in lora_named:
+            with gathered([param]):
+                if self.rank == 0:
+                    adapter[adapter_name(name)] = param.data.detach().to("cpu", copy=True)
+        merged = {}
+        if merged_path is not None:
+            for name, param in base:
+                pair = adapters.get(name)
+                with gathered([param] + ([pair.a, pair.b] if pair else [])):
+                    if self.rank != 0:
+                        continue
+                    weight = param.data.detach().to("cpu", torch.float32, copy=True)
+                    if pair is not None:
+                        weight.addmm_(pair.b.data.float().cpu(), pair.a.data.float().cpu(), alpha=spec.scaling)
+                    merged[name] = weight.to(param.dtype)
+        if self.rank != 0:
+            return None
+        write_adapter_dir(path, adapter, spec, self.spec.model_path)
+        if merged_path is not None:
+            os.makedirs(merged_path, exist_ok=True)
+            self.module.get_base_model().save_pretrained(merged_path, state_dict=merged, safe_serialization=True)
         return path
 
     # ---- profiling ------------------------------------------------------------------------------------
@@ -699,9 +778,10 @@ class ModelGroup:
         return self._get(refs, what or method)
 
     def forward(self, batch_ref, plans: list[list[list[int]]], batch_size: int, temperature: float = 1.0,
-                share_prompts: bool = False):
-        """Results of every rank reassembled in global row order: [B, T] or [B]."""
-        results = self.call("forward", per_rank=[(batch_ref, plans[i], temperature, share_prompts)
+                share_prompts: bool = False, without_adapter: bool = False):
+        """Results of every rank reassembled in global row order: [B, T] or [B]. ``without_adapter``: a LoRA
+        actor's base model (the reference)."""
+        results = self.call("forward", per_rank=[(batch_ref, plans[i], temperature, share_prompts, without_adapter)
                                                  for i in range(len(plans))])
         out = None
         for order, tensor in results:

@@ -104,7 +104,8 @@ class PerTensorBaseline:
 class Zero3SyncRank:
     """One DeepSpeed ZeRO-3 rank holding a causal LM, with a :class:`~rlhf_sg.sync.WeightSyncer`."""
 
-    def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, timeout_s: float = 300.0):
+    def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, timeout_s: float = 300.0,
+                 lora_rank: int = 0):
         torch.set_num_threads(1)
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         init_torch_distributed(rank, world_size, "127.0.0.1", master_port, backend="gloo", timeout_s=timeout_s)
@@ -112,6 +113,16 @@ class Zero3SyncRank:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.lora = None
+        if lora_rank:  # a LoRA policy: all-linear adapters, B random (a trained adapter's)
+            from rlhf_sg.lora import LoraSpec, apply_lora
+
+            self.lora = LoraSpec(rank=lora_rank, alpha=2.0 * lora_rank)
+            model = apply_lora(model, self.lora, disable_dropout=True)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0.0, 0.01)
         self.engine, *_ = deepspeed.initialize(model=model, config=zero3_config(train=False))
         self.syncer = None
         self._flat: torch.Tensor | None = None
@@ -136,10 +147,15 @@ class Zero3SyncRank:
                 state[name] = p.data.detach().clone()
         return state
 
-    def setup_syncer(self, engines: list, baseline: bool = False, **kwargs: Any) -> None:
-        """A :class:`~rlhf_sg.sync.WeightSyncer` (or, ``baseline=True``, the :class:`PerTensorBaseline`)."""
+    def setup_syncer(self, engines: list, baseline: bool = False, lora_sync: str | None = None, **kwargs: Any) -> None:
+        """A :class:`~rlhf_sg.sync.WeightSyncer` (or, ``baseline=True``, the :class:`PerTensorBaseline`);
+        ``lora_sync``: a LoRA rank's sync mode ("merged" or "adapter")."""
+        import dataclasses
+
         from rlhf_sg.sync import WeightSyncer
 
+        if lora_sync is not None:
+            kwargs["lora"] = dataclasses.replace(self.lora, sync_mode=lora_sync)
         cls = PerTensorBaseline if baseline else WeightSyncer
         self.syncer = cls(self.rank, self.world_size, engines, **kwargs)
         self.syncer.setup()
@@ -212,8 +228,9 @@ class FlatReceiver:
         side_broadcast(self._group, self._buffer, 0, self._timeout_s).wait()
 
 
-def start_trainer_ranks(model_path: str, world_size: int, timeout_s: float = 300.0) -> list:
-    """``world_size`` :class:`Zero3SyncRank` Ray actors (one CPU each, DeepSpeed's CPU accelerator)."""
+def start_trainer_ranks(model_path: str, world_size: int, timeout_s: float = 300.0, lora_rank: int = 0) -> list:
+    """``world_size`` :class:`Zero3SyncRank` Ray actors (one CPU each, DeepSpeed's CPU accelerator); ``lora_rank``:
+    a LoRA policy of that rank."""
     import ray
 
     from rlhf_sg.distributed import free_port
@@ -221,7 +238,7 @@ def start_trainer_ranks(model_path: str, world_size: int, timeout_s: float = 300
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cls = ray.remote(num_cpus=1, runtime_env={"env_vars": env})(Zero3SyncRank)
     port = free_port()
-    ranks = [cls.remote(r, world_size, port, model_path, timeout_s) for r in range(world_size)]
+    ranks = [cls.remote(r, world_size, port, model_path, timeout_s, lora_rank) for r in range(world_size)]
     ray.get([r.shard_numels.remote() for r in ranks], timeout=timeout_s)
     return ranks
 
@@ -243,7 +260,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket-mb", type=float, default=32.0, help="bucket size in MiB (overlap needs >= 2)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of (a) (b) (c) (d), alternated")
     parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="compare a LoRA policy's merged and adapter syncs of this rank with the full model's sync")
     args = parser.parse_args(argv)
+    if args.lora_rank:
+        return lora_main(args)
 
     import ray
 
@@ -336,6 +357,55 @@ def main(argv: list[str] | None = None) -> None:
     # On one machine the gather's bytes cross the same loopback and cores as the sends: with perfect
     # overlap (c) still costs about (d) plus the gather's traffic, which bounds c/d below 100%.
     print(f"  estimate when gather and send share the cores: c/d <= d/(d+g) = {med['d'] / (med['d'] + med['g']):.0%}")
+
+
+def lora_main(args) -> None:
+    """Bytes and seconds per sync of the full model (no LoRA), a LoRA policy merged, and its adapter alone
+    (every rank a sender, overlap; median of ``--rounds`` syncs after an untimed first)."""
+    import ray
+
+    from backends.base import BackendConfig
+    from rlhf_sg.engine_actor import start_engine_actors
+    from rlhf_sg.tiny import save_tiny_model
+
+    if args.lora_rank < 1:
+        raise SystemExit(f"--lora-rank must be >= 1, got {args.lora_rank}")
+    bucket_bytes = int(args.bucket_mb * 2**20)
+    workdir = tempfile.mkdtemp(prefix="rlhf_sg-bench-weight-sync-")
+    results: dict[str, tuple[float, float, float]] = {}  # mode -> (bytes, median seconds, LoRA bytes gathered)
+    try:
+        model_path = save_tiny_model(os.path.join(workdir, "model"), arch=args.arch, size=args.size)
+        ray.init(num_cpus=args.ranks + args.engines, include_dashboard=False, log_to_driver=False)
+        engines = start_engine_actors("hf", BackendConfig(model_path=model_path, num_threads=1), args.engines)
+        version = 0
+        for lora_rank, modes in ((0, [None]), (args.lora_rank, ["merged", "adapter"])):
+            ranks = start_trainer_ranks(model_path, args.ranks, args.timeout_s, lora_rank=lora_rank)
+            for mode in modes:
+                ray.get([r.setup_syncer.remote(engines, bucket_bytes=bucket_bytes, timeout_s=args.timeout_s,
+                                               lora_sync=mode) for r in ranks], timeout=args.timeout_s)
+                version += 1  # untimed: plans and checks the buckets (adapter mode: sends the base once)
+                ray.get([r.sync.remote(version) for r in ranks], timeout=args.timeout_s)
+                seconds, stats = [], None
+                for _ in range(args.rounds):
+                    version += 1
+                    elapsed, stats = _timed([r.sync.remote(version) for r in ranks], args.timeout_s)
+                    seconds.append(elapsed)
+                results[mode or "full"] = (stats[0]["bytes"], statistics.median(seconds),
+                                           stats[0].get("lora_bytes_gathered", 0.0))
+                ray.get([r.close_syncer.remote() for r in ranks], timeout=args.timeout_s)
+            for r in ranks:
+                ray.kill(r)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(workdir, ignore_errors=True)
+    full_bytes, full_s, _ = results["full"]
+    print(f"weight-sync --lora-rank {args.lora_rank}: {args.arch} {args.size}, {args.ranks} ZeRO-3 ranks (gloo, CPU), "
+          f"{args.engines} embedded engines, buckets of {args.bucket_mb:g} MiB, median of {args.rounds} syncs")
+    for mode, label in (("full", "full fine-tune: every weight"), ("merged", "LoRA merged: W + s*B@A per bucket"),
+                        ("adapter", "LoRA adapter: LoRA tensors only")):
+        nbytes, secs, lora = results[mode]
+        print(f"  {mode:<8}{label:<38}{nbytes / 1e6:10.2f} MB/engine {secs:8.3f} s  LoRA gathered {lora / 1e6:7.2f} MB"
+              f"   bytes x{full_bytes / nbytes:6.1f} fewer, {full_s / secs:5.2f}x faster than full")
 
 
 def _start_flat_receivers(ranks: list, senders: int, num_engines: int, numel: int, timeout_s: float) -> list:

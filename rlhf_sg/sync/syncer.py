@@ -20,6 +20,7 @@ found through the registry from the engine's ``describe()``.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from backends.base import BucketManifest, WeightGroupSpec
 from rlhf_sg.engine_actor import EngineCallError, wait_engine_calls
+from rlhf_sg.lora import LoraSpec, LoraTensors, adapter_name, merge_into_bucket, split_lora
 from rlhf_sg.sync.gather import GatherStaging, gather_bucket
 from rlhf_sg.sync.plan import check_plan, full_shape, manifest_bytes, named_weights, plan_buckets
 from rlhf_sg.sync.transports import (
@@ -78,6 +80,7 @@ class WeightSyncer:
         disk_dir: str | None = None,
         group_name: str = "weight-sync",
         open_group: Callable[[WeightGroupSpec, dist.Store], Any] | None = None,
+        lora: LoraSpec | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"WeightSyncer: rank {rank} outside world_size {world_size}")
@@ -115,6 +118,11 @@ class WeightSyncer:
         self._last_version: int | None = None
         #: per bucket of the last sync: seconds by phase (see :meth:`sync`)
         self.bucket_times: list[dict[str, float]] = []
+        #: a LoRA actor: sync merged weights or the adapter (:mod:`rlhf_sg.lora`); None: the model's weights as they are
+        self.lora = lora
+        self._lora_plan: list[BucketManifest | None] = []  # per bucket: its adapters' A / B (merged mode)
+        self._base_sent = False  # adapter mode: the engines hold the base weights this syncer sent
+        self.lora_bytes_gathered = 0  # the last sync's LoRA tensors gathered out of ZeRO-3, in bytes
 
     # ---- set-up --------------------------------------------------------------------------
     def setup(self) -> None:
@@ -143,14 +151,20 @@ class WeightSyncer:
             transport = HandOffTransport(ctx, infos)
         else:
             transport = DiskTransport(ctx, infos, self.disk_dir)
+        if self.lora is not None and self.lora.sync_mode == "adapter":
+            for e, info in zip(self.my_engines, infos):
+                if not info.get("supports_lora_adapter"):
+                    raise ValueError(f"engine {e} ({info['backend']}) cannot load a LoRA adapter; use "
+                                     "--lora.sync_mode merged")
         transport.setup()
+        self._base_sent = False
         if isinstance(transport, DiskTransport):
             self.disk_dir = transport.disk_dir
         self._transport = transport
         self._broken = None
 
     # ---- sync ----------------------------------------------------------------------------
-    def sync(self, model: torch.nn.Module, version: int) -> dict[str, float]:
+    def sync(self, model: torch.nn.Module, version: int, with_base: bool = False) -> dict[str, float]:
         """Push the weights of ``model`` (DeepSpeed engine or module) to the engines as ``version``.
 
         Returns this rank's stats: ``bytes`` (one copy of the model), ``seconds``, ``GBps``,
@@ -158,6 +172,12 @@ class WeightSyncer:
         (the shard exchange), ``copy_seconds`` (shards into the bucket buffer), ``send_wait_seconds``
         (waiting on the transport for a buffer or at the end), ``engine_seconds`` (the slowest engine's
         receive and load, as it measured them). :attr:`bucket_times` has them per bucket.
+
+        A LoRA model (``lora``): ``merged`` sends every base weight under its engine name with its adapter's
+        ``scaling * B @ A`` added in fp32 in the send buffer; ``adapter`` sends the base weights only at the first
+        sync after :meth:`setup` or when ``with_base`` (engines that dropped their weights while asleep), then the
+        adapter's tensors to every engine's ``load_lora_adapter``. ``lora_bytes_gathered``: the adapter tensors'
+        bytes gathered out of ZeRO-3.
         """
         if self._transport is None:
             raise RuntimeError(f"WeightSyncer rank {self.rank}: call setup() before sync()")
@@ -172,12 +192,25 @@ class WeightSyncer:
             raise ValueError(f"sync: version {version} is not newer than the last synced {self._last_version}")
         start = time.perf_counter()
         named = named_weights(model)
-        self._prepare_plan(named)
-        self._allocate_buffers()
+        adapters: dict[str, LoraTensors] = {}
+        lora_named: list[tuple[str, torch.nn.Parameter]] = []
+        if self.lora is not None:
+            named, adapters, lora_named = split_lora(named)
+        send_base = self.lora is None or self.lora.sync_mode == "merged" or with_base or not self._base_sent
+        self._prepare_plan(named, adapters if self.lora is not None and self.lora.sync_mode == "merged" else {})
         params = dict(named)
         transport = self._transport
+        self.lora_bytes_gathered = 0
+        total = 0
         try:
-            gather_times = self._run(transport, params, version)
+            gather_times: list[dict[str, float]] = []
+            if send_base:
+                self._allocate_buffers()
+                gather_times = self._run(transport, params, version, adapters)
+                total += sum(manifest_bytes(m) for m in self._plan)
+            if self.lora is not None and self.lora.sync_mode == "adapter":
+                total += self._send_adapter(lora_named)
+                self._base_sent = True
             versions = wait_engine_calls(self._call_mine("finish_weight_update", version), self.timeout_s)
         except BaseException as exc:
             if isinstance(transport, BroadcastTransport):
@@ -189,8 +222,7 @@ class WeightSyncer:
                 raise EngineCallError(f"engine {e}: finish_weight_update({version}) left weight_version {v}")
         self._last_version = version
         seconds = time.perf_counter() - start
-        self.bucket_times = [{**gather_times[k], **transport.times.get(k, {})} for k in range(len(self._plan))]
-        total = sum(manifest_bytes(m) for m in self._plan)
+        self.bucket_times = [{**gather_times[k], **transport.times.get(k, {})} for k in range(len(gather_times))]
 
         def summed(key: str) -> float:
             return float(sum(t.get(key, 0.0) for t in self.bucket_times))
@@ -205,10 +237,13 @@ class WeightSyncer:
             "send_wait_seconds": summed("send_wait_s"),
             "engine_seconds": summed("engine_s"),
             "engines": float(len(self.my_engines)),
+            "lora_bytes_gathered": float(self.lora_bytes_gathered),
         }
 
-    def _run(self, transport: Transport, params: dict[str, torch.nn.Parameter], version: int) -> list[dict]:
-        """The one double-buffer loop: gather bucket k into a free buffer, send it, reuse after its wait."""
+    def _run(self, transport: Transport, params: dict[str, torch.nn.Parameter], version: int,
+             adapters: dict[str, LoraTensors]) -> list[dict]:
+        """The one double-buffer loop: gather bucket k into a free buffer (merged LoRA: add its adapters), send it,
+        reuse after its wait."""
         transport.begin(self._plan, version)
         in_flight: list[Any] = [None] * len(self._buffers)
         times: list[dict[str, float]] = [{} for _ in self._plan]
@@ -221,6 +256,8 @@ class WeightSyncer:
                     in_flight[slot] = None
                 out = self._buffers[slot][: manifest_bytes(manifest)].view(manifest.dtype)
             gather_bucket([params[s.name] for s in manifest.tensors], manifest, out, self._staging, times[k])
+            if self._lora_plan and self._lora_plan[k] is not None:
+                self._merge_adapters(manifest, self._lora_plan[k], adapters, out)
             if out is None:
                 continue
             handle = transport.send(k, manifest, out)
@@ -235,10 +272,50 @@ class WeightSyncer:
         transport.end(self._plan, version)
         return times
 
-    def _prepare_plan(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
-        """Plan buckets when the model's names/shapes/dtypes changed, check them with the engines first."""
+    def _merge_adapters(self, manifest: BucketManifest, lora_manifest: BucketManifest,
+                        adapters: dict[str, LoraTensors], out: torch.Tensor | None) -> None:
+        """Gather the A / B of bucket ``manifest``'s adapted weights (collective: every rank) and add
+        ``scaling * B @ A`` to those weights in ``out``, the send buffer (None on a rank that only gathers)."""
+        pairs = [adapters[s.name[: -len(".lora_A")]].a if s.name.endswith(".lora_A")
+                 else adapters[s.name[: -len(".lora_B")]].b for s in lora_manifest.tensors]
+        flat = None if out is None else torch.empty(lora_manifest.numel, dtype=lora_manifest.dtype, device=out.device)
+        gather_bucket(pairs, lora_manifest, flat, self._staging)
+        self.lora_bytes_gathered += manifest_bytes(lora_manifest)
+        if out is None:
+            return
+        halves = dict(lora_manifest.unflatten(flat))
+        deltas = {name: (halves[f"{name}.lora_A"], halves[f"{name}.lora_B"])
+                  for name in (s.name for s in manifest.tensors) if f"{name}.lora_A" in halves}
+        merge_into_bucket(manifest, out, deltas, self.lora.scaling)
+
+    def _send_adapter(self, lora_named: list[tuple[str, torch.nn.Parameter]]) -> int:
+        """Adapter mode: gather the LoRA tensors only (one bucket, CPU) and load them into every engine served
+        here; returns the bytes sent to one engine."""
+        if not lora_named:
+            raise ValueError("--lora.sync_mode adapter: the model has no LoRA tensors")
+        meta = [(adapter_name(name), full_shape(p), p.dtype) for name, p in lora_named]
+        dtypes = {dtype for _, _, dtype in meta}
+        if len(dtypes) != 1:
+            raise ValueError(f"--lora.sync_mode adapter: the LoRA tensors have dtypes {sorted(map(str, dtypes))}; "
+                             "they must share the base's dtype")
+        manifest = plan_buckets(meta, sum(math.prod(s) for _, s, _ in meta) * next(iter(dtypes)).itemsize)[0]
+        flat = torch.empty(manifest.numel, dtype=manifest.dtype, device=self.device) if self.my_engines else None
+        gather_bucket([p for _, p in lora_named], manifest, flat, self._staging)
+        self.lora_bytes_gathered += manifest_bytes(manifest)
+        if self.my_engines:
+            import ray
+
+            ref = ray.put(flat.cpu())
+            config = self.lora.peft_config()
+            wait_engine_calls(self._call_mine("load_lora_adapter", manifest, ref, config), self.timeout_s)
+        return manifest_bytes(manifest)
+
+    def _prepare_plan(self, named: list[tuple[str, torch.nn.Parameter]],
+                      adapters: dict[str, LoraTensors] | None = None) -> None:
+        """Plan buckets when the model's names/shapes/dtypes changed, check them with the engines first. With
+        ``adapters`` (merged LoRA) each bucket also gets the manifest of its weights' A / B."""
         meta = [(name, full_shape(p), p.dtype) for name, p in named]
-        if meta == self._meta:
+        if meta == self._meta and bool(adapters) == bool(self._lora_plan):
             return
         plan = plan_buckets(meta, self.bucket_bytes)
         check_plan(
@@ -249,6 +326,24 @@ class WeightSyncer:
         )
         self._meta, self._plan = meta, plan
         self._buffers = []
+        self._lora_plan = []
+        if adapters:
+            for manifest in plan:
+                lora_meta = []
+                for spec in manifest.tensors:
+                    if spec.name in adapters:
+                        pair = adapters[spec.name]
+                        lora_meta += [(f"{spec.name}.lora_A", full_shape(pair.a), pair.a.dtype),
+                                      (f"{spec.name}.lora_B", full_shape(pair.b), pair.b.dtype)]
+                if not lora_meta:
+                    self._lora_plan.append(None)
+                    continue
+                dtypes = {d for _, _, d in lora_meta}
+                if dtypes != {manifest.dtype}:
+                    raise ValueError(f"merged LoRA sync: adapter dtypes {sorted(map(str, dtypes))} differ from their "
+                                     f"base weights' {manifest.dtype}; the adapter must have the base's dtype")
+                size = sum(math.prod(s) for _, s, _ in lora_meta) * manifest.dtype.itemsize
+                self._lora_plan.append(plan_buckets(lora_meta, size)[0])
 
     def _allocate_buffers(self) -> None:
         """The plan's bucket buffers, unless held already (they are freed on a plan change and by
@@ -281,5 +376,6 @@ class WeightSyncer:
         self._transport = None
         self._buffers = []
         self._meta, self._plan = None, []
+        self._lora_plan = []
         if errors:
             raise EngineCallError(f"WeightSyncer rank {self.rank}: close: {'; '.join(errors)}")

@@ -152,7 +152,7 @@ class Cluster:
         self.actor = self._group("actor", placed.get("actor"))
         if layout.uses_critic:
             self.critic = self._group("critic", placed.get("critic"))
-        if layout.uses_ref:
+        if layout.ref_group:
             self.ref = self._group("ref", placed.get("ref"))
         if layout.uses_reward_model:
             self.reward_model = self._group("reward", placed.get("reward"))

@@ -3,6 +3,7 @@ threads and Ray resources each gets. Pure arithmetic on the config; nothing here
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ from rlhf_sg.config import (
     Config,
     lr_warmup_steps,
     optimizer_steps,
+    ref_in_actor,
     rollout_is_async,
     shares_prompts,
     sleep_engines,
@@ -30,6 +32,15 @@ class Layout:
         return self.cfg.train.kl_coef > 0
 
     @property
+    def ref_in_actor(self) -> bool:
+        """The LoRA actor computes the reference log-probs with its adapter disabled; no reference group."""
+        return ref_in_actor(self.cfg)
+
+    @property
+    def ref_group(self) -> bool:
+        return self.uses_ref and not self.ref_in_actor
+
+    @property
     def uses_reward_model(self) -> bool:
         return self.cfg.reward.kind == "model"
 
@@ -39,7 +50,7 @@ class Layout:
         sizes = {"actor": t.actor_num_ranks, "engines": self.cfg.rollout.num_engines}
         if self.uses_critic:
             sizes["critic"] = t.critic_num_ranks
-        if self.uses_ref:
+        if self.ref_group:
             sizes["ref"] = t.ref_num_ranks
         if self.uses_reward_model:
             sizes["reward"] = self.cfg.reward.num_ranks
@@ -137,7 +148,16 @@ class Layout:
             gradient_checkpointing=train and t.gradient_checkpointing, disable_dropout=t.disable_dropout,
             seed=t.seed, threads=self.worker_threads(role), device=t.device, timeout_s=t.timeout_s,
             share_prompts=shares_prompts(cfg), packing_probe=t.packing_probe,
+            lora=self.lora_of(role),
         )
+
+    def lora_of(self, role: str) -> dict | None:
+        """--lora.* for the groups that carry the adapter: the actor, and a reference started from
+        --lora.init_adapter (which holds it frozen)."""
+        lora = self.cfg.lora
+        if lora.rank == 0 or role not in ("actor", "ref") or (role == "ref" and lora.init_adapter is None):
+            return None
+        return dataclasses.asdict(lora)
 
     def engine_config(self):
         """The :class:`backends.base.BackendConfig` every engine starts with."""

@@ -346,9 +346,15 @@ class PPOTrainer:
         ref = _put(experience)
         if self.uses_ref:
             with timer.phase("reference"):
-                plans = microbatch_plans(experience, t.ref_num_ranks, t.max_tokens_per_microbatch,
-                                         share_prompts=self.share_prompts)
-                experience.ref_logp = self.cluster.ref.forward(ref, plans, B, temperature, self.share_prompts)
+                if self.layout.ref_in_actor:  # a LoRA actor with its adapter disabled is the base model
+                    plans = microbatch_plans(experience, t.actor_num_ranks, t.max_tokens_per_microbatch,
+                                             share_prompts=self.share_prompts)
+                    experience.ref_logp = self.cluster.actor.forward(ref, plans, B, temperature, self.share_prompts,
+                                                                     without_adapter=True)
+                else:
+                    plans = microbatch_plans(experience, t.ref_num_ranks, t.max_tokens_per_microbatch,
+                                             share_prompts=self.share_prompts)
+                    experience.ref_logp = self.cluster.ref.forward(ref, plans, B, temperature, self.share_prompts)
         if self.uses_critic:
             with timer.phase("critic"):
                 plans = microbatch_plans(experience, t.critic_num_ranks, t.max_tokens_per_microbatch,
@@ -535,6 +541,9 @@ class PPOTrainer:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl', 0.0):.4f}",
                             tok_s=f"{metrics.get('throughput/tokens_per_s', 0.0):.0f}", **held_out)
         bar.close()
+        state = self.cluster.actor.call("optimizer_state_bytes", what="optimizer state size")
+        log.info("actor optimizer state: %d bytes over %d ranks (%d trained parameters)",
+                 sum(s["moments"] + s["master"] for s in state), len(state), state[0]["trainable"])
         if not self.cfg.log.save_steps or self.step % self.cfg.log.save_steps:
             self.save_checkpoint()
         if self.cfg.log.export_hf:
@@ -550,6 +559,8 @@ class PPOTrainer:
         if data_state is None:  # async: the stream has moved on to batches not yet trained
             data_state = self.async_rollout.data_state(self.step) if self.async_rollout else self.stream.state()
         state = {"data": data_state, "rng": self.rng.getstate(), "kl_coef": self.kl_ctl.value}
+        if self.cfg.lora.rank > 0:  # the checkpoint holds the adapter only: name the base it was trained on
+            state["lora_base"] = self._lora_base()
         with self._trainer_calls():
             return checkpoint.save_checkpoint(checkpoint.checkpoint_root(self.cfg.log.output_dir), self.step,
                                               self._checkpointed_groups(), state)
@@ -562,6 +573,10 @@ class PPOTrainer:
             log.info("--log.resume: %d metric records after the checkpoint will be logged again", dropped)
         if state is None:
             return
+        if self.cfg.lora.rank > 0 and state.get("lora_base") != self._lora_base():
+            raise checkpoint.CheckpointError(
+                f"{state['tag']}: its LoRA adapter was trained on base {state.get('lora_base')}, this run's is "
+                f"{self._lora_base()}: resume with the same --model.pretrain (same weights)")
         self.step = int(state["step"])
         self._resumed_from = self.step  # the run before this one evaluated up to here
         self.stream.load_state(state["data"])
@@ -572,7 +587,23 @@ class PPOTrainer:
         self.weight_version = self.step
         log.info("resumed from %s at step %d", state["tag"], self.step)
 
+    def _lora_base(self) -> dict:
+        """The base model a LoRA checkpoint belongs to: its path and a hash of its weight files (computed once)."""
+        if getattr(self, "_lora_base_cache", None) is None:
+            from rlhf_sg.lora import base_hash
+
+            path = self.cfg.model.pretrain
+            self._lora_base_cache = {"path": os.path.abspath(path), "sha256": base_hash(path)}
+        return self._lora_base_cache
+
     def export_hf(self, path: str) -> str:
+        if self.cfg.lora.rank > 0:  # a PEFT adapter directory (and the merged model on request)
+            merged = os.path.join(path, "merged") if self.cfg.lora.export_merged else None
+            self.cluster.actor.call("export_lora", path, merged, what="LoRA export")
+            if merged is not None:
+                self.tokenizer.save_pretrained(merged)
+            self.tokenizer.save_pretrained(path)
+            return path
         self.cluster.actor.call("export_hf", path, what="HF export")
         self.tokenizer.save_pretrained(path)
         return path
