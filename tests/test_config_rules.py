@@ -445,7 +445,7 @@ def test_help_names_every_setting_with_its_default():
     flat = " ".join(text.split())
     assert ("Train a policy with PPO / GRPO / Dr.GRPO / RLOO / REINFORCE++. Every setting is a dotted flag "
             "(--section.key value); a YAML file (--config) fills the same keys; flags win over the file.") in flat
-    assert "--config CONFIG YAML file with sections model, rollout, train, data, reward, log, eval, lora" in flat
+    assert "--config CONFIG YAML file with sections model, rollout, train, data, reward, log, eval, agent, lora" in flat
     assert "--train.clip_high V (default: 0.2)" in flat and "--rollout.backend V (default: 'hf')" in flat
     assert "--backend ROLLOUT.BACKEND alias of --rollout.backend" in flat
     ns = parser.parse_args(["--train.max_steps", "3", "--algo", "rloo"])
