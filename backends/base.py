@@ -275,6 +275,9 @@ class BackendConfig:
     #: the trainer puts the engine to sleep while it trains (colocated layouts): start it so that
     #: :meth:`RolloutBackend.sleep` frees device memory (SGLang's memory saver; vLLM's sleep mode)
     sleeps_while_training: bool = False
+    #: the rank of the LoRA adapters the trainer will load (--lora.sync_mode adapter; 0: none): a backend that
+    #: must start its engine ready for adapters (vLLM's enable_lora / max_lora_rank) does so
+    lora_adapter_rank: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 

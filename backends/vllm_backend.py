@@ -164,8 +164,16 @@ def vllm_engine_kwargs(config: BackendConfig) -> dict[str, Any]:
         kwargs["enable_prefix_caching"] = bool(extra["enable_prefix_caching"])
     if not on_cpu and extra.get("enable_sleep_mode", True):
         kwargs["enable_sleep_mode"] = True
+    if config.lora_adapter_rank:  # adapters loaded per weight version: LoRA on, the smallest rank cap that holds
+        kwargs["enable_lora"] = True
+        kwargs["max_lora_rank"] = next((r for r in VLLM_LORA_RANKS if r >= config.lora_adapter_rank),
+                                       config.lora_adapter_rank)
     kwargs.update(extra.get("engine_kwargs", {}))
     return kwargs
+
+
+#: the ranks vLLM's ``max_lora_rank`` takes (vllm/config/lora.py, ``MaxLoRARanks``)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class VLLMBackend(RolloutBackend):
@@ -174,8 +182,8 @@ class VLLMBackend(RolloutBackend):
     name = "vllm"
     transports = frozenset({"collective", "tensor", "disk"})
     supports_abort = True
-    #: the engine must start with LoRA on: --rollout.engine_kwargs '{"engine_kwargs": {"enable_lora": true,
-    #: "max_lora_rank": R}}' (R in vLLM's {1, 8, 16, 32, 64, ...}, >= --lora.rank)
+    #: the engine starts with LoRA on when the trainer will load adapters (BackendConfig.lora_adapter_rank:
+    #: enable_lora, and max_lora_rank the smallest of vLLM's ranks that holds --lora.rank)
     supports_lora_adapter = True
 
     def __init__(self, config: BackendConfig):
@@ -545,8 +553,9 @@ class VLLMBackend(RolloutBackend):
         self._check_usable("load_lora_adapter")
         lora_config = getattr(self.llm.llm_engine.vllm_config, "lora_config", None)
         if lora_config is None:
-            raise BackendError('load_lora_adapter: this vLLM engine started without LoRA; set --rollout.engine_kwargs '
-                               '\'{"engine_kwargs": {"enable_lora": true, "max_lora_rank": R}}\' (R >= --lora.rank)')
+            raise BackendError("load_lora_adapter: this vLLM engine started without LoRA (BackendConfig."
+                               "lora_adapter_rank was 0: the trainer sets it with --lora.sync_mode adapter); a custom "
+                               "start sets engine_kwargs enable_lora and max_lora_rank")
         if int(peft_config["r"]) > lora_config.max_lora_rank:
             raise BackendError(f"load_lora_adapter: rank {peft_config['r']} exceeds the engine's max_lora_rank "
                                f"{lora_config.max_lora_rank}; raise max_lora_rank in --rollout.engine_kwargs")

@@ -120,8 +120,8 @@ def test_vllm_serves_each_synced_adapter_version_under_a_fresh_lora_id(ray_clust
 
     path = save_tiny_model(str(tmp_path / "m"), model=_head32_model())
     config = contract._contract_config("vllm", get_backend_class("vllm"), path)
-    engine_kwargs = dict(config.extra.get("engine_kwargs", {}), enable_lora=True, max_lora_rank=8)
-    config = dataclasses.replace(config, extra=dict(config.extra, engine_kwargs=engine_kwargs))
+    # as the trainer starts its engines in adapter mode: vLLM turns LoRA on from the rank alone
+    config = dataclasses.replace(config, lora_adapter_rank=8)
     (engine,) = start_engine_actors("vllm", config, 1, start_timeout_s=600)
     spec = LoraSpec(rank=8, alpha=16.0, sync_mode="adapter")
     peft_model = apply_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), spec,

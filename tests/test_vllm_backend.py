@@ -49,6 +49,23 @@ def test_an_engine_the_trainer_sleeps_sleeps_at_level_2_unless_told(tmp_path):
         _check_config(BackendConfig(model_path=str(tmp_path), extra={"sleep_level": 3}))
 
 
+def test_adapter_sync_starts_the_engine_with_lora_at_the_smallest_rank_cap_that_holds(tmp_path, monkeypatch):
+    """With --lora.sync_mode adapter the trainer gives the rank, and the engine starts with enable_lora and
+    vLLM's smallest max_lora_rank that holds it; without adapters it starts without LoRA; engine_kwargs win."""
+    from backends.vllm_backend import VLLM_LORA_RANKS, vllm_engine_kwargs
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # restored after: the function sets it
+    (tmp_path / "config.json").write_text("{}")
+    plain = vllm_engine_kwargs(BackendConfig(model_path=str(tmp_path)))
+    assert "enable_lora" not in plain and "max_lora_rank" not in plain
+    for rank, cap in ((8, 8), (12, 16), (16, 16), (17, 32)):
+        kwargs = vllm_engine_kwargs(BackendConfig(model_path=str(tmp_path), lora_adapter_rank=rank))
+        assert (kwargs["enable_lora"], kwargs["max_lora_rank"]) == (True, cap) and cap in VLLM_LORA_RANKS
+    given = vllm_engine_kwargs(BackendConfig(model_path=str(tmp_path), lora_adapter_rank=8,
+                                             extra={"engine_kwargs": {"max_lora_rank": 64}}))
+    assert given["max_lora_rank"] == 64
+
+
 def test_only_the_tokenizerless_chat_warmup_warning_is_dropped():
     """vLLM's start-up chat-template warm-up fails for want of the tokenizer we skip, and says so with a traceback; that
     one record is dropped, any other warm-up failure or message still shows."""

@@ -169,4 +169,5 @@ class Layout:
             device=t.device, tensor_parallel_size=r.tensor_parallel_size, extra=dict(r.engine_kwargs),
             num_threads=self.engine_threads(), memory_fraction=r.memory_fraction,
             sleeps_while_training=sleep_engines(cfg),
+            lora_adapter_rank=cfg.lora.rank if cfg.lora.sync_mode == "adapter" else 0,
         )
