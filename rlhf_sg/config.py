@@ -284,6 +284,16 @@ class EvalConfig:
 
 
 @dataclass
+class PerfConfig:
+    #: per-phase FLOP and bandwidth accounting (perf/* metrics, README "Each phase against the machine's limit")
+    accounting: bool = True
+    #: one device's dense matmul peak in TFLOP/s at --model.dtype (None: the device table on GPU, measured on CPU)
+    peak_tflops: float | None = None
+    #: one device's memory bandwidth in GB/s (None: the device table on GPU, measured on CPU)
+    peak_bandwidth_gbs: float | None = None
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -292,6 +302,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -646,6 +657,10 @@ def validate(cfg: Config) -> Config:
     if rw.kind == "model":
         _need(bool(m.reward_pretrain), "--model.reward_pretrain is required with --reward.kind model")
     _validate_eval(cfg)
+    for flag, peak in (("--perf.peak_tflops", cfg.perf.peak_tflops),
+                       ("--perf.peak_bandwidth_gbs", cfg.perf.peak_bandwidth_gbs)):
+        _need(peak is None or (math.isfinite(peak) and peak > 0),
+              f"{flag} must be a positive number (one device's peak), got {peak}")
     if rw.kind == "remote":
         _need(bool(rw.url) and rw.url.startswith(("http://", "https://")),
               f"--reward.url must be an http(s) URL with --reward.kind remote, got {rw.url!r}")
