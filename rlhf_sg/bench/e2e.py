@@ -184,9 +184,13 @@ class SideResult:
     trajectories: list[list[float]] = field(default_factory=list)
     threads: str = ""
     wall_s: float = 0.0
+    #: per measured step, its ``perf/*`` accounting (:mod:`rlhf_sg.flops`), and the ceiling it is held to
+    perf: list[dict[str, float]] = field(default_factory=list)
+    ceiling: str = ""
 
     def add_step(self, seconds: float, phases: dict[str, float], response_len: float,
-                 reward: float = float("nan")) -> None:
+                 reward: float = float("nan"), perf: dict[str, float] | None = None) -> None:
+        self.perf.append(dict(perf or {}))
         self.step_s.append(seconds)
         for name, value in phases.items():
             self.phase_s.setdefault(name, []).append(value)
@@ -197,7 +201,8 @@ class SideResult:
         """Pool ``other``'s measured steps and reward trajectories (another round of the same side) into these."""
         for i, seconds in enumerate(other.step_s):
             self.add_step(seconds, {p: v[i] for p, v in other.phase_s.items()}, other.response_len[i],
-                          other.reward[i])
+                          other.reward[i], other.perf[i] if i < len(other.perf) else None)
+        self.ceiling = self.ceiling or other.ceiling
         self.trajectories += other.trajectories
         self.wall_s += other.wall_s
 
@@ -206,8 +211,23 @@ class SideResult:
         return statistics.mean(self.step_s)
 
     @property
+    def median_step_s(self) -> float:
+        return statistics.median(self.step_s)
+
+    @property
     def samples_per_s(self) -> float:
+        """Samples over the mean step."""
         return self.samples_per_step / self.mean_step_s
+
+    @property
+    def median_samples_per_s(self) -> float:
+        """Samples over the median step (steps slowed by other work on the machine weigh less)."""
+        return self.samples_per_step / self.median_step_s
+
+    def mean_perf(self, key: str) -> float | None:
+        """The mean of a ``perf/*`` metric over the measured steps that logged it (None: none did)."""
+        values = [p[key] for p in self.perf if key in p]
+        return statistics.mean(values) if values else None
 
     def share(self, phase: str) -> float | None:
         """The phase's share of the mean step, or None where this side has no such phase."""
@@ -224,9 +244,46 @@ class SideResult:
 
 
 def ratio_line(numerator: SideResult, denominator: SideResult, note: str) -> str:
-    """The printed ratio of two sides' samples/s (above 1: the numerator's side is faster)."""
-    ratio = numerator.samples_per_s / denominator.samples_per_s
-    return f"ratio {numerator.name} / {denominator.name} samples/s: {ratio:.2f} ({note})"
+    """The printed ratio of two sides' samples/s (above 1: the numerator's side is faster): over the median step of
+    each side, then over the mean step of each (the same statistic on both sides of each ratio)."""
+    median = numerator.median_samples_per_s / denominator.median_samples_per_s
+    mean = numerator.samples_per_s / denominator.samples_per_s
+    return f"ratio {numerator.name} / {denominator.name} samples/s: {median:.2f} median, {mean:.2f} mean ({note})"
+
+
+#: the accounting table's columns: (perf metric, header, scale, format)
+PERF_COLUMNS = (
+    ("perf/generate_tokens_per_s", "gen tok/s", 1.0, "{:>9.0f}"),
+    ("perf/generate_GBps", "gen GB/s", 1.0, "{:>8.2f}"),
+    ("perf/generate_of_peak_bw", "gen %bw", 100.0, "{:>7.1f}%"),
+    ("perf/reference_of_peak", "ref %pk", 100.0, "{:>7.1f}%"),
+    ("perf/critic_of_peak", "crit %pk", 100.0, "{:>7.1f}%"),
+    ("perf/actor_logprob_of_peak", "logp %pk", 100.0, "{:>7.1f}%"),
+    ("perf/train_TFLOPs", "train TF/s", 1.0, "{:>10.4f}"),
+    ("perf/train_of_peak", "train %pk", 100.0, "{:>8.1f}%"),
+    ("perf/weight_sync_GBps", "sync GB/s", 1.0, "{:>9.3f}"),
+    ("perf/weight_sync_over_engine_load", "sync/load", 1.0, "{:>9.2f}"),
+)
+
+
+def perf_lines(results: list[SideResult]) -> list[str]:
+    """Each side's phases against its ceiling, means over the measured steps (README: "Each phase against the
+    machine's limit"), and the ceiling each side is held to."""
+    columns = [c for c in PERF_COLUMNS if any(r.mean_perf(c[0]) is not None for r in results)]
+    if not columns:
+        return []
+    lines = ["each phase against the ceiling (means over measured steps; %pk: model FLOP/s over the matmul ceiling "
+             "x ranks; %bw: bytes read over the bandwidth ceiling x engines):",
+             f"{'side':<16} " + " ".join(f"{header:>{max(len(header), 8)}}" for _, header, _, _ in columns)]
+    for r in results:
+        cells = []
+        for key, header, scale, fmt in columns:
+            value = r.mean_perf(key)
+            width = max(len(header), 8)
+            cells.append(f"{'-':>{width}}" if value is None else f"{fmt.format(scale * value):>{width}}")
+        lines.append(f"{r.name:<16} " + " ".join(cells))
+    lines += [f"  ceiling of {r.name}: {r.ceiling}" for r in results if r.ceiling]
+    return lines
 
 
 def reward_lines(results: list[SideResult]) -> list[str]:
@@ -403,6 +460,9 @@ def run_ours(side: str, args: argparse.Namespace, model_path: str, prompt_file: 
     try:
         trainer.setup()
         result.threads = _describe_ours_threads(trainer)
+        accounting = getattr(trainer, "accounting", None)  # None: --perf.accounting off
+        ceiling = accounting.ceiling if accounting else None
+        result.ceiling = f"{ceiling.describe()} per rank" if ceiling else ""
         for _ in range(args.warmup):
             trajectory.append(trainer.train_step()["reward/mean"])
         for _ in range(args.steps):
@@ -413,7 +473,8 @@ def run_ours(side: str, args: argparse.Namespace, model_path: str, prompt_file: 
             if "generate" not in phases and "rollout_time/generate" in metrics:
                 # async: the batch was generated beside the step before; its generation time overlaps training
                 phases["generate"] = metrics["rollout_time/generate"]
-            result.add_step(seconds, phases, metrics["rollout/response_len"], metrics["reward/mean"])
+            result.add_step(seconds, phases, metrics["rollout/response_len"], metrics["reward/mean"],
+                            {k: v for k, v in metrics.items() if k.startswith("perf/")})
             trajectory.append(metrics["reward/mean"])
     finally:
         trainer.shutdown()
@@ -474,12 +535,42 @@ def run_trl(args: argparse.Namespace, model_path: str, prompt_file: str, out: st
             results.append((setting, None))
             continue
         result = SideResult("trl-grpo", args.prompts * args.samples, threads=payload["threads"],
-                            wall_s=wall / len(settings))
+                            wall_s=wall / len(settings), ceiling=payload.get("ceiling", ""))
+        shape, ceiling = _trl_shape_and_ceiling(model_path, payload)
         for step in run["steps"]:
-            result.add_step(step["seconds"], step["phases"], step["response_len"], step["reward"])
+            result.add_step(step["seconds"], step["phases"], step["response_len"], step["reward"],
+                            trl_perf(shape, ceiling, step))
         result.trajectories.append(run["rewards"])
         results.append((setting, result))
     return results
+
+
+def _trl_shape_and_ceiling(model_path: str, payload: dict[str, Any]):
+    """The bench model's shape (float32, as TRL runs it) and the ceiling the TRL process measured."""
+    import dataclasses
+
+    from rlhf_sg.flops import Ceiling
+    from rlhf_sg.memory import load_shape
+
+    shape = dataclasses.replace(load_shape(model_path), dtype="float32")
+    c = payload.get("ceiling_figures")
+    return shape, (Ceiling(c[0], c[1], payload.get("ceiling", "")) if c else None)
+
+
+def trl_perf(shape, ceiling, step: dict[str, Any]) -> dict[str, float]:
+    """TRL's step against the ceiling, from what it generated and trained: each completion with its prompt as one
+    sequence (TRL shares no prompt), the lm_head at the completion's tokens; training 3 x that forward (TRL runs no
+    separate old-log-prob forward with ``num_iterations=1`` and no reference model with ``beta=0``); generation's
+    bytes as for ours, on one process (``engines=1``)."""
+    from rlhf_sg import flops
+
+    prompts, completions = step.get("prompt_lens", []), step.get("completion_lens", [])
+    if not completions:
+        return {}
+    segments = [flops.Segment(p, (r,)) for p, r in zip(prompts, completions)]
+    return flops.phase_metrics(ceiling, step["phases"], {"train": (flops.train_flops(shape, segments), 1)},
+                               generated_tokens=sum(completions),
+                               generate_bytes=flops.decode_bytes(shape, prompts, completions, 1))
 
 
 def search_trl(args: argparse.Namespace, model_path: str, prompt_file: str, out: str) -> TrlSetting:
@@ -524,6 +615,13 @@ def _trl_child(spec: dict[str, Any]) -> None:
     """The TRL side: GRPOTrainer on ``spec``'s model and prompts, once per setting of ``spec["settings"]``
     (micro-batch, accumulation, checkpointing), each with a fresh model; prints one result line as JSON."""
     torch.set_num_threads(spec["threads"])
+    import dataclasses
+
+    from rlhf_sg.flops import measure_cpu_ceiling
+    from rlhf_sg.memory import load_shape
+
+    ceiling = measure_cpu_ceiling(dataclasses.replace(load_shape(spec["model_path"]), dtype="float32"), "float32",
+                                  torch.get_num_threads())
     runs = []
     for i, (micro_batch, accumulation, checkpointing) in enumerate(spec["settings"]):
         # a search warms the process up once: every setting generates the same batch on the same model
@@ -533,7 +631,8 @@ def _trl_child(spec: dict[str, Any]) -> None:
         except Exception as e:  # one setting failing (e.g. out of memory) leaves the others to compare
             runs.append({"error": f"{type(e).__name__}: {e}"})
     threads = f"1 process x {torch.get_num_threads()} thread(s)"
-    print(RESULT_MARKER + json.dumps({"runs": runs, "threads": threads}), flush=True)
+    print(RESULT_MARKER + json.dumps({"runs": runs, "threads": threads, "ceiling": ceiling.describe(),
+                                      "ceiling_figures": [ceiling.tflops, ceiling.gbs]}), flush=True)
 
 
 def _trl_run(spec: dict[str, Any], micro_batch: int, accumulation: int, checkpointing: bool,
@@ -551,7 +650,16 @@ def _trl_run(spec: dict[str, Any], micro_batch: int, accumulation: int, checkpoi
 
     clock = _Clock()
     model.generate = clock.wrap("generate", model.generate)
-    reward = clock.wrap("reward", trl_digit_reward)
+    timed_reward = clock.wrap("reward", trl_digit_reward)
+    lengths: dict[str, list[int]] = {"prompt_lens": [], "completion_lens": []}
+
+    def reward(prompts, completions, completion_ids=None, **kwargs):
+        # what this step generated and trains on, in tokens (the prompts as TRL tokenised them for generate)
+        lengths["prompt_lens"] += [len(tokenizer(p, add_special_tokens=False).input_ids) for p in prompts]
+        lengths["completion_lens"] += [len(ids) for ids in completion_ids or []]
+        return timed_reward(prompts, completions, **kwargs)
+
+    reward.__name__ = trl_digit_reward.__name__
     config = GRPOConfig(
         output_dir=spec["output_dir"],
         # steps_per_generation defaults to the accumulation: one generation round of micro_batch x accumulation
@@ -587,6 +695,7 @@ def _trl_run(spec: dict[str, Any], micro_batch: int, accumulation: int, checkpoi
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             clock.reset()
+            lengths["prompt_lens"], lengths["completion_lens"] = [], []
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -596,7 +705,7 @@ def _trl_run(spec: dict[str, Any], micro_batch: int, accumulation: int, checkpoi
             generate, reward_s = inside.get("generate", 0.0), inside.get("reward", 0.0)
             phases = {"generate": generate, "reward": reward_s, "other": max(0.0, rollout - generate - reward_s),
                       "train": max(0.0, seconds - rollout)}
-            steps.append({"step": state.global_step, "seconds": seconds, "phases": phases})
+            steps.append({"step": state.global_step, "seconds": seconds, "phases": phases, **lengths})
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
@@ -630,14 +739,14 @@ def print_table(results: list[SideResult]) -> None:
     short = {"actor_logprob": "act_logp", "weight_sync": "w_sync", "reference": "ref", "wait_rollout": "wait_rol",
              "wait_generate": "wait_gen"}
     phases = [p for p in table_phases(results) if any(r.share(p) is not None for r in results)]
-    head = f"{'side':<16} {'samples/s':>9} {'s/step':>7} {'resp_len':>8} {'reward':>7}  "
+    head = f"{'side':<16} {'samples/s':>9} {'s/step':>7} {'median':>7} {'resp_len':>8} {'reward':>7}  "
     head += " ".join(f"{short.get(p, p)[:8]:>8}" for p in phases)
     print(head)
     for r in results:
         rewards = [x for x in r.reward if x == x]
         reward = f"{statistics.mean(rewards):>7.4f}" if rewards else f"{'-':>7}"
-        row = (f"{r.name:<16} {r.samples_per_s:>9.3f} {r.mean_step_s:>7.2f} {statistics.mean(r.response_len):>8.1f} "
-               f"{reward}  ")
+        row = (f"{r.name:<16} {r.samples_per_s:>9.3f} {r.mean_step_s:>7.2f} {r.median_step_s:>7.2f} "
+               f"{statistics.mean(r.response_len):>8.1f} {reward}  ")
         cells = []
         for p in phases:
             share = r.share(p)
@@ -773,6 +882,8 @@ def main(argv: list[str] | None = None) -> None:
         print("no side finished")
         return
     print_table(table)
+    for line in perf_lines(table):
+        print(line)
     for line in reward_lines(table):
         print(line)
     for r in table:
