@@ -187,3 +187,19 @@ def test_our_steps_are_timed_by_the_wall_clock_not_by_the_trainers_own_step_time
     assert got.reward == [0.2, 0.3] and got.trajectories == [[0.1, 0.2, 0.3]]  # the warm-up step's reward first
     assert got.phase_s["wait_rollout"] == [0.0, 0.0]
     assert got.phase_s["generate"] == [0.04, 0.04]  # the batch's own generation, beside the step before
+
+
+def test_the_next_side_waits_for_the_processes_the_last_one_left():
+    import subprocess
+    import sys
+
+    quick = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    start = time.perf_counter()
+    assert e2e.wait_for_children(30.0) == 0
+    assert quick.poll() is not None and time.perf_counter() - start < 20
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert e2e.wait_for_children(0.2) == 1
+    finally:
+        slow.kill()
+        slow.wait()

@@ -479,9 +479,23 @@ def run_ours(side: str, args: argparse.Namespace, model_path: str, prompt_file: 
     finally:
         trainer.shutdown()
         ray.shutdown()
+        # Ray's node processes and workers outlive ray.shutdown() by seconds: the next side (TRL's process, or
+        # ours) must not start while they still use the cores
+        left = wait_for_children(60.0)
+        if left:
+            print(f"  {name}: {left} process(es) of its Ray instance still ran 60 s after shutdown", flush=True)
     result.trajectories.append(trajectory)
     result.wall_s = time.perf_counter() - start
     return result
+
+
+def wait_for_children(timeout_s: float) -> int:
+    """Wait until every process this one started has exited, at most ``timeout_s``; returns how many still run."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    _, alive = psutil.wait_procs(children, timeout=timeout_s)
+    return len(alive)
 
 
 def _describe_ours_threads(trainer) -> str:
