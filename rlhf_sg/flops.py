@@ -29,6 +29,7 @@ runs on several ranks or devices is held to that many ceilings.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Iterable, Sequence
@@ -101,11 +102,12 @@ def _best_seconds(fn, min_total_s: float, repeats: int) -> float:
     return best
 
 
+@functools.lru_cache(maxsize=8)
 def measure_cpu_ceiling(shape: ModelShape, dtype: str, threads: int, tokens: int = 1024, copy_bytes: int = 1 << 28,
                         min_total_s: float = 0.3) -> Ceiling:
     """Measure this CPU: a ``[tokens, hidden] x [hidden, intermediate]`` GEMM in ``dtype`` (the model's MLP
     projection, its largest matmul) with ``threads`` torch threads, and a copy of ``copy_bytes`` (read + written).
-    Fastest of three timings each."""
+    Fastest of three timings each. Measured once per process for the same arguments (about a second)."""
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
