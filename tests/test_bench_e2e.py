@@ -74,11 +74,11 @@ def test_the_ratio_is_samples_per_second_of_the_numerator_over_the_denominator()
 
 
 def test_the_ratio_puts_median_over_median_and_mean_over_mean():
-    # ours: steps 1, 1, 7 (median 1, mean 3); TRL: 2, 2, 2. One slow step (other work on the machine) moves the
-    # mean ratio, not the median one
-    ours, trl = _side("ours-grpo", [1.0, 1.0, 7.0]), _side("trl-grpo", [2.0, 2.0, 2.0])
+    # ours: steps 1, 1, 7 (median 1, mean 3); TRL: 2, 2, 8 (median 2, mean 4). A slow step (other work on the
+    # machine) moves the mean, not the median; median over mean would give 4.00, mean over median 1.50
+    ours, trl = _side("ours-grpo", [1.0, 1.0, 7.0]), _side("trl-grpo", [2.0, 2.0, 8.0])
     assert ours.median_samples_per_s == pytest.approx(64 / 1) and ours.samples_per_s == pytest.approx(64 / 3)
-    assert ratio_line(ours, trl, "n") == "ratio ours-grpo / trl-grpo samples/s: 2.00 median, 0.67 mean (n)"
+    assert ratio_line(ours, trl, "n") == "ratio ours-grpo / trl-grpo samples/s: 2.00 median, 1.33 mean (n)"
 
 
 def test_trls_step_is_accounted_from_what_it_generated_and_trained():
