@@ -116,6 +116,9 @@ class TrainConfig:
     recompute_old_logp: bool | None = None
     #: recompute activations in the backward of actor and critic (less memory, ~30% more compute)
     gradient_checkpointing: bool = False
+    #: a model group of one rank under ZeRO-3 too (true) or unpartitioned (false: DeepSpeed stage 0, or stage 1
+    #: with bfloat16, where one rank partitions nothing; no gathers, same numbers); groups of several ranks stay ZeRO-3
+    single_rank_zero3: bool = True
     #: zero every dropout of the actor, critic, reference and reward models (the config's *dropout / *pdrop
     #: rates and nn.Dropout modules): scoring and update forwards then see the same function, so the PPO ratio
     #: of a fresh batch is exactly 1 (TRL does the same by default); false keeps the model's dropout in updates
@@ -352,6 +355,16 @@ class AgentConfig:
 
 
 @dataclass
+class PerfConfig:
+    #: per-phase FLOP and bandwidth accounting (perf/* metrics, README "Each phase against the machine's limit")
+    accounting: bool = True
+    #: one device's dense matmul peak in TFLOP/s at --model.dtype (None: the device table on GPU, measured on CPU)
+    peak_tflops: float | None = None
+    #: one device's memory bandwidth in GB/s (None: the device table on GPU, measured on CPU)
+    peak_bandwidth_gbs: float | None = None
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -362,6 +375,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -791,6 +805,10 @@ def validate(cfg: Config) -> Config:
         _need(bool(m.reward_pretrain), "--model.reward_pretrain is required with --reward.kind model")
     _validate_eval(cfg)
     _validate_agent(cfg)
+    for flag, peak in (("--perf.peak_tflops", cfg.perf.peak_tflops),
+                       ("--perf.peak_bandwidth_gbs", cfg.perf.peak_bandwidth_gbs)):
+        _need(peak is None or (math.isfinite(peak) and peak > 0),
+              f"{flag} must be a positive number (one device's peak), got {peak}")
     if rw.kind == "remote":
         _need(bool(rw.url) and rw.url.startswith(("http://", "https://")),
               f"--reward.url must be an http(s) URL with --reward.kind remote, got {rw.url!r}")

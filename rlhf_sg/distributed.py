@@ -97,8 +97,9 @@ def zero3_config(
     max_grad_norm: float = 1.0,
     param_persistence_threshold: int | None = None,
     device: str = "cpu",
+    stage: int = 3,
 ) -> dict[str, Any]:
-    """A DeepSpeed ZeRO stage-3 config dict for one model.
+    """A DeepSpeed ZeRO stage-3 config dict for one model (``stage=0``: no partitioning, for a group of one rank).
 
     ``dtype``: "float32" or "bfloat16". ``offload``: parameters (and, when ``train``, optimizer states)
     live in CPU memory between uses (a GPU memory saver; meaningless on the CPU accelerator).
@@ -107,7 +108,18 @@ def zero3_config(
     every norm and bias per forward costs many tiny all-gathers). ``device``: "cuda" also overlaps the
     gradient reduction with the backward (``overlap_comm``), which only pays on a device with streams.
     The optimizer is the caller's (a torch optimizer passed to ``deepspeed.initialize``).
+
+    ``stage=0`` (a group of one rank, where partitioning buys nothing and costs its gathers and hooks): whole
+    parameters. With float32, DeepSpeed's plain engine and a plain torch optimizer that clips and skips a
+    non-finite step itself as ZeRO-3 does (:class:`rlhf_sg.workers.NonFiniteSkip`), so DeepSpeed's own clipping is
+    off. With bfloat16, ZeRO stage 1 at world size 1 (one rank partitions nothing): DeepSpeed's ZeRO optimizer keeps
+    the float32 master weights as ZeRO-3 does, clips, skips a non-finite step (``check_grad_overflow``) and can move
+    its states off the device (colocated offload).
     """
+    if stage not in (0, 3):
+        raise ValueError(f"zero3_config: stage must be 0 or 3, got {stage!r}")
+    if stage == 0 and offload:
+        raise ValueError("zero3_config: parameter offload needs ZeRO-3 partitioning (stage=3)")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"zero3_config: dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     if device not in ("cpu", "cuda"):
@@ -115,7 +127,8 @@ def zero3_config(
     cuda = device == "cuda"
     if param_persistence_threshold is None:
         param_persistence_threshold = 100_000 if cuda else 0
-    zero: dict[str, Any] = {
+    unpartitioned = {"stage": 1 if dtype == "bfloat16" and train else 0}
+    zero: dict[str, Any] = unpartitioned if stage == 0 else {
         "stage": 3,
         "stage3_param_persistence_threshold": int(param_persistence_threshold),
         "contiguous_gradients": True,
@@ -129,12 +142,13 @@ def zero3_config(
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "zero_optimization": zero,
-        "bf16": {"enabled": dtype == "bfloat16"},
+        "bf16": {"enabled": dtype == "bfloat16",
+                 **({"check_grad_overflow": True} if stage == 0 and dtype == "bfloat16" else {})},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
     if train:
-        config["gradient_clipping"] = float(max_grad_norm)
+        config["gradient_clipping"] = 0.0 if stage == 0 and dtype == "float32" else float(max_grad_norm)
         # The optimizer is a plain torch one; DeepSpeed wraps it in its ZeRO-3 partitioned optimizer.
         config["zero_allow_untested_optimizer"] = True
     return config

@@ -341,6 +341,28 @@ def prompt_groups(sequences: torch.Tensor, attention_mask: torch.Tensor, respons
     return list(groups.values())
 
 
+def shared_prompt_segments(
+    groups: list[list[int]], prompt_len: list[int], response_len: list[int], capacity: int
+) -> list[list[int]]:
+    """The segments :func:`pack_shared_prompts` packs: each prompt group as few segments of at most ``capacity``
+    tokens (prompt once + responses) as fit, each with about the same response tokens, row indices in group
+    order. ``prompt_len`` / ``response_len``: real tokens per row."""
+    segments: list[list[int]] = []
+    for members in groups:
+        p, total = prompt_len[members[0]], sum(response_len[b] for b in members)
+        target = total / min(len(members), max(1, math.ceil(total / max(capacity - p, 1))))
+        current, load = [], 0
+        for b in members:
+            n = response_len[b]
+            if current and (p + load + n > capacity or load + n / 2 > target):
+                segments.append(current)
+                current, load = [], 0
+            current.append(b)
+            load += n
+        segments.append(current)
+    return segments
+
+
 def pack_shared_prompts(
     sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int, segment_tokens: int = 2048,
     groups: list[list[int]] | None = None,
@@ -360,20 +382,8 @@ def pack_shared_prompts(
     response_len = mask[:, prompt_width:].sum(dim=1).tolist()
     capacity = max(segment_tokens, max(p + r for p, r in zip(prompt_len, response_len)))
 
-    segments: list[list[int]] = []
-    for members in groups if groups is not None else prompt_groups(sequences, attention_mask, response_width):
-        # as few segments as the capacity allows, each with about the same response tokens
-        p, total = prompt_len[members[0]], sum(response_len[b] for b in members)
-        target = total / min(len(members), max(1, math.ceil(total / max(capacity - p, 1))))
-        current, load = [], 0
-        for b in members:
-            n = response_len[b]
-            if current and (p + load + n > capacity or load + n / 2 > target):
-                segments.append(current)
-                current, load = [], 0
-            current.append(b)
-            load += n
-        segments.append(current)
+    groups = groups if groups is not None else prompt_groups(sequences, attention_mask, response_width)
+    segments = shared_prompt_segments(groups, prompt_len, response_len, capacity)
     lengths = [prompt_len[s[0]] + sum(response_len[b] for b in s) for s in segments]
     rows = _first_fit_decreasing(lengths, max(lengths))
     row_len = max(sum(lengths[i] for i in row) for row in rows)

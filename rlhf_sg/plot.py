@@ -1,10 +1,12 @@
-"""Pictures of a run from its ``metrics.jsonl``: reward and KL per step, and where each step's time went."""
+"""Pictures of a run from its ``metrics.jsonl``: reward and KL per step, where each step's time went, and how far each
+phase is from the machine's ceiling (the ``perf/*_of_peak`` fractions of :mod:`rlhf_sg.flops`)."""
 
 from __future__ import annotations
 
 import json
 import statistics
 
+from rlhf_sg.flops import FRACTIONS
 from rlhf_sg.timing import PHASES
 
 
@@ -21,9 +23,20 @@ def sync_share(row: dict) -> float:
     return row.get("time/weight_sync", 0.0) / step if step else 0.0
 
 
+def phase_fractions(rows: list[dict]) -> dict[str, list[float | None]]:
+    """Per phase that any row has, its fraction of the ceiling in percent per row (None where a row lacks it):
+    generation against the memory bandwidth, the FLOP phases against the matmul peak."""
+    out = {}
+    for key, label in FRACTIONS:
+        if any(key in r for r in rows):
+            out[label] = [100 * float(r[key]) if key in r else None for r in rows]
+    return out
+
+
 def plot_run(metrics_path: str, png_path: str, title: str = "") -> str:
     """Write a PNG: reward, held-out pass@1 (when the run evaluated) and KL curves per step (left), stacked
-    phase times per step and the weight-sync share of each step (right)."""
+    phase times per step and the weight-sync share of each step (middle), each phase's fraction of the ceiling
+    per step (right; runs logged with ``--perf.accounting``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -33,7 +46,7 @@ def plot_run(metrics_path: str, png_path: str, title: str = "") -> str:
     rows = [r for r in logged if "reward/mean" in r]  # training steps (an evaluation before step 1 is a row too)
     evals = [r for r in logged if "eval/pass@1" in r]
     steps = [r["step"] for r in rows]
-    fig, (ax_r, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_r, ax_t, ax_p) = plt.subplots(1, 3, figsize=(18, 4.5))
     ax_r.plot(steps, [r["reward/mean"] for r in rows], "o-", color="tab:blue", label="mean reward")
     if evals:  # on the reward's axis: both are 0..1 for a 0/1 reward
         ax_r.plot([r["step"] for r in evals], [r["eval/pass@1"] for r in evals], "D-", color="tab:green",
@@ -63,6 +76,17 @@ def plot_run(metrics_path: str, png_path: str, title: str = "") -> str:
         ax_s.set_ylabel("weight_sync share of step (%)")
         ax_s.set_ylim(0, max(10.0, 110 * max(shares)))
         ax_t.set_title(f"time per step, by phase; weight_sync median {100 * statistics.median(shares):.0f} % of step")
+    fractions = phase_fractions(rows)
+    for label, values in fractions.items():
+        points = [(s, v) for s, v in zip(steps, values) if v is not None]
+        ax_p.plot([s for s, _ in points], [v for _, v in points], "o-", label=label)
+    ax_p.set_xlabel("step")
+    ax_p.set_ylabel("% of the ceiling")
+    ax_p.set_title("each phase against the machine (FLOPs; generate: bandwidth)" if fractions
+                   else "no perf/* metrics in this log")
+    if fractions:
+        ax_p.set_ylim(0, max(1.0, 1.1 * max(v for vs in fractions.values() for v in vs if v is not None)))
+        ax_p.legend(fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

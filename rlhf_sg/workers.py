@@ -57,6 +57,38 @@ class WorkerSpec:
     #: --lora.* (a :class:`rlhf_sg.config.LoraConfig` as a dict) when this model carries a LoRA adapter: the
     #: actor trains it; a reference started from --lora.init_adapter holds it frozen
     lora: dict | None = None
+    #: 3: ZeRO-3 partitioning; 0: none (a group of one rank, --train.single_rank_zero3 false)
+    zero_stage: int = 3
+
+
+class NonFiniteSkip:
+    """Mixed into a torch optimizer for an unpartitioned float32 rank: ``step`` does what ZeRO-3's optimizer does
+    around it. The global gradient norm before clipping (``_global_grad_norm``, which DeepSpeed's engine reports);
+    a non-finite norm drops the gradients and skips the step, setting ``overflow`` (DeepSpeed's engine then counts
+    it in ``skipped_steps`` and leaves the LR schedule where it was); else clip to ``max_grad_norm`` and step."""
+
+    max_grad_norm: float = 0.0
+    overflow: bool = False
+    _global_grad_norm: float = 0.0
+
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        self._global_grad_norm = float(norm)
+        self.overflow = not math.isfinite(self._global_grad_norm)
+        if self.overflow:
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.grad = None
+            return None
+        if self.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
+        return super().step(closure)
+
+
+def skipping(optimizer_cls: type, max_grad_norm: float):
+    """``optimizer_cls`` with :class:`NonFiniteSkip`'s step."""
+    return type(f"Skipping{optimizer_cls.__name__}", (NonFiniteSkip, optimizer_cls), {"max_grad_norm": max_grad_norm})
 
 
 def lr_schedule(name: str, warmup_steps: int, total_steps: int):
@@ -246,6 +278,7 @@ class ModelWorker:
             train=self.spec.train,
             max_grad_norm=self.spec.max_grad_norm,
             device=self.spec.device,
+            stage=self.spec.zero_stage,
         )
         # Keep the reference alive while loading: transformers then builds the model partitioned (zero.Init)
         # instead of materialising it whole on every rank.
@@ -274,11 +307,14 @@ class ModelWorker:
         ZeRO-3 can move off the device while the engines generate (:meth:`offload_states`)."""
         params = [p for p in model.parameters() if p.requires_grad]
         kwargs = dict(lr=self.spec.lr, weight_decay=self.spec.weight_decay, betas=(0.9, 0.95))
+        # an unpartitioned float32 rank: no DeepSpeed optimizer wraps this one, so it clips and skips itself
+        wrap = ((lambda cls: skipping(cls, self.spec.max_grad_norm))
+                if self.spec.zero_stage == 0 and self.spec.dtype == "float32" else (lambda cls: cls))
         if self.spec.device == "cuda":
             from deepspeed.ops.adam import FusedAdam
 
-            return FusedAdam(params, adam_w_mode=True, **kwargs)
-        return torch.optim.AdamW(params, **kwargs)
+            return wrap(FusedAdam)(params, adam_w_mode=True, **kwargs)
+        return wrap(torch.optim.AdamW)(params, **kwargs)
 
     def _load_model(self):
         from transformers import AutoConfig
@@ -530,19 +566,42 @@ class ModelWorker:
 
         keep = {OffloadStateTypeEnum.lp_params} if keep_params else set()
         before = torch.cuda.memory_allocated()
-        # DeepSpeed skips the states already off the device
-        self.engine.offload_states(include=[s for s in OffloadStateTypeEnum if s not in keep], pin_memory=True,
-                                   non_blocking=False)
+        if self._plain_optimizer:
+            self._move_plain_states(torch.device("cpu"), keep_params)
+        else:  # DeepSpeed skips the states already off the device
+            self.engine.offload_states(include=[s for s in OffloadStateTypeEnum if s not in keep], pin_memory=True,
+                                       non_blocking=False)
         torch.cuda.synchronize()
         self._offloaded = True
         return before - torch.cuda.memory_allocated()
+
+    @property
+    def _plain_optimizer(self) -> bool:
+        """An unpartitioned float32 rank: the engine's optimizer is the torch one, with no state-moving API."""
+        return self.spec.zero_stage == 0 and self.spec.dtype == "float32"
+
+    def _move_plain_states(self, device: torch.device, keep_params: bool) -> None:
+        """Move an unpartitioned rank's parameters (unless ``keep_params``), gradients and optimizer states to
+        ``device``, in place (the optimizer and the engine keep the same parameter objects)."""
+        for p in self.module.parameters():
+            if not keep_params:
+                p.data = p.data.to(device)
+            if p.grad is not None:
+                p.grad = p.grad.to(device)
+        for state in self.engine.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    state[key] = value.to(device)
 
     def reload_states(self) -> int:
         """Bring back what :meth:`offload_states` moved; returns the device bytes taken again."""
         if not self._offloaded:
             return 0
         before = torch.cuda.memory_allocated()
-        self.engine.reload_states(non_blocking=False)
+        if self._plain_optimizer:
+            self._move_plain_states(self.device, keep_params=False)
+        else:
+            self.engine.reload_states(non_blocking=False)
         torch.cuda.synchronize()
         self._offloaded = False
         return torch.cuda.memory_allocated() - before
@@ -566,6 +625,7 @@ class ModelWorker:
                                     exclude_frozen_parameters=self.spec.lora is not None)
 
     def load_checkpoint(self, path: str, tag: str) -> dict[str, Any]:
+        self._check_checkpoint_partitioning(os.path.join(path, tag))
         load_path, client_state = self.engine.load_checkpoint(path, tag=tag,
                                                               load_module_strict=self.spec.lora is None)
         if load_path is None:
@@ -576,6 +636,22 @@ class ModelWorker:
         if cuda_rng is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda_rng)
         return client_state
+
+    def _check_checkpoint_partitioning(self, directory: str) -> None:
+        """Refuse a checkpoint written under the other partitioning (ZeRO-3 writes ``zero_pp_rank_*`` model states,
+        an unpartitioned rank ``mp_rank_00_model_states.pt``): DeepSpeed cannot read one as the other."""
+        if not os.path.isdir(directory):
+            return
+        files = os.listdir(directory)
+        zero3 = any(f.startswith("zero_pp_rank_") and f.endswith("_model_states.pt") for f in files)
+        plain = "mp_rank_00_model_states.pt" in files
+        if self.spec.zero_stage == 0 and zero3 and not plain:
+            raise RuntimeError(f"{self.spec.role}: the checkpoint {directory} was written under ZeRO-3 and this "
+                               "group of one rank runs unpartitioned: resume it with --train.single_rank_zero3 true")
+        if self.spec.zero_stage == 3 and plain and not zero3:
+            raise RuntimeError(f"{self.spec.role}: the checkpoint {directory} was written by an unpartitioned rank "
+                               "and this group runs ZeRO-3: resume it with --train.single_rank_zero3 false (and "
+                               "one rank)")
 
     def export_hf(self, path: str) -> str | None:
         """Gather the full weights one tensor at a time and save an HF checkpoint from rank 0. A LoRA actor writes

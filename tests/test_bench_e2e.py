@@ -70,8 +70,50 @@ def _side(name: str, step_s: list[float], samples: int = 64) -> SideResult:
 def test_the_ratio_is_samples_per_second_of_the_numerator_over_the_denominator():
     ours, trl = _side("ours-grpo", [2.0, 4.0]), _side("trl-grpo", [6.0])  # 64 / 3 s against 64 / 6 s
     assert ours.samples_per_s == pytest.approx(64 / 3)
-    assert ratio_line(ours, trl, "note") == "ratio ours-grpo / trl-grpo samples/s: 2.00 (note)"
-    assert ratio_line(trl, ours, "x") == "ratio trl-grpo / ours-grpo samples/s: 0.50 (x)"
+    assert ratio_line(ours, trl, "note") == "ratio ours-grpo / trl-grpo samples/s: 2.00 median, 2.00 mean (note)"
+    assert ratio_line(trl, ours, "x") == "ratio trl-grpo / ours-grpo samples/s: 0.50 median, 0.50 mean (x)"
+
+
+def test_the_ratio_puts_median_over_median_and_mean_over_mean():
+    # ours: steps 1, 1, 7 (median 1, mean 3); TRL: 2, 2, 8 (median 2, mean 4). A slow step (other work on the
+    # machine) moves the mean, not the median; median over mean would give 4.00, mean over median 1.50
+    ours, trl = _side("ours-grpo", [1.0, 1.0, 7.0]), _side("trl-grpo", [2.0, 2.0, 8.0])
+    assert ours.median_samples_per_s == pytest.approx(64 / 1) and ours.samples_per_s == pytest.approx(64 / 3)
+    assert ratio_line(ours, trl, "n") == "ratio ours-grpo / trl-grpo samples/s: 2.00 median, 1.33 mean (n)"
+
+
+def test_trls_step_is_accounted_from_what_it_generated_and_trained():
+    """Two completions of 4 and 2 tokens after prompts of 3 tokens: training is 3 x the forward of those two
+    sequences, unshared (TRL computes each prompt with its completion), generation reads weights for the 4 decode
+    steps of the longest and the KV before each decoded token."""
+    from rlhf_sg import flops
+    from rlhf_sg.memory import ModelShape, kv_bytes_per_token, weight_bytes
+
+    shape = ModelShape(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=16,
+                       vocab_size=10, dtype="float32")
+    ceiling = flops.Ceiling(tflops=1e-9, gbs=1e-3, source="hand")
+    step = {"phases": {"generate": 2.0, "train": 4.0}, "prompt_lens": [3, 3], "completion_lens": [4, 2]}
+    perf = e2e.trl_perf(shape, ceiling, step)
+    train = 3 * flops.forward_flops(shape, [flops.Segment(3, (4,)), flops.Segment(3, (2,))])
+    assert perf["perf/train_TFLOP"] == pytest.approx(train / 1e12)
+    assert perf["perf/train_of_peak"] == pytest.approx(train / 4.0 / 1e12 / 1e-9)
+    read = 4 * weight_bytes(shape) + kv_bytes_per_token(shape) * ((3 + 4 + 5 + 6) + (3 + 4))
+    assert perf["perf/generate_bytes_per_token"] == pytest.approx(read / 6)
+    assert perf["perf/generate_tokens_per_s"] == pytest.approx(3.0)
+    assert e2e.trl_perf(shape, ceiling, {"phases": {}}) == {}
+
+
+def test_the_accounting_table_shows_each_sides_phases_and_ceilings():
+    ours, trl = _side("ours-grpo", [1.0]), _side("trl-grpo", [2.0])
+    ours.perf[0].update({"perf/train_of_peak": 0.25, "perf/weight_sync_GBps": 1.5})
+    trl.perf[0].update({"perf/train_of_peak": 0.125})
+    ours.ceiling, trl.ceiling = "1 TFLOP/s per rank", "2 TFLOP/s"
+    lines = e2e.perf_lines([ours, trl])
+    header = lines[1].split()
+    assert header[:2] == ["side", "train"] and "sync" in header  # only the columns some side has
+    assert lines[2].split()[1:] == ["25.0%", "1.500"] and lines[3].split()[1:] == ["12.5%", "-"]
+    assert lines[4:] == ["  ceiling of ours-grpo: 1 TFLOP/s per rank", "  ceiling of trl-grpo: 2 TFLOP/s"]
+    assert e2e.perf_lines([_side("x", [1.0])]) == []
 
 
 def test_rounds_pool_their_steps_and_rewards_are_averaged_step_by_step():
@@ -157,3 +199,19 @@ def test_our_steps_are_timed_by_the_wall_clock_not_by_the_trainers_own_step_time
     assert got.reward == [0.2, 0.3] and got.trajectories == [[0.1, 0.2, 0.3]]  # the warm-up step's reward first
     assert got.phase_s["wait_rollout"] == [0.0, 0.0]
     assert got.phase_s["generate"] == [0.04, 0.04]  # the batch's own generation, beside the step before
+
+
+def test_the_next_side_waits_for_the_processes_the_last_one_left():
+    import subprocess
+    import sys
+
+    quick = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    start = time.perf_counter()
+    assert e2e.wait_for_children(30.0) == 0
+    assert quick.poll() is not None and time.perf_counter() - start < 20
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert e2e.wait_for_children(0.2) == 1
+    finally:
+        slow.kill()
+        slow.wait()

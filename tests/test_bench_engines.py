@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rlhf_sg.bench.engines import format_table, phase_medians
-from rlhf_sg.plot import plot_run, sync_share
+from rlhf_sg.plot import phase_fractions, plot_run, sync_share
 
 
 def _rows(sync_s: float, step_s: float = 1.0, n: int = 6) -> list[dict]:
@@ -47,3 +47,16 @@ def test_plot_shows_the_sync_share(tmp_path):
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     png = plot_run(str(metrics), str(tmp_path / "run.png"))
     assert (tmp_path / "run.png").stat().st_size > 0 and png.endswith("run.png")
+
+
+def test_plot_shows_each_phases_fraction_of_the_ceiling(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"step": 1, "reward/mean": 0.5, "time/step": 2.0, "perf/train_of_peak": 0.42,
+             "perf/generate_of_peak_bw": 0.05},
+            {"step": 2, "reward/mean": 0.6, "time/step": 2.0, "perf/train_of_peak": 0.5}]
+    assert phase_fractions(rows) == {"generate (bandwidth)": [5.0, None], "train": [42.0, 50.0]}
+    assert phase_fractions([{"step": 1}]) == {}
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot_run(str(metrics), str(tmp_path / "run.png")).endswith("run.png")
+    assert (tmp_path / "run.png").stat().st_size > 0

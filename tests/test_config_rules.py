@@ -175,6 +175,10 @@ RULES = [
      '--eval.k: each k must be in 1..--eval.n_samples (2), got [1, 4]'),
     ({'eval.prompt_data': '__PROMPTS__', 'eval.reward_function': 'nocolon'},
      "--eval.reward_function must look like module:function or name a built-in reward, got 'nocolon'"),
+    ({'perf.peak_tflops': 0.0},
+     '--perf.peak_tflops must be a positive number (one device\'s peak), got 0.0'),
+    ({'perf.peak_bandwidth_gbs': float('nan')},
+     '--perf.peak_bandwidth_gbs must be a positive number (one device\'s peak), got nan'),
     ({'reward.kind': 'remote', 'reward.url': 'ftp://x'},
      "--reward.url must be an http(s) URL with --reward.kind remote, got 'ftp://x'"),
     ({'log.save_steps': -1},
@@ -416,7 +420,7 @@ def test_yaml_files_must_be_mappings_of_mappings(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_yaml(str(top))
     assert str(info.value) == (f"{top}: the top level must be a mapping of sections "
-                               "(model, rollout, train, data, reward, log, eval, agent, lora)")
+                               "(model, rollout, train, data, reward, log, eval, agent, lora, perf)")
     section = tmp_path / "section.yaml"
     section.write_text("train: [1, 2]\n")
     with pytest.raises(ConfigError) as info:
@@ -445,7 +449,8 @@ def test_help_names_every_setting_with_its_default():
     flat = " ".join(text.split())
     assert ("Train a policy with PPO / GRPO / Dr.GRPO / RLOO / REINFORCE++. Every setting is a dotted flag "
             "(--section.key value); a YAML file (--config) fills the same keys; flags win over the file.") in flat
-    assert "--config CONFIG YAML file with sections model, rollout, train, data, reward, log, eval, agent, lora" in flat
+    assert ("--config CONFIG YAML file with sections model, rollout, train, data, reward, log, eval, agent, lora, "
+            "perf") in flat
     assert "--train.clip_high V (default: 0.2)" in flat and "--rollout.backend V (default: 'hf')" in flat
     assert "--backend ROLLOUT.BACKEND alias of --rollout.backend" in flat
     ns = parser.parse_args(["--train.max_steps", "3", "--algo", "rloo"])
@@ -482,7 +487,8 @@ def test_unknown_yaml_keys_suggest_the_closest_setting():
     with pytest.raises(ConfigError) as info:
         apply_overrides(Config(), {"qqq.www": 1}, "flag")
     assert str(info.value) == ("flag: unknown setting 'qqq.www'; sections are "
-                               "['agent', 'data', 'eval', 'log', 'lora', 'model', 'reward', 'rollout', 'train']")
+                               "['agent', 'data', 'eval', 'log', 'lora', 'model', 'perf', 'reward', 'rollout', "
+                               "'train']")
     with pytest.raises(ConfigError) as info:  # a flag's value names the flag
         apply_overrides(Config(), {"train.max_steps": "many"}, "flag")
     assert str(info.value) == "--train.max_steps: cannot read 'many' as int"
@@ -614,7 +620,7 @@ def test_sleep_and_offload_follow_colocate_all_unless_set(base, setting, colocat
 
 def test_to_dict_is_every_section():
     d = Config().to_dict()
-    assert list(d) == ["model", "rollout", "train", "data", "reward", "log", "eval", "agent", "lora"]
+    assert list(d) == ["model", "rollout", "train", "data", "reward", "log", "eval", "agent", "lora", "perf"]
     assert d["train"]["clip_low"] == 0.2 and d["rollout"]["stop_token_ids"] == []
 
 
@@ -684,8 +690,8 @@ def test_settings_with_two_dots_or_a_misspelled_section_are_named():
     with pytest.raises(ConfigError) as info:
         apply_overrides(Config(), {"trian.max_steps": 1}, "run.yaml")
     assert str(info.value) == ("run.yaml: unknown setting 'trian.max_steps' (did you mean 'train.max_steps'?); "
-                               "sections are ['agent', 'data', 'eval', 'log', 'lora', 'model', 'reward', 'rollout', "
-                               "'train']")
+                               "sections are ['agent', 'data', 'eval', 'log', 'lora', 'model', 'perf', 'reward', "
+                               "'rollout', 'train']")
 
 
 def test_yaml_errors_quote_the_parsers_problem(tmp_path):

@@ -487,3 +487,71 @@ def test_a_record_made_by_this_very_process_stops_nothing(tmp_path):
         assert child.poll() is None
     finally:
         child.kill()
+
+
+def _one_update_weights(model_path: str, zero_stage: int) -> dict:
+    """One real actor rank (world size 1) at ``zero_stage``: a NaN update, then a finite one; the whole weights
+    after it, the metrics of both, and the engine's ZeRO stage."""
+    import deepspeed
+    import torch.distributed as dist
+    from zero3_rank import PLAIN_UPDATE, actor_rank, one_step
+
+    worker, batch, plan = actor_rank(model_path, zero_stage=zero_stage)
+    try:
+        batch.old_logp = worker.forward(batch, plan)[1]
+        finite = batch.advantages.clone()
+        batch.advantages[0, 0] = float("nan")
+        nan_metrics = worker.train_actor(batch, one_step(plan, batch), PLAIN_UPDATE)
+        batch.advantages = finite
+        ok_metrics = worker.train_actor(batch, one_step(plan, batch), PLAIN_UPDATE)
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        weights, exp_avg = {}, {}
+        optimizer = worker.engine.optimizer
+        for name, p in worker.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                weights[name] = p.data.detach().clone()
+            # Adam's first moment after one step: 0.1 x the clipped gradient
+            moment = optimizer.state[p]["exp_avg"] if zero_stage == 0 else safe_get_full_optimizer_state(p, "exp_avg")
+            exp_avg[name] = moment.detach().clone().reshape(weights[name].shape)
+        partitioned = any(hasattr(p, "ds_id") for p in worker.module.parameters())
+        return {"weights": weights, "exp_avg": exp_avg, "nan": nan_metrics, "ok": ok_metrics,
+                "partitioned": partitioned,
+                "stage": worker.engine.zero_optimization_stage()}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_single_rank_group_without_zero3_skips_the_same_update_and_lands_on_the_same_weights(tmp_path):
+    """A one-rank actor unpartitioned (stage 0, float32: the optimizer clips and skips itself) against the same rank
+    under ZeRO-3: a NaN update is skipped and counted on both; the next update has the same gradient norm, the same
+    clipped gradients (Adam's first moment) to float rounding, and the same weights to float rounding wherever the
+    gradient is well above Adam's eps (where it is not, Adam's first step ``g / (|g| + eps)`` turns rounding of g
+    into differences up to lr: an element with |g| ~ 1e-8 moves by about lr x 1/2 either way)."""
+    import torch
+    from zero3_rank import in_fresh_process
+
+    from rlhf_sg.tiny import build_tiny_model, save_tiny_model
+
+    path = save_tiny_model(str(tmp_path / "m"), arch="qwen2", size="tiny")
+    zero3 = in_fresh_process(_one_update_weights, path, 3)
+    plain = in_fresh_process(_one_update_weights, path, 0)
+    assert (zero3["stage"], zero3["partitioned"]) == (3, True)
+    assert (plain["stage"], plain["partitioned"]) == (0, False)
+    for out in (zero3, plain):
+        assert out["nan"]["actor/skipped_updates"] == 1.0 and out["ok"]["actor/skipped_updates"] == 0.0
+    assert plain["ok"]["actor/grad_norm"] == pytest.approx(zero3["ok"]["actor/grad_norm"], rel=1e-6)
+    assert plain["ok"]["actor/entropy"] == pytest.approx(zero3["ok"]["actor/entropy"], rel=1e-6)
+    before = dict(build_tiny_model("qwen2").named_parameters())
+    assert plain["weights"].keys() == zero3["weights"].keys() == before.keys()
+    compared = 0
+    for name, w in zero3["weights"].items():
+        m3, m0 = zero3["exp_avg"][name], plain["exp_avg"][name]
+        scale = m3.abs().max().item()
+        torch.testing.assert_close(m0, m3, rtol=1e-4, atol=1e-5 * scale + 1e-12, msg=name)
+        clear = m3.abs() > 1e-5  # |g| > 1e-4, four orders above eps
+        torch.testing.assert_close(plain["weights"][name][clear], w[clear], rtol=1e-5, atol=1e-6, msg=name)
+        assert ((w - before[name].detach()).abs()[clear] > 1e-3).all(), name  # those moved (lr 1e-2)
+        compared += int(clear.sum())
+    assert compared > 10_000

@@ -65,3 +65,56 @@ def test_one_core_gives_every_rank_one_thread(monkeypatch):
 def test_the_worker_spec_carries_the_rank_threads(eight_cores):
     assert Layout(_cfg(actor=2)).worker_spec("actor").threads == 4
     assert Layout(_cfg(actor=2, threads=1)).worker_spec("actor").threads == 1
+
+
+def test_only_a_group_of_one_rank_goes_unpartitioned_and_only_when_asked():
+    assert Layout(_cfg(actor=1)).zero_stage("actor") == 3  # the default keeps ZeRO-3
+    assert Layout(_cfg(actor=1, single_rank_zero3=False)).zero_stage("actor") == 0
+    assert Layout(_cfg(actor=2, single_rank_zero3=False)).zero_stage("actor") == 3  # several ranks: ZeRO-3
+    cfg = _cfg("gae", actor=2, critic=1, kl=0.01, single_rank_zero3=False, ref_num_ranks=1, ref_offload=True)
+    layout = Layout(cfg)
+    assert layout.zero_stage("critic") == 0
+    assert layout.zero_stage("ref") == 3  # parameter offload is ZeRO-3's
+    assert layout.worker_spec("critic").zero_stage == 0 and layout.worker_spec("actor").zero_stage == 3
+
+
+def test_the_unpartitioned_deepspeed_config():
+    from rlhf_sg.distributed import zero3_config
+
+    fp32 = zero3_config(stage=0, max_grad_norm=0.5)
+    # float32: the torch optimizer clips and skips itself (rlhf_sg.workers.NonFiniteSkip), so DeepSpeed does not clip
+    assert fp32["zero_optimization"] == {"stage": 0} and fp32["gradient_clipping"] == 0.0
+    bf16 = zero3_config(dtype="bfloat16", stage=0, max_grad_norm=0.5)
+    # bfloat16: ZeRO stage 1 over one rank (float32 master weights), which clips and skips
+    assert bf16["zero_optimization"] == {"stage": 1} and bf16["gradient_clipping"] == 0.5
+    assert bf16["bf16"] == {"enabled": True, "check_grad_overflow": True}
+    assert zero3_config(dtype="bfloat16", stage=0, train=False)["zero_optimization"] == {"stage": 0}
+    assert zero3_config(max_grad_norm=0.5)["zero_optimization"]["stage"] == 3
+    with pytest.raises(ValueError, match="parameter offload needs ZeRO-3"):
+        zero3_config(stage=0, offload=True)
+    with pytest.raises(ValueError, match="stage must be 0 or 3"):
+        zero3_config(stage=2)
+
+
+def test_a_checkpoint_of_the_other_partitioning_is_refused_naming_the_flag(tmp_path):
+    from types import SimpleNamespace
+
+    from rlhf_sg.workers import ModelWorker, WorkerSpec
+
+    def rank(stage):
+        return SimpleNamespace(spec=WorkerSpec(role="actor", model_path="m", world_size=1, master_addr="",
+                                               master_port=0, zero_stage=stage))
+
+    zero3, plain = tmp_path / "zero3", tmp_path / "plain"
+    zero3.mkdir()
+    plain.mkdir()
+    (zero3 / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
+    (plain / "mp_rank_00_model_states.pt").write_bytes(b"")
+    check = ModelWorker._check_checkpoint_partitioning
+    check(rank(3), str(zero3))
+    check(rank(0), str(plain))
+    check(rank(0), str(tmp_path / "missing"))  # DeepSpeed names a missing checkpoint itself
+    with pytest.raises(RuntimeError, match="written under ZeRO-3 .* --train.single_rank_zero3 true"):
+        check(rank(0), str(zero3))
+    with pytest.raises(RuntimeError, match="unpartitioned rank .* --train.single_rank_zero3 false"):
+        check(rank(3), str(plain))

@@ -60,16 +60,45 @@ def test_reward_rises(ray_cluster, task, tmp_path, algo="gae"):
 
 
 def test_generation_delay_is_charged_to_generation(ray_cluster, task, tmp_path):
-    from rlhf_sg.trainer import train
+    """Also the per-phase accounting of those steps: the training FLOPs logged are those of the micro-batches the
+    ranks ran (3 x the forward over the shared-prompt segments of each rank's plan), generation's bytes those of the
+    step's real tokens, and the fractions are of the ceiling measured at start."""
+    import dataclasses
+
+    from rlhf_sg import flops
+    from rlhf_sg.memory import load_shape
+    from rlhf_sg.trainer import PPOTrainer, train
+    from rlhf_sg.trainer.ppo import microbatch_plans
+
+    experiences = []
+
+    class Keep(PPOTrainer):
+        def on_experience(self, experience):
+            experiences.append(experience)
 
     cfg = make_cfg(task, str(tmp_path / "slow"), steps=2, algo="grpo", rollout__backend="slow_backend:SlowBackend",
                    train__kl_coef=0.0)
-    history = train(cfg, reward_fn=arith_task.addition_reward)
+    history = train(cfg, Keep, reward_fn=arith_task.addition_reward)
     delay = float(os.environ.get("SLOW_BACKEND_DELAY_S", "2.0"))
     for h in history:
         assert h["time/generate"] >= delay
         assert h["time/reward"] < delay / 2
         assert h["time/actor_logprob"] < h["time/generate"]
+    shape = dataclasses.replace(load_shape(cfg.model.pretrain), dtype=cfg.model.dtype)
+    for h, exp in zip(history, experiences):
+        # one epoch, one minibatch: each rank's update plan is the scoring plan of every row
+        plans = microbatch_plans(exp, 2, cfg.train.max_tokens_per_microbatch, share_prompts=True)
+        segments = [s for plan in plans for s in flops.microbatch_segments(
+            exp.sequences, exp.attention_mask, exp.response_width, plan, True, shape.hidden_size)]
+        assert sum(s.tokens for s in segments) < int(exp.attention_mask.sum())  # prompts counted once
+        assert h["perf/train_TFLOP"] == pytest.approx(flops.train_flops(shape, segments) / 1e12, rel=1e-9)
+        assert h["perf/train_TFLOPs"] == pytest.approx(h["perf/train_TFLOP"] / h["time/train"], rel=1e-9)
+        assert 0 < h["perf/train_of_peak"] < 1
+        prompt_len, response_len = flops.row_lengths(exp.attention_mask, exp.response_width)
+        assert h["perf/generate_tokens_per_s"] == pytest.approx(sum(response_len) / h["time/generate"], rel=1e-9)
+        assert h["perf/generate_bytes_per_token"] == pytest.approx(
+            flops.decode_bytes(shape, prompt_len, response_len, cfg.rollout.num_engines) / sum(response_len))
+        assert h["perf/weight_sync_GB"] > 0 and h["perf/weight_sync_over_engine_load"] >= 1
 
 
 def test_custom_trainer_recipe_replaces_estimator_reward_and_logs_from_hooks(ray_cluster, task, tmp_path):

@@ -149,6 +149,7 @@ class Layout:
             seed=t.seed, threads=self.worker_threads(role), device=t.device, timeout_s=t.timeout_s,
             share_prompts=shares_prompts(cfg), packing_probe=t.packing_probe,
             lora=self.lora_of(role),
+            zero_stage=self.zero_stage(role),
         )
 
     def lora_of(self, role: str) -> dict | None:
@@ -158,6 +159,17 @@ class Layout:
         if lora.rank == 0 or role not in ("actor", "ref") or (role == "ref" and lora.init_adapter is None):
             return None
         return dataclasses.asdict(lora)
+
+    def zero_stage(self, role: str) -> int:
+        """3 (ZeRO-3) for ``role``'s group, or 0 (unpartitioned) for a group of one rank with
+        ``--train.single_rank_zero3 false``; a reference model offloaded to CPU (``--train.ref_offload``) stays
+        ZeRO-3, whose parameter offload it uses."""
+        t = self.cfg.train
+        world = {"actor": t.actor_num_ranks, "critic": t.critic_num_ranks, "ref": t.ref_num_ranks,
+                 "reward": self.cfg.reward.num_ranks}[role]
+        if t.single_rank_zero3 or world != 1 or (role == "ref" and t.ref_offload):
+            return 3
+        return 0
 
     def engine_config(self):
         """The :class:`backends.base.BackendConfig` every engine starts with."""

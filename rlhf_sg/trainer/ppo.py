@@ -139,6 +139,7 @@ class PPOTrainer:
         self._resumed_from = -1  # the checkpoint step a resumed run went on from
         self.async_rollout: AsyncRollout | None = None  # the producer of async rollout (--rollout.mode async)
         self._errors_reported = 0  # async: reward errors already put in a step's metrics
+        self.accounting = None  # per-phase FLOP / bandwidth accounting (--perf.accounting), made at setup
         if cfg.train.share_prompts and not shares_prompts(cfg):
             log.info("--train.share_prompts: %s takes no tree mask, so every row computes its own prompt",
                      cfg.model.attn_implementation)
@@ -185,6 +186,13 @@ class PPOTrainer:
         with open(os.path.join(cfg.log.output_dir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
         self.cluster.start()
+        if cfg.perf.accounting:
+            from rlhf_sg.flops import StepAccounting
+
+            self.accounting = StepAccounting.for_run(cfg, self.layout, self.cluster.actor)
+            ceiling = self.accounting.ceiling
+            log.info("per-phase ceiling of one rank: %s", ceiling.describe() if ceiling else
+                     "unknown device: set --perf.peak_tflops and --perf.peak_bandwidth_gbs (perf/*_of_peak)")
         eos_ids = eos_token_ids(cfg.model.pretrain, self.tokenizer)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_ids[0]
         self.rollout = RolloutMaker(cfg, self.cluster.engines, self.stream, eos_ids, pad_id, self.compute_rewards,
@@ -232,6 +240,8 @@ class PPOTrainer:
         timer = StepTimer(sync=lambda: None)  # every phase below waits on its remote calls itself
         timer.start_step()
         self.on_step_start(self.step)
+        if self.accounting:
+            self.accounting.start_step()
         profiling = self.cfg.log.profile_step == self.step
         if profiling:
             self.cluster.actor.call("start_profile")
@@ -267,6 +277,8 @@ class PPOTrainer:
             "throughput/tokens_per_s": float(experience.attention_mask.sum()) / times["step"],
             "throughput/samples_per_s": experience.batch_size / times["step"],
         })
+        if self.accounting:
+            metrics.update(self.accounting.report(times, experience, sync_stats))
         return self._finish_step(metrics, times, profiling)
 
     def _restart_engine(self, index: int, version: int | None = None) -> None:
@@ -351,21 +363,25 @@ class PPOTrainer:
                                              share_prompts=self.share_prompts)
                     experience.ref_logp = self.cluster.actor.forward(ref, plans, B, temperature, self.share_prompts,
                                                                      without_adapter=True)
+                    self._count("reference", "actor", experience, plans)
                 else:
                     plans = microbatch_plans(experience, t.ref_num_ranks, t.max_tokens_per_microbatch,
                                              share_prompts=self.share_prompts)
                     experience.ref_logp = self.cluster.ref.forward(ref, plans, B, temperature, self.share_prompts)
+                    self._count("reference", "ref", experience, plans)
         if self.uses_critic:
             with timer.phase("critic"):
                 plans = microbatch_plans(experience, t.critic_num_ranks, t.max_tokens_per_microbatch,
                                          share_prompts=self.share_prompts)
                 experience.values = self.cluster.critic.forward(ref, plans, B, share_prompts=self.share_prompts)
+                self._count("critic", "critic", experience, plans)
         if not self.recomputes_old_logp:
             return {}  # the actor's update measures the log-prob gap (and the KL in the loss) itself
         with timer.phase("actor_logprob"):
             plans = microbatch_plans(experience, t.actor_num_ranks, t.max_tokens_per_microbatch,
                                      share_prompts=self.share_prompts)
             experience.old_logp = self.cluster.actor.forward(ref, plans, B, temperature, self.share_prompts)
+            self._count("actor_logprob", "actor", experience, plans)
         mask = experience.action_mask
         metrics = {"rollout/logp_gap_engine_vs_trainer":
                    algo.masked_mean((experience.rollout_logp - experience.old_logp).abs(), mask).item()}
@@ -374,6 +390,11 @@ class PPOTrainer:
             experience.kl = torch.where(mask, kl, 0.0)
             metrics["kl"] = algo.masked_mean(experience.kl, mask).item()
         return metrics
+
+    def _count(self, phase: str, role: str, experience: Experience, plans: list, train: bool = False) -> None:
+        """Charge ``phase`` the model FLOPs of ``role``'s micro-batches ``plans`` (per rank) for the perf/* metrics."""
+        if self.accounting:
+            self.accounting.count(phase, role, experience, plans, self.share_prompts, train)
 
     def compute_advantages(self, experience: Experience) -> None:
         """Fill ``experience.advantages`` (and ``.returns`` with a critic) with the run's advantage estimator.
@@ -430,12 +451,14 @@ class PPOTrainer:
         if self.uses_critic:
             steps = update_plans(experience, t.critic_num_ranks, t, self.rng, share_prompts=self.share_prompts)
             update = CriticUpdate(value_clip=t.value_clip, share_prompts=self.share_prompts)
+            self._count("train", "critic", experience, [[mb for s in rank for mb in s.plan] for rank in steps], True)
             calls += [("critic", i, w.train_critic.remote(ref, steps[i], update))
                       for i, w in enumerate(cluster.critic.workers)]
         if not (self.uses_critic and self.step < t.critic_warmup_steps):
             steps = update_plans(experience, t.actor_num_ranks, t, self.rng,
                                  normalize_rows=t.loss_aggregation != "token_mean", share_prompts=self.share_prompts)
             update = self.actor_update()
+            self._count("train", "actor", experience, [[mb for s in rank for mb in s.plan] for rank in steps], True)
             calls += [("actor", i, w.train_actor.remote(ref, steps[i], update))
                       for i, w in enumerate(cluster.actor.workers)]
         results = wait_ranks(calls, f"step {self.step + 1} updates", t.timeout_s)
