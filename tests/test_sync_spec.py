@@ -720,6 +720,9 @@ def test_a_collective_send_that_does_not_complete_is_reported_with_the_engines_e
     engines = _engines(2, engine_model_dir, fake_ray)
     # long enough for the engines to join on a busy machine
     timeout_s = 5.0 if outcome in ("send_times_out", "engine_fails_after_the_timeout") else 30.0
+    # the wait for an engine's own error after a failed send: shorter than the product's 5 s, as long as the
+    # late failure below lands well inside it
+    monkeypatch.setattr(transports_module.BroadcastTransport, "ENGINE_ERROR_GRACE_S", 2.5)
     (syncer,) = [WeightSyncer(0, 1, engines, transport="collective", bucket_bytes=BUCKET_BYTES, timeout_s=timeout_s,
                               device="cpu", group_name="pending")]
     syncer.setup()
@@ -731,7 +734,7 @@ def test_a_collective_send_that_does_not_complete_is_reported_with_the_engines_e
             monkeypatch.setattr(handle.actor, "update_weights_from_collective",
                                 lambda plan, src: release.wait(60) and [])
     if outcome.startswith("engine_fails_after"):  # within the few seconds the sender gives it to say why
-        delay = 1.0 if outcome == "engine_fails_after_the_send" else timeout_s + 1.5
+        delay = 1.0 if outcome == "engine_fails_after_the_send" else timeout_s + 0.5
 
         def late_failure(plan, src):
             time.sleep(delay)

@@ -232,11 +232,14 @@ class BroadcastTransport(Transport):
     def send(self, k: int, manifest: BucketManifest, flat: torch.Tensor) -> Any:
         return k, side_broadcast(self.group, flat, 0, self.ctx.timeout_s)
 
+    #: after a failed or timed-out send, how long an engine's own error (which says more) is waited for
+    ENGINE_ERROR_GRACE_S = 5.0
+
     def wait(self, handle: Any) -> None:
         """Wait for bucket ``k``'s broadcast; fail at once if an engine's receive call failed.
 
-        When the send fails (or the deadline passes) an engine's own error, if it reports one within a
-        few seconds, is raised instead of the transport's, as it says more.
+        When the send fails (or the deadline passes) an engine's own error, if it reports one within
+        :attr:`ENGINE_ERROR_GRACE_S`, is raised instead of the transport's, as it says more.
         """
         k, work = handle
         start = time.perf_counter()
@@ -245,14 +248,14 @@ class BroadcastTransport(Transport):
         try:
             wait_work(work, self.ctx.timeout_s, lambda: _raise_failed_calls(self._calls, self._pending))
         except TimeoutError as exc:
-            _raise_failed_calls(self._calls, self._pending, grace_s=5.0)
+            _raise_failed_calls(self._calls, self._pending, grace_s=self.ENGINE_ERROR_GRACE_S)
             raise TimeoutError(
                 f"{where} could not send bucket {k} to {engines} within timeout_s={self.ctx.timeout_s}"
             ) from exc
         except EngineCallError:
             raise
         except RuntimeError as exc:
-            _raise_failed_calls(self._calls, self._pending, grace_s=5.0)
+            _raise_failed_calls(self._calls, self._pending, grace_s=self.ENGINE_ERROR_GRACE_S)
             raise RuntimeError(f"{where}: sending bucket {k} to {engines} failed: {exc}") from exc
         self._time(k, "send_wait_s", time.perf_counter() - start)
 
