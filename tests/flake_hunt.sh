@@ -22,7 +22,8 @@ failed=0
 times=()
 for i in $(seq 1 "$runs"); do
     t0=$SECONDS
-    if "$python" -m pytest -q -p no:cacheprovider "$@" > ".flake-hunt-run${i}.log" 2>&1; then outcome=passed
+    # -v: every test's name and outcome as it ends, so a run cut short still names a failure
+    if "$python" -m pytest -v -p no:cacheprovider "$@" > ".flake-hunt-run${i}.log" 2>&1; then outcome=passed
     else outcome=FAILED; failed=$((failed + 1)); fi
     times+=("run ${i}: $((SECONDS - t0)) s, ${outcome}: $(tail -n 1 ".flake-hunt-run${i}.log")")
     echo "${times[-1]}"
