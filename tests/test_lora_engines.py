@@ -30,6 +30,23 @@ pytest.importorskip("peft")
 INSTALL = {"vllm": "bash recipes/install/vllm_cpu.sh", "sglang": "bash recipes/install/sglang_cpu.sh"}
 
 
+
+def _peft_with_random_b(path: str, spec, seed: int):
+    """The trainer side: the model at ``path`` with a LoRA adapter whose B is random (a zero B, LoRA's start, would
+    leave the base unchanged and prove nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_sg.lora import apply_lora
+
+    peft_model = apply_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), spec,
+                            disable_dropout=True).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return peft_model
+
 def _head32_model():
     """The tiny Qwen2 with 2 heads of 32 (1 KV head): a shape both CPU engines run."""
     from transformers import AutoModelForCausalLM
@@ -47,7 +64,7 @@ def _merged_sync_round_trip(backend: str, tmp_path) -> None:
 
     from backends.registry import get_backend_class
     from rlhf_sg.engine_actor import start_engine_actors
-    from rlhf_sg.lora import LoraSpec, apply_lora
+    from rlhf_sg.lora import LoraSpec
     from rlhf_sg.sync import WeightSyncer
 
     if importlib.util.find_spec(backend) is None:
@@ -56,15 +73,8 @@ def _merged_sync_round_trip(backend: str, tmp_path) -> None:
     config = contract._contract_config(backend, get_backend_class(backend), path)
     (engine,) = start_engine_actors(backend, config, 1, start_timeout_s=600)
     spec = LoraSpec(rank=8, alpha=16.0)
-    from transformers import AutoModelForCausalLM
 
-    peft_model = apply_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), spec,
-                            disable_dropout=True).eval()
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    peft_model = _peft_with_random_b(path, spec, seed=3)
     syncer = WeightSyncer(rank=0, world_size=1, engines=[engine], transport="collective", timeout_s=300,
                           device="cpu", lora=spec, group_name=f"lora-{backend}")
 
@@ -111,12 +121,11 @@ def test_vllm_serves_each_synced_adapter_version_under_a_fresh_lora_id(ray_clust
 
     from backends.registry import get_backend_class
     from rlhf_sg.engine_actor import start_engine_actors
-    from rlhf_sg.lora import LoraSpec, apply_lora
+    from rlhf_sg.lora import LoraSpec
     from rlhf_sg.sync import WeightSyncer
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip(f"vllm is not installed here ({INSTALL['vllm']} builds its venv)")
-    from transformers import AutoModelForCausalLM
 
     path = save_tiny_model(str(tmp_path / "m"), model=_head32_model())
     config = contract._contract_config("vllm", get_backend_class("vllm"), path)
@@ -124,13 +133,7 @@ def test_vllm_serves_each_synced_adapter_version_under_a_fresh_lora_id(ray_clust
     config = dataclasses.replace(config, lora_adapter_rank=8)
     (engine,) = start_engine_actors("vllm", config, 1, start_timeout_s=600)
     spec = LoraSpec(rank=8, alpha=16.0, sync_mode="adapter")
-    peft_model = apply_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), spec,
-                            disable_dropout=True).eval()
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    peft_model = _peft_with_random_b(path, spec, seed=5)
     syncer = WeightSyncer(rank=0, world_size=1, engines=[engine], transport="collective", timeout_s=300,
                           device="cpu", lora=spec, group_name="lora-vllm-adapter")
 
