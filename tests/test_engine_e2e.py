@@ -56,50 +56,38 @@ def _check_evaluations(out: str, steps: list[int]) -> None:
 
 
 @pytest.mark.parametrize("backend", sorted(ENGINES))
-def test_reward_rises_with_engine(ray_cluster, task, tmp_path, backend, algo="gae"):  # noqa: F811
+def test_reward_rises_with_engine_killed_and_restarted(ray_cluster, task, tmp_path, backend, algo="gae"):  # noqa: F811
     """PPO with a critic learns the task through the engine, whose log-probs stay the trainer's, and the held-out
-    evaluation runs through it before, at step 8 and after. GRPO through each
-    engine runs in the two tests below (the engine killed and restarted; async rollout); GRPO's learning through
-    the trainer is test_async_rollout.py's (the estimators do not touch the engine)."""
-    _need(backend)
-    from rlhf_sg.trainer import train
+    evaluation runs through it before, at step 8 and after.
 
-    steps = 16
-    cfg = _evaluating(make_cfg(task, str(tmp_path / f"{backend}-{algo}"), steps=steps, algo=algo, backend=backend),
-                      task, interval=8)
-    history = train(cfg, reward_fn=arith_task.addition_reward)
-    _check_evaluations(cfg.log.output_dir, [0, 8, 16])
-    rewards = [h["reward/mean"] for h in history]
-    assert len(history) == steps
-    # 128 samples a step: the step mean's noise is ~0.04, the rise seen over 16 steps ~0.15
-    assert mean(rewards[-4:]) > mean(rewards[:4]) + 0.05, rewards
-    assert history[-1]["weight_version"] == steps
-    # the engine's log-probs and the trainer's agree (same weights, same temperature): a sync that
-    # dropped or misplaced a tensor would open this gap step after step
-    gaps = [h["rollout/logp_gap_engine_vs_trainer"] for h in history]
-    assert max(gaps) < 0.05, gaps
-
-
-@pytest.mark.parametrize("backend", sorted(ENGINES))
-def test_an_engine_whose_process_is_killed_is_restarted_with_the_current_weights(ray_cluster, task, tmp_path,  # noqa: F811
-                                                                                backend):
-    """Before the second step generates, the engine's process (and with it whatever it runs: SGLang's scheduler
+    Before the second step generates, the engine's process (and with it whatever it runs: SGLang's scheduler
     processes) is SIGKILLed. The step restarts the engine, forms the weight-sync group again, pushes the current
     weights and generates the prompts on the new engine: the step trains on a full batch, the new engine's
     log-probs match the trainer's (it holds the trained weights, not the checkpoint's), and no process of the
-    killed engine is left (the embedded engine's case: tests/test_faults.py)."""
+    killed engine is left (the embedded engine's case: tests/test_faults.py). GRPO through each engine runs in the
+    async test below; GRPO's learning through the trainer is test_async_rollout.py's (the estimators do not touch
+    the engine)."""
     _need(backend)
     import time
 
     from rlhf_sg.bench.faults import running, trainer_killing_engine
     from rlhf_sg.trainer import train
 
+    steps = 16
     killing, killed = trainer_killing_engine(0, at_step=1)
-    cfg = make_cfg(task, str(tmp_path / backend), steps=3, algo="grpo", backend=backend, train__kl_coef=0.0)
+    cfg = _evaluating(make_cfg(task, str(tmp_path / f"{backend}-{algo}"), steps=steps, algo=algo, backend=backend),
+                      task, interval=8)
     history = train(cfg, trainer_cls=killing, reward_fn=arith_task.addition_reward)
-    assert [h["rollout/engine_restarts"] for h in history] == [0, 1, 0]
+    _check_evaluations(cfg.log.output_dir, [0, 8, 16])
+    rewards = [h["reward/mean"] for h in history]
+    assert len(history) == steps
+    # 128 samples a step: the step mean's noise is ~0.04, the rise seen over 16 steps ~0.15
+    assert mean(rewards[-4:]) > mean(rewards[:4]) + 0.05, rewards
+    assert history[-1]["weight_version"] == steps
+    assert [h["rollout/engine_restarts"] for h in history] == [0, 1] + [0] * (steps - 2)
     assert all(h["rollout/samples"] == history[0]["rollout/samples"] for h in history)
-    assert [h["weight_version"] for h in history] == [1, 2, 3]
+    # the engine's log-probs and the trainer's agree (same weights, same temperature): a sync that
+    # dropped or misplaced a tensor, or a restarted engine left with the checkpoint's weights, would open this gap
     gaps = [h["rollout/logp_gap_engine_vs_trainer"] for h in history]
     assert max(gaps) < 0.05, gaps
     deadline = time.monotonic() + 30
