@@ -3,7 +3,6 @@ trainer's log-probs on multi-turn rows. Fast tier: the embedded engine in-proces
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import string
 import time
@@ -104,10 +103,9 @@ def run(engine, cfg=None, n=3, total=40, factory=None, context_len=256, seed=0, 
     backend, tokenizer, _ = engine
     rec = Recorder(backends or [backend])
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=total, stop_token_ids=(2,), **(params_kw or {}))
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        out = run_agent_rollout(prompts_for(tokenizer), n, params, rec, factory or (lambda tok: Calc(tok)), tokenizer,
-                                cfg or agent_cfg(), len(rec.backends), context_len,
-                                lambda e, t, b: turn_seed(seed, step, 0, e, t, b), pool)
+    out = run_agent_rollout(prompts_for(tokenizer), n, params, rec, factory or (lambda tok: Calc(tok)), tokenizer,
+                            cfg or agent_cfg(), len(rec.backends), context_len,
+                            lambda e, t, b: turn_seed(seed, step, 0, e, t, b))
     return out, rec
 
 
@@ -453,9 +451,8 @@ def test_a_turn_cut_by_a_weight_sync_continues_and_the_sample_carries_the_oldest
     cfg = agent_cfg(max_turn_tokens=8, max_turns=2)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, stop_token_ids=(2,))
     try:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            out = run_agent_rollout(prompts_for(tokenizer), 2, params, rec, lambda tok: Calc(tok), tokenizer, cfg, 1,
-                                    256, lambda e, t, b: turn_seed(0, 0, 0, e, t, b), pool)
+        out = run_agent_rollout(prompts_for(tokenizer), 2, params, rec, lambda tok: Calc(tok), tokenizer, cfg, 1,
+                                256, lambda e, t, b: turn_seed(0, 0, 0, e, t, b))
     finally:
         backend.finish_weight_update(0)
     for t in out:
@@ -618,9 +615,130 @@ def test_a_cut_turn_that_reached_its_cap_goes_to_the_environment(engine):
 
     cut_first.done = False
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=60, stop_token_ids=())
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        out = run_agent_rollout(prompts_for(tokenizer), 2, params, cut_first, lambda tok: Seen(tok), tokenizer,
-                                agent_cfg(max_turn_tokens=6, max_turns=2), 1, 256, lambda e, t, b: 5 + t, pool)
+    out = run_agent_rollout(prompts_for(tokenizer), 2, params, cut_first, lambda tok: Seen(tok), tokenizer,
+                            agent_cfg(max_turn_tokens=6, max_turns=2), 1, 256, lambda e, t, b: 5 + t)
     assert cut_first.done and all(t.turns == 2 for t in out)
     full = [(n_ids, r) for n_ids, r in steps[:4]]
     assert all(r == "length" for _, r in full) and all(n_ids == 6 for n_ids, _ in full)
+
+
+# ---- tools that never return -----------------------------------------------------------------------------------------
+
+#: one agent rollout whose tool never returns, in a fresh interpreter that imports the agent module only (no torch:
+#: the config and sampling parameters come as JSON from the real dataclasses, the engine is a script)
+NEVER_RETURNS = r"""
+import dataclasses, json, sys, threading, types
+from rlhf_sg.agent import Environment, run_agent_rollout
+
+spec = json.loads(sys.argv[1])
+Params = dataclasses.make_dataclass("SamplingParams", [(k, object, dataclasses.field(default=tuple(v) if isinstance(
+    v, list) else v)) for k, v in spec["params"].items()], frozen=True)
+
+class Bytes:
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode())
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(ids).decode(errors="replace")
+
+class NeverReturns(Environment):
+    def step(self, turn_ids, turn_text, finish_reason):
+        threading.Event().wait()
+
+def generate_many(calls):
+    return [[types.SimpleNamespace(token_ids=[65, 66], logprobs=[-1.0, -1.0], finish_reason="stop", weight_version=0)
+             for _ in range(len(prompts) * params.n)] for _, prompts, params in calls]
+
+prompt = types.SimpleNamespace(token_ids=[72, 105], text="Hi", label=None)
+agent = types.SimpleNamespace(**spec["agent"])
+out = run_agent_rollout([prompt], 2, Params(), generate_many, NeverReturns, Bytes(), agent, 1, 512, lambda e, t, b: t)
+observations = [Bytes().decode([i for i, m in zip(t.token_ids, t.action_mask) if not m]) for t in out]
+print(json.dumps([[t.finish_reason, t.turns, t.tool_errors, o] for t, o in zip(out, observations)]), flush=True)
+"""
+
+
+def test_a_tool_that_never_returns_does_not_hold_the_process_at_exit():
+    """Each step times out into an error observation and a counter, and the interpreter exits when the rollout is
+    done (a pool of non-daemon threads, as concurrent.futures has, would keep it waiting for the tool forever)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    spec = {"params": dataclasses.asdict(SamplingParams(n=2, max_new_tokens=200, stop_token_ids=(66,))),
+            "agent": dataclasses.asdict(agent_cfg(tool_timeout_s=0.2, max_turns=2))}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        proc = subprocess.run([sys.executable, "-c", NEVER_RETURNS, json.dumps(spec)], capture_output=True, text=True,
+                              timeout=20, env={**os.environ, "PYTHONPATH": root})
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the process did not exit within 20 s of starting a rollout whose tool never returns; "
+                    f"it printed {e.stdout!r}")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert len(out) == 2
+    for finish, turns, errors, observations in out:
+        assert (finish, turns, errors) == ("max_turns", 2, {"timeout": 2})
+        assert observations.startswith("[error timeout: the tool did not answer within 0.2 s]")
+
+
+def _poll(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
+        time.sleep(0.002)
+
+
+def test_tool_pool_is_bounded_gives_up_steps_and_caps_the_hung_ones():
+    """At most ``workers`` steps run at once; a step given up at its timeout frees its place (a running one keeps its
+    daemon thread, a queued one never runs); one given-up step past ``max_hung`` still running stops the run."""
+    import threading
+
+    from rlhf_sg.agent import ToolPool
+
+    pool = ToolPool(workers=2, max_hung=2, name="test-tool-pool")
+    release, started = threading.Event(), []
+
+    def step(name):
+        started.append(name)
+        release.wait(60)  # longer than any poll below: a step ends early only when released
+        return name
+
+    try:
+        a, b, c = (pool.submit(step, x) for x in "abc")
+        _poll(lambda: len(started) == 2, "two running steps")
+        assert sorted(started) == ["a", "b"] and not c.running()  # the third waits: two threads at most
+        threads = [t for t in threading.enumerate() if t.name.startswith("test-tool-pool")]
+        assert len(threads) == 2 and all(t.daemon for t in threads)
+        pool.abandon(a)  # its thread is left running; another takes the queue
+        _poll(lambda: c.running(), "the queued step to start in the given-up one's place")
+        assert pool.hung == 1
+        d = pool.submit(step, "d")
+        pool.abandon(d)  # still queued: never runs
+        assert d.cancelled()
+        pool.abandon(b)
+        assert pool.hung == 2
+        with pytest.raises(RuntimeError, match=r"3 environment steps .* --agent.max_hung_steps 2"):
+            pool.abandon(c)
+    finally:
+        release.set()
+    _poll(lambda: pool.hung == 0, "the given-up steps to return")
+    assert (a.result(), b.result(), c.result()) == ("a", "b", "c") and "d" not in started
+    pool.shutdown()
+    _poll(lambda: not [t for t in threading.enumerate() if t.name.startswith("test-tool-pool")], "idle threads to end")
+
+
+def test_the_trainers_environment_steps_run_on_daemon_threads():
+    import threading
+
+    from rlhf_sg.config import Config
+    from rlhf_sg.tiny import build_tokenizer
+    from rlhf_sg.trainer.rollout import RolloutMaker
+
+    cfg = Config()
+    cfg.agent.env, cfg.agent.env_workers, cfg.agent.max_hung_steps = "rlhf_sg.agent:Environment", 3, 5
+    maker = RolloutMaker(cfg, [], None, 2, 0, None, tokenizer=build_tokenizer())
+    pool = maker._env_pool
+    assert (pool.workers, pool.max_hung) == (3, 5)
+    assert pool.submit(lambda: threading.current_thread().daemon).result(timeout=10) is True
+    pool.shutdown()

@@ -18,7 +18,6 @@ still hits where the samples of one prompt share it within a call (vLLM); vLLM c
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import random
 import statistics
 import tempfile
@@ -65,9 +64,8 @@ def run_side(backend, tokenizer, prompts, args, flush: bool) -> dict:
     params = SamplingParams(n=args.samples, temperature=1.0, max_new_tokens=budget, seed=args.seed)
     cfg = AgentConfig(env="-", max_turns=args.turns, max_turn_tokens=args.turn_tokens,
                       max_observation_tokens=args.obs_tokens)
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        trajectories = run_agent_rollout(prompts, args.samples, params, generate_many, Observe, tokenizer, cfg, 1,
-                                         args.max_model_len, lambda e, t, b: args.seed + t, pool)
+    trajectories = run_agent_rollout(prompts, args.samples, params, generate_many, Observe, tokenizer, cfg, 1,
+                                     args.max_model_len, lambda e, t, b: args.seed + t)
     reported = all(x is not None for c in calls for x in c["cached"])
     cached = [sum(c["cached"]) if reported else 0 for c in calls]
     later = range(1, len(calls))
