@@ -416,6 +416,7 @@ def test_agent_flags_are_checked_before_ray(engine, tmp_path):
         (dict(env="rlhf_sg.agent:nothing"), "has no callable 'nothing'"),
         (dict(env="rlhf_sg.agent:Environment", overflow="drop"), "--agent.overflow must be rollback or truncate"),
         (dict(env="rlhf_sg.agent:Environment", max_turns=0), "--agent.max_turns must be >= 1"),
+        (dict(env="rlhf_sg.agent:Environment", max_hung_steps=-1), "--agent.max_hung_steps must be >= 0"),
         (dict(env="rlhf_sg.agent:Environment", reward_text="text"), "--agent.reward_text must be model or all"),
         (dict(env="rlhf_sg.agent:Environment", env_reward="x"), "--agent.env_reward must be ignore, add or replace"),
         (dict(env="rlhf_sg.agent:Environment", template_check="x"), "--agent.template_check must be off, warn or"),
@@ -742,3 +743,270 @@ def test_the_trainers_environment_steps_run_on_daemon_threads():
     assert (pool.workers, pool.max_hung) == (3, 5)
     assert pool.submit(lambda: threading.current_thread().daemon).result(timeout=10) is True
     pool.shutdown()
+
+
+# ---- a real byte-level BPE tokenizer in Qwen2.5's chat format -------------------------------------------------------
+
+QUESTION = [{"role": "user", "content": "What is 417*38?"}]
+CALL = {"name": "calculator", "arguments": {"expression": "417*38"}}
+
+
+def _recipe(name: str):
+    import importlib
+    import os
+    import sys
+
+    recipes = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+    if recipes not in sys.path:
+        sys.path.insert(0, recipes)
+    return importlib.import_module(name)
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    from rlhf_sg.tiny import build_chat_tokenizer
+
+    return build_chat_tokenizer()
+
+
+class ScriptedBackend:
+    """An engine whose model is a script (the boundary: no tiny model writes a tool call on cue), held to the
+    backend interface: a :class:`backends.base.RolloutBackend` whose ``generate`` checks its arguments as every
+    backend does and returns :class:`Completion` s, n per prompt. The answer to a prompt is the script's turn for the
+    number of assistant headers in it, exactly the scripted ids, cut after the first stop token (finish "stop") or
+    at ``max_new_tokens`` (finish "length")."""
+
+    def __new__(cls, tokenizer, turns: list[list[int]]):
+        from backends.base import BackendConfig, Completion, RolloutBackend, check_generate_args
+
+        class Scripted(RolloutBackend):
+            name = "scripted"
+
+            def generate(self, prompts, params):
+                check_generate_args(prompts, params, len(tokenizer), self.config.max_model_len)
+                header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+                out = []
+                for i, p in enumerate(prompts):
+                    turn = sum(p[j:j + len(header)] == header for j in range(len(p))) - 1
+                    ids = []
+                    for t in turns[turn][:params.max_new_tokens]:
+                        ids.append(t)
+                        if t in params.stop_token_ids:
+                            break
+                    finish = "stop" if ids[-1] in params.stop_token_ids else "length"
+                    out += [Completion(list(ids), [-0.25] * len(ids), finish, self.weight_version, i)
+                            for _ in range(params.n)]
+                return out
+
+        return Scripted(BackendConfig(model_path="scripted", max_model_len=1024))
+
+
+def spelled(tok, text: str) -> list[int]:
+    """``text`` as an engine may sample it: added tokens whole, every other character its own token, where the BPE
+    joins them (``name``, `` answer``, ``"}}``). It decodes to ``text``."""
+    import re
+
+    added = tok.get_added_vocab()
+    ids = []
+    for part in re.split("(" + "|".join(map(re.escape, added)) + ")", text):
+        ids += [added[part]] if part in added else [i for ch in part for i in tok.encode(ch, add_special_tokens=False)]
+    return ids
+
+
+def qwen_prompt(tok) -> Prompt:
+    text = tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    return Prompt(tok.encode(text, add_special_tokens=False), text, "15846")
+
+
+def qwen_run(tok, turns, n=2, stop_token_ids=()):
+    backend = ScriptedBackend(tok, turns)
+    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=400, stop_token_ids=(tok.eos_token_id,
+                                                                                      tok.pad_token_id))
+    cfg = agent_cfg(max_turns=4, max_turn_tokens=150, stop_token_ids=list(stop_token_ids))
+    generate_many = lambda calls: [backend.generate(ps, q) for _, ps, q in calls]  # noqa: E731
+    return run_agent_rollout([qwen_prompt(tok)], n, params, generate_many, _recipe("qwen_tools").make_env, tok, cfg, 1,
+                             1024, lambda e, t, b: t)
+
+
+def tool_response(tok, result: str) -> list[int]:
+    """Qwen2.5's rendering of a tool result after the model's <|im_end|>, the next assistant header included."""
+    return tok.encode(f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
+                      "<|im_start|>assistant\n", add_special_tokens=False)
+
+
+def _special_segments(tok, ids, sampled):
+    """ids cut at the special tokens: (special id or None, the ids of the piece, whether any was sampled)."""
+    specials, out, piece, hit = set(tok.all_special_ids), [], [], False
+    for t, m in zip(ids, sampled):
+        if t in specials:
+            out += [(None, piece, hit)] if piece else []
+            out.append((t, [t], m))
+            piece, hit = [], False
+        else:
+            piece.append(t)
+            hit = hit or m
+    return out + ([(None, piece, hit)] if piece else [])
+
+
+def assert_matches_the_render(tok, ours, sampled, messages):
+    """Our ids against the chat template's render of the same conversation, at the special-token boundaries: the
+    same special tokens in the same places, the same text between them, and exactly the template's ids in every
+    piece the engine did not sample (prompt, glue, observations)."""
+    rendered = tok.apply_chat_template(messages, tokenize=False)
+    assert rendered.endswith("<|im_end|>\n")  # the glue after the last turn, which no observation follows
+    theirs = tok.encode(rendered[:-1], add_special_tokens=False)
+    a, b = _special_segments(tok, ours, sampled), _special_segments(tok, theirs, [False] * len(theirs))
+    assert [s for s, _, _ in a] == [s for s, _, _ in b]
+    for (_, mine, was_sampled), (_, template, _) in zip(a, b):
+        assert tok.decode(mine) == tok.decode(template)
+        assert was_sampled or mine == template
+
+
+@pytest.mark.parametrize("turn_stop", ["<|im_end|>", "</tool_call>"])
+def test_qwen_tool_calls_keep_the_sampled_ids_and_match_the_chat_template(chat_tok, turn_stop):
+    """A real byte-level BPE (merges) and Qwen's format: the engine's turns in a non-canonical segmentation stay
+    exactly as sampled (a decode / re-encode would change them), <|im_end|> ends the model's turn (mask 1), the
+    template's "\\n" after it opens the observation (mask 0), and the whole row is the chat template's render.
+    With </tool_call> as a turn's stop token (--agent.stop_token_ids) the <|im_end|> the model did not write opens
+    the observation."""
+    import json
+
+    from rlhf_sg.agent import check_turn_boundaries, turn_glue
+
+    tok = chat_tok
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    turn1 = spelled(tok, f"<tool_call>\n{json.dumps(CALL)}\n</tool_call>") + [end]
+    turn2 = spelled(tok, "The answer is 15846.") + [end]
+    for turn in (turn1, turn2):  # the engine's segmentation is not the tokenizer's
+        assert tok.decode(turn) and tok.encode(tok.decode(turn), add_special_tokens=False) != turn
+    obs = tool_response(tok, "15846")
+    if turn_stop == "</tool_call>":  # the engine stops before the <|im_end|>, which the observation then opens with
+        turn1, obs = turn1[:-1], [end] + obs
+    out = qwen_run(tok, [turn1, turn2], stop_token_ids=[tok.convert_tokens_to_ids(turn_stop)])
+    prompt = qwen_prompt(tok).token_ids
+    messages = [*QUESTION, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": CALL}]},
+                {"role": "tool", "content": "15846"}, {"role": "assistant", "content": "The answer is 15846."}]
+    for t in out:
+        assert (t.finish_reason, t.turns, t.tool_calls, t.tool_errors) == ("env_done", 2, 1, {})
+        assert t.token_ids == turn1 + obs + turn2
+        assert t.action_mask == [True] * len(turn1) + [False] * len(obs) + [True] * len(turn2)
+        assert t.logprobs == [-0.25] * len(turn1) + [0.0] * len(obs) + [-0.25] * len(turn2)
+        assert_matches_the_render(tok, prompt + t.token_ids, [False] * len(prompt) + t.action_mask, messages)
+        # the reward sees the model's text: its call and its answer, no tool response
+        assert t.reward_text == tok.decode(turn1 + turn2, skip_special_tokens=True)
+        assert "<tool_call>" in t.reward_text and "<tool_response>" not in t.reward_text
+    glue = turn_glue(tok)
+    assert glue == (end, tok.encode("\n<|im_start|>user\n<tool_response>\n", add_special_tokens=False))
+    assert check_turn_boundaries(out, glue, "strict") == 0
+
+
+@pytest.mark.parametrize("call,kind,says", [
+    ('{"name": "calculator", "arguments": {"expression": "417*38"}', "malformed", "not JSON"),
+    ('["calculator", "417*38"]', "malformed", "a tool call is"),
+    ('{"name": "search", "arguments": {"query": "417*38"}}', "unknown_tool", "no tool 'search'"),
+    ('{"name": "calculator", "arguments": {"expr": "417*38"}}', "malformed", "missing a required argument"),
+    ('{"name": "calculator", "arguments": {"expression": "__import__(0)"}}', "malformed", "is not INT*INT"),
+])
+def test_qwen_tool_call_errors_become_error_observations(chat_tok, call, kind, says):
+    """A call that is not JSON, not a call, names no tool or misfits its tool is answered with an error in the
+    template's <tool_response> block (mask 0) and counted; the trajectory goes on, and the model's next call works."""
+    import json
+
+    from rlhf_sg.agent import check_turn_boundaries, turn_glue
+
+    tok = chat_tok
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    bad = spelled(tok, f"<tool_call>\n{call}\n</tool_call>") + [end]
+    good = spelled(tok, f"<tool_call>\n{json.dumps(CALL)}\n</tool_call>") + [end]
+    answer = spelled(tok, "15846") + [end]
+    out = qwen_run(tok, [bad, good, answer])
+    for t in out:
+        assert (t.finish_reason, t.turns, t.tool_calls, t.tool_errors) == ("env_done", 3, 2, {kind: 1})
+        error = t.token_ids[len(bad):t.action_mask.index(True, len(bad))]
+        text = tok.decode(error)
+        assert text.startswith(f"\n<|im_start|>user\n<tool_response>\nerror ({kind}): ") and says in text
+        assert text.endswith("\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        assert t.token_ids == bad + error + good + tool_response(tok, "15846") + answer
+        assert not any(t.action_mask[len(bad):len(bad) + len(error)])
+    assert check_turn_boundaries(out, turn_glue(tok), "strict") == 0
+
+
+def _glue_dropped(tok):
+    class GlueDropped(_recipe("qwen_tools").QwenToolEnv):  # the "\n" after <|im_end|> lost
+        def tool_responses(self, results):
+            return super().tool_responses(results)[1:]
+
+    return GlueDropped(tok)
+
+
+def _end_doubled(tok):
+    class EndDoubled(_recipe("qwen_tools").QwenToolEnv):  # <|im_end|> in the observation too: counted twice
+        def tool_responses(self, results):
+            return [self.end_id] + super().tool_responses(results)
+
+    return EndDoubled(tok)
+
+
+def _wrong_role(tok):
+    class WrongRole(_recipe("qwen_tools").QwenToolEnv):  # a "tool" turn: Qwen2.5 renders tool results in a user turn
+        def tool_responses(self, results):
+            text = self.tokenizer.decode(super().tool_responses(results))
+            return self.encode(text.replace("<|im_start|>user", "<|im_start|>tool", 1))
+
+    return WrongRole(tok)
+
+
+@pytest.mark.parametrize("mode", ["off", "warn", "strict"])
+def test_the_trainers_turn_boundary_check_on_the_bpe_tokenizer(chat_tok, mode):
+    """RolloutMaker (the engines' Ray calls replaced by the scripted engine) with --agent.template_check: a Qwen
+    environment passes; one that drops the glue, counts <|im_end|> twice or opens the wrong turn is counted (warn),
+    stops the run (strict) or goes unchecked (off)."""
+    import json
+
+    from rlhf_sg.config import Config
+    from rlhf_sg.trainer.rollout import RolloutMaker
+
+    _recipe("qwen_tools")
+    tok = chat_tok
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    backend = ScriptedBackend(tok, [spelled(tok, f"<tool_call>\n{json.dumps(CALL)}\n</tool_call>") + [end],
+                                    spelled(tok, "15846") + [end]])
+    cfg = Config()
+    cfg.agent.env, cfg.agent.template_check, cfg.agent.max_turn_tokens = "qwen_tools:make_env", mode, 150
+    cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens, cfg.rollout.max_model_len = 2, 400, 1024
+    maker = RolloutMaker(cfg, [backend], None, (end, tok.pad_token_id), tok.pad_token_id, None, tokenizer=tok)
+    maker._generate_on = lambda calls: [backend.generate(ps, q) for _, ps, q in calls]
+    out = maker.generate([qwen_prompt(tok)], step=0)
+    assert [t.turns for t in out] == [2, 2] and maker.template_mismatches == 0
+    for broken in (_glue_dropped, _end_doubled, _wrong_role):
+        maker.env_factory = broken
+        if mode == "strict":
+            with pytest.raises(ValueError, match="not the chat template's glue"):
+                maker.generate([qwen_prompt(tok)], step=0)
+            continue
+        out = maker.generate([qwen_prompt(tok)], step=0)
+        assert [t.turns for t in out] == [2, 2]
+        assert maker.template_mismatches == (2 if mode == "warn" else 0)
+        assert maker._agent_stats(out)["agent/template_mismatch"] == maker.template_mismatches
+
+
+def test_the_chat_tokenizer_is_deterministic_saves_and_loads(chat_tok, tmp_path):
+    from rlhf_sg.data import load_tokenizer
+    from rlhf_sg.tiny import CHAT_SPECIAL_TOKENS, CHAT_TOOL_TOKENS, build_chat_tokenizer
+
+    tok = chat_tok
+    assert build_chat_tokenizer().backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
+    tok.save_pretrained(str(tmp_path))
+    loaded = load_tokenizer(str(tmp_path))
+    messages = [*QUESTION, {"role": "assistant", "content": "", "tool_calls": [{"function": CALL}]},
+                {"role": "tool", "content": "15846"}, {"role": "assistant", "content": "The answer is 15846."}]
+    rendered = tok.apply_chat_template(messages, tokenize=False)
+    assert loaded.apply_chat_template(messages, tokenize=False) == rendered
+    ids = tok.encode(rendered, add_special_tokens=False)
+    assert loaded.encode(rendered, add_special_tokens=False) == ids and tok.decode(ids) == rendered
+    assert (loaded.eos_token, loaded.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    assert set(CHAT_SPECIAL_TOKENS) <= set(loaded.all_special_tokens)
+    for t in CHAT_TOOL_TOKENS:  # one added token each, not special: kept in the text tool calls are parsed from
+        (i,) = tok.encode(t, add_special_tokens=False)
+        assert tok.decode([i], skip_special_tokens=True) == t and t not in tok.all_special_tokens
+    assert len(tok.encode(" answer", add_special_tokens=False)) == 1  # a learned merge
