@@ -1010,3 +1010,82 @@ def test_the_chat_tokenizer_is_deterministic_saves_and_loads(chat_tok, tmp_path)
         (i,) = tok.encode(t, add_special_tokens=False)
         assert tok.decode([i], skip_special_tokens=True) == t and t not in tok.all_special_tokens
     assert len(tok.encode(" answer", add_special_tokens=False)) == 1  # a learned merge
+
+
+# ---- the async producer, in one process -----------------------------------------------------------------------------
+
+
+def test_async_producer_cuts_a_turn_at_a_sync_and_continues_it(engine, monkeypatch):
+    """The trainer's async path with Ray replaced at its boundary only (tests/test_sync_spec.py's handles: the real
+    EngineActor on the embedded engine, in this process): AsyncRollout's producer makes a multi-turn batch with the
+    real RolloutMaker; the trainer's sync cuts the first turn mid-generation (partial rollout's abort), loads version
+    1 and resumes; the turn goes on from its tokens with version 1, then the second turn. Every turn's version is kept,
+    the sample carries the oldest, and the experience the trainer takes holds the trajectories' rows and masks."""
+    import concurrent.futures
+    import threading
+
+    import ray
+    from test_sync_spec import _Context, _get, _Handle, _wait
+
+    from backends.base import BackendConfig as Config_
+    from rlhf_sg.config import Config
+    from rlhf_sg.data import PromptStream
+    from rlhf_sg.engine_actor import EngineActor
+    from rlhf_sg.timing import StepTimer
+    from rlhf_sg.trainer.async_rollout import AsyncRollout
+    from rlhf_sg.trainer.rollout import RolloutMaker
+
+    backend, tokenizer, model = engine
+    for name, fake in [("wait", _wait), ("get", _get), ("get_runtime_context", _Context),
+                       ("get_gpu_ids", lambda: []), ("is_initialized", lambda: False)]:
+        monkeypatch.setattr(ray, name, fake)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # EngineActor would export it into this process
+    actor = EngineActor("hf", Config_(model_path=backend.config.model_path, max_model_len=256, num_threads=1))
+    calls = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="engine-call")
+    # the first generate blocks at its third forward (two tokens sampled) until the sync's abort reaches the engine
+    mid_turn, forwards = threading.Event(), []
+
+    def hold_mid_turn(module, args, output):
+        forwards.append(1)
+        if len(forwards) == 3:
+            mid_turn.set()
+            actor.backend._abort.wait(30)
+
+    hook = actor.backend.model.register_forward_hook(hold_mid_turn)
+    cfg = Config()
+    cfg.agent.env, cfg.agent.max_turn_tokens, cfg.agent.max_turns = "rlhf_sg.agent:Environment", 8, 2
+    cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens = 2, 2, 40
+    stream = PromptStream(prompts_for(tokenizer), 2, seed=0)
+    # an end-of-sequence id past the vocabulary: every turn runs to its cap (8), the cut falls inside the first
+    maker = RolloutMaker(cfg, [_Handle(actor, calls)], stream, model.config.vocab_size + 1, 0,
+                         lambda prompts, completions, exp: torch.zeros(len(completions)), on_policy=False,
+                         tokenizer=tokenizer)
+    maker.env_factory = lambda tok: Calc(tok, turns=2)
+    made = []
+    generate = maker.generate
+    maker.generate = lambda prompts, step, draw=0: made.append(generate(prompts, step, draw)) or made[-1]
+    producer = AsyncRollout(maker, first_step=0, last_step=1, engine_version=0, max_staleness=1, timeout_s=30,
+                            data_state=stream.state, abort=actor.abort_generation, resume=actor.resume_generation)
+    timer = StepTimer(sync=lambda: None)
+    timer.start_step()
+    try:
+        producer.start()
+        assert mid_turn.wait(30), "the first turn did not start"
+        assert producer.sync(lambda: actor.finish_weight_update(1), version=1, timer=timer) == 1
+        prompts, experience, metrics = producer.take(0)
+    finally:
+        producer.stop()
+        hook.remove()
+        calls.shutdown()
+    (trajectories,) = made
+    for t in trajectories:
+        # the first turn: two tokens from version 0, the rest of its 8 after the sync; the second turn from version 1
+        assert t.turn_versions == [0, 1, 1] and t.weight_version == 0 and t.turns == 2
+        first = t.action_mask.index(False)
+        assert first == 8 and t.finish_reason == "env_done"
+    assert metrics["rollout/partial_samples"] == 4 and metrics["agent/turns"] == 2
+    T = experience.response_width
+    assert experience.weight_version.tolist() == [0] * 4
+    assert experience.action_mask.tolist() == [t.action_mask + [False] * (T - len(t.action_mask)) for t in trajectories]
+    assert [experience.sequences[i, -T:][:len(t.token_ids)].tolist() for i, t in enumerate(trajectories)] == [
+        t.token_ids for t in trajectories]

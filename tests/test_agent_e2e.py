@@ -111,6 +111,7 @@ def test_trainer_steps_and_evaluation_run_multi_turn_through_the_async_producer(
     assert all(t.turn_versions == [0, 0] and t.weight_version == 0 for t in made[0])
     assert all(t.turn_versions == [0, 1] and t.weight_version == 0 for t in made[1])
     assert [h["rollout/staleness_max"] for h in history] == [0, 1]
+    assert [h["rollout/partial_samples"] for h in history] == [0, 16]  # samples with tokens of two versions
     for step, (h, exp) in enumerate(zip(history, seen)):
         assert h["agent/turns"] == 2 and h["agent/finish_env_done"] == 1.0 and h["agent/tool_calls"] == 1
         trajectories = made[step]

@@ -232,6 +232,9 @@ class RolloutMaker:
             prompts, params.n, params, self._generate_on, self.env_factory, self.tokenizer, self.cfg.agent,
             len(self.engines), self.cfg.rollout.max_model_len,
             lambda engine, turn, budget: turn_seed(seed, step, draw, engine, turn, budget), self._env_pool)
+        # partial rollout's count: samples with tokens from two weight versions or more (a turn cut by a sync and
+        # continued after it, or turns on either side of one)
+        self.continued += sum(len(set(t.turn_versions)) > 1 for t in trajectories)
         mode = self.cfg.agent.template_check
         if mode != "off":
             if not hasattr(self, "_glue"):
