@@ -217,6 +217,14 @@ def test_tool_failures_become_error_observations(engine, how, kind):
     assert m["agent/tool_error_frac"] == 1.0 and m["agent/tool_calls"] >= 1
 
 
+def test_more_hung_steps_than_allowed_stop_the_rollout(engine):
+    """Each step past its timeout is given up; one more given-up step still running than --agent.max_hung_steps is a
+    fault of the run (a tool that never returns), not an observation."""
+    cfg = agent_cfg(tool_timeout_s=0.1, max_turns=3, max_hung_steps=1)
+    with pytest.raises(RuntimeError, match=r"--agent.max_hung_steps 1 allows"):
+        run(engine, cfg=cfg, n=1, total=120, factory=lambda tok: Failing(tok, "hang"))
+
+
 # ---- budgets and finish reasons --------------------------------------------------------------------------------------
 
 
