@@ -22,25 +22,32 @@ observation then starts with the ``<|im_end|>`` the model did not write.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import json
-import os
+import operator
 import re
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from calc_task import calculate  # noqa: E402
-
-from rlhf_sg.agent import Environment, StepResult, ToolError  # noqa: E402
+from rlhf_sg.agent import Environment, StepResult, ToolError
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 END_OF_TURN = "<|im_end|>"
+_OPS = {ast.Mult: operator.mul, ast.Add: operator.add, ast.Sub: operator.sub}
 
 
 def calculator(expression: str) -> int:
-    """``a*b``, ``a+b`` or ``a-b`` of two integers (``calc_task.calculate``: parsed with ``ast``, never ``eval``)."""
-    return calculate(expression)
+    """``a*b``, ``a+b`` or ``a-b`` of two integers, as ``calc_task.calculate``: parsed with ``ast``, never ``eval``
+    (that module is not imported: it sets up a CPU run)."""
+    try:
+        tree = ast.parse(str(expression), mode="eval").body
+    except SyntaxError as e:
+        raise ToolError("malformed", f"cannot parse {expression!r}") from e
+    if not (isinstance(tree, ast.BinOp) and type(tree.op) in _OPS
+            and all(isinstance(x, ast.Constant) and type(x.value) is int for x in (tree.left, tree.right))):
+        raise ToolError("malformed", f"{expression!r} is not INT*INT, INT+INT or INT-INT")
+    if max(abs(tree.left.value), abs(tree.right.value)) >= 10**6:
+        raise ToolError("malformed", "operands too large")
+    return _OPS[type(tree.op)](tree.left.value, tree.right.value)
 
 
 #: the tools a model may call, by name
