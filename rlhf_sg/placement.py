@@ -151,11 +151,20 @@ def rendezvous_for_bundle(pg, bundle_index: int = 0, timeout_s: float = 60.0) ->
     node_id = placement_group_table(pg)["bundles_to_node_id"][bundle_index]
     probe = ray.remote(_node_and_port).options(
         num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-    ref = probe.remote()
-    ready, _ = ray.wait([ref], timeout=timeout_s)
-    if not ready:
-        ray.cancel(ref, force=True)
-        raise TimeoutError(f"placement: no rendezvous address from node {node_id} (bundle {bundle_index}) "
-                           f"within {timeout_s} s; is that Ray node alive?")
-    host, port = ray.get(ref)
+    for _ in range(8):
+        ref = probe.remote()
+        ready, _ = ray.wait([ref], timeout=timeout_s)
+        if not ready:
+            ray.cancel(ref, force=True)
+            raise TimeoutError(f"placement: no rendezvous address from node {node_id} (bundle {bundle_index}) "
+                               f"within {timeout_s} s; is that Ray node alive?")
+        host, port = ray.get(ref)
+        # groups start side by side: a port handed to one whose rank 0 has not bound it yet is still "free"
+        if (host, int(port)) not in _HANDED_OUT:
+            break
+    _HANDED_OUT.add((host, int(port)))
     return host, int(port)
+
+
+#: rendezvous addresses this process has handed out (a port is free again only once its group has bound it)
+_HANDED_OUT: set[tuple[str, int]] = set()

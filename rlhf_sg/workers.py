@@ -803,7 +803,9 @@ class ModelGroup:
     (one bundle per rank), or ``shared`` bundles it holds a share of (colocation; not removed here)."""
 
     def __init__(self, spec: WorkerSpec, num_cpus: float = 1.0, num_gpus: float = 0.0, strategy: str = "PACK",
-                 runtime_env: dict | None = None, shared: SharedBundles | None = None):
+                 runtime_env: dict | None = None, shared: SharedBundles | None = None, wait: bool = True):
+        """Start the ranks; with ``wait`` (the default) return once every rank has loaded its model, otherwise at
+        once, and :meth:`wait_started` waits (groups then load their models at the same time)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -840,7 +842,15 @@ class ModelGroup:
             .remote(asdict(spec), i)
             for i in range(spec.world_size)
         ]
-        self._get([w.ping.remote() for w in self.workers], "start-up")
+        self._started = [w.ping.remote() for w in self.workers]
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Wait until every rank has loaded its model and joined its process group (at most ``timeout_s``)."""
+        if self._started:
+            refs, self._started = self._started, []
+            self._get(refs, "start-up")
 
     def _get(self, refs, what: str):
         return wait_ranks([(self.spec.role, i, ref) for i, ref in enumerate(refs)], what, self.timeout_s)

@@ -57,7 +57,17 @@ def pytest_configure(config):
             _guard(module, name)
 
 
+def _tier(item) -> int:
+    """Run order: the fast tier, then the slow tests on the session's Ray cluster, then the tests that end that
+    cluster to start one of another shape, so the shared cluster starts once (``pytest`` runs the tiers in CI's
+    order). Within a tier, the files' order."""
+    if "slow" not in item.keywords:
+        return 0
+    return 2 if "two_nodes" in getattr(item, "fixturenames", ()) else 1
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_tier)  # stable: each tier keeps the collection order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

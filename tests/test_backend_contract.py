@@ -670,7 +670,7 @@ def test_join_timeout_names_the_group(embedded):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    spec = WeightGroupSpec("127.0.0.1", port, 1, 2, "lonely_group", "gloo", timeout_s=2.0)
+    spec = WeightGroupSpec("127.0.0.1", port, 1, 2, "lonely_group", "gloo", timeout_s=0.5)
     with pytest.raises(BackendError, match="lonely_group"):
         embedded.init_weight_update_group(spec)
 

@@ -1,5 +1,6 @@
 """The command line as a user runs it: ``python -m rlhf_sg train-ppo`` with a YAML file and flags, in a
-fresh process that starts its own Ray; and a wrong flag stopping it before anything starts."""
+fresh process that joins the Ray cluster ``RAY_ADDRESS`` names (a run that starts a Ray of its own is the faults
+test's: ``python -m rlhf_sg.bench faults --child``); and a wrong flag stopping it before anything starts."""
 
 import json
 import os
@@ -13,19 +14,19 @@ RECIPES = os.path.join(ROOT, "recipes")
 sys.path.insert(0, RECIPES)
 
 
-def _run(args, tmp_path, timeout=600):
+def _run(args, tmp_path, timeout=600, ray_address=None):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([RECIPES, os.environ.get("PYTHONPATH", "")]),
                DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    env.pop("RAY_ADDRESS", None)  # as on a user's machine: the command starts a Ray of its own
+    env.pop("RAY_ADDRESS", None)  # unless given, as on a machine without a cluster
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
     return subprocess.run([sys.executable, "-m", "rlhf_sg", *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
 @pytest.mark.slow
-def test_train_ppo_from_yaml_and_flags(tmp_path):
-    from quickstart_cpu import prepare
-
-    policy, prompts = prepare(str(tmp_path / "task"), warm_start_steps=5)
+def test_train_ppo_from_yaml_and_flags(ray_cluster, task, tmp_path):
+    policy, prompts = task
     config = tmp_path / "run.yaml"
     config.write_text(
         f"model:\n  pretrain: {policy}\n"
@@ -37,8 +38,9 @@ def test_train_ppo_from_yaml_and_flags(tmp_path):
     )
     out = tmp_path / "out"
     result = _run(["train-ppo", "--config", str(config), "--max-steps", "2", "--output-dir", str(out),
-                   "--train.actor_lr", "1e-5"], tmp_path)
+                   "--train.actor_lr", "1e-5"], tmp_path, ray_address=ray_cluster.get_runtime_context().gcs_address)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Started a local Ray instance" not in result.stderr  # it joined the cluster
     assert f"are in {out}" in result.stdout
     saved = json.loads((out / "config.json").read_text())
     assert saved["train"]["actor_lr"] == 1e-5 and saved["train"]["advantage_estimator"] == "grpo"  # flag won

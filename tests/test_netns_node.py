@@ -88,11 +88,12 @@ def _start_node(cmd: list[str], env: dict[str, str], log_path: str) -> subproces
 
 
 def _stop_node(proc: subprocess.Popen) -> None:
-    """End the node's process group (``ray start --block`` and the Ray processes it started)."""
+    """End the node's process group (``ray start --block`` and the Ray processes it started): a few seconds to stop
+    on SIGTERM (it often waits out its own 30 s for a peer node already gone), then SIGKILL."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)

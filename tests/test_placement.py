@@ -78,3 +78,75 @@ def test_gloo_listens_on_the_interface_of_the_node_address():
     assert export_gloo_interface("192.0.2.255", env) is None and env == {}  # an address this machine lacks
     kept = {"GLOO_SOCKET_IFNAME": "ib0"}
     assert export_gloo_interface(socket.gethostbyname("localhost"), kept) == "ib0"  # the user's own choice wins
+
+
+@pytest.mark.parametrize("colocate_all", [False, True])
+def test_groups_load_side_by_side_and_colocated_engines_start_first_and_alone(monkeypatch, colocate_all):
+    """The cluster's start order, with Ray's calls recorded at the boundary: groups on devices of their own are all
+    started before any is waited on, with the engines in between; engines sharing devices with the trainer (an
+    engine sizes its KV cache from the memory it finds free) are started and ready before any group starts."""
+    from rlhf_sg.config import Config
+    from rlhf_sg.trainer import cluster as cluster_module
+
+    events = []
+
+    class Group:
+        def __init__(self, role):
+            self.role = role
+            events.append(f"launch {role}")
+
+        def wait_started(self):
+            events.append(f"ready {self.role}")
+
+        def call(self, method, *args, **kwargs):
+            events.append(method)
+
+    class Bundles:
+        size = 2
+
+    cfg = Config()
+    cfg.train.kl_coef, cfg.train.colocate_all = 0.01, colocate_all
+    cluster = cluster_module.Cluster(cfg)
+    monkeypatch.setattr(cluster, "_start_shared_bundles",
+                        lambda: dict.fromkeys(("actor", "ref", "engines"), Bundles()) if colocate_all else {})
+    monkeypatch.setattr(cluster, "_start_engines", lambda: events.append("engines ready") or ["engine"])
+    monkeypatch.setattr(cluster, "_group", lambda role, shared: Group(role))
+    cluster._start_groups()
+    roles = [e.split()[1] for e in events if e.startswith("launch")]
+    assert set(roles) >= {"actor", "ref"}
+    if colocate_all:
+        assert events[0] == "engines ready"
+    else:
+        assert events.index("engines ready") > max(events.index(f"launch {r}") for r in roles)
+        assert events.index("engines ready") < min(events.index(f"ready {r}") for r in roles)
+    assert all(events.index(f"ready {r}") < events.index("setup_weight_sync") for r in roles)
+
+
+def test_a_rendezvous_port_is_never_handed_out_twice(monkeypatch):
+    """Groups start side by side, so a port picked free for one group is still free (unbound) when the next group
+    asks: the node's probe is asked again until it gives a port not handed out. Ray's calls are faked at the
+    boundary with the real signatures' shapes; the probe answers the same port twice, then another."""
+    import importlib
+
+    import ray
+
+    from rlhf_sg import placement
+
+    pg_module = importlib.import_module("ray.util.placement_group")  # the attribute of ray.util is the function
+
+    answers = iter([("10.0.0.2", 40001), ("10.0.0.2", 40001), ("10.0.0.2", 40002)])
+
+    class Probe:
+        def options(self, **kwargs):
+            return self
+
+        def remote(self):
+            return next(answers)
+
+    monkeypatch.setattr(placement, "_HANDED_OUT", set())
+    monkeypatch.setattr(pg_module, "placement_group_table", lambda pg: {"bundles_to_node_id": {0: "ab" * 28}})
+    monkeypatch.setattr(ray, "remote", lambda fn: Probe())
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout: (refs, []))
+    monkeypatch.setattr(ray, "get", lambda ref: ref)
+    assert placement.rendezvous_for_bundle("pg") == ("10.0.0.2", 40001)
+    assert placement.rendezvous_for_bundle("pg") == ("10.0.0.2", 40002)

@@ -466,11 +466,16 @@ def test_checkpoint_restores_the_cuda_rng(tmp_path):
 
 
 def _reduce_on_rank(rank: int, port: int, queue) -> None:
+    import datetime
+
     import torch.distributed as dist
 
     from rlhf_sg.workers import allreduce_weighted_means
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # the store is the parent's, already listening: neither rank waits on the other to open it (a client that comes
+    # first would otherwise retry with growing back-off)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
         # rank 0: a mean of 1.0 over 3 tokens; rank 1: 5.0 over 1 token (the means times the tokens)
         tokens = torch.tensor(3.0 if rank == 0 else 1.0)
@@ -483,11 +488,12 @@ def _reduce_on_rank(rank: int, port: int, queue) -> None:
 def test_metrics_are_token_weighted_means_over_every_rank():
     import multiprocessing
 
-    from rlhf_sg.distributed import free_port
+    import torch.distributed as dist
 
     ctx = multiprocessing.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_reduce_on_rank, args=(r, port, queue)) for r in (0, 1)]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_reduce_on_rank, args=(r, store.port, queue)) for r in (0, 1)]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=120) for _ in procs)

@@ -349,7 +349,10 @@ def test_sglang_backend_refuses_literal_keys_and_unset_variables(tmp_path, monke
 
 def test_server_launcher_refuses_keys_on_its_command_line():
     """A key in argv is readable by every local user (ps) and lands in shell history."""
-    for argv in (["--api-key", "k-123"], ["--admin-api-key=k-123"]):
-        run = subprocess.run([sys.executable, "-m", "backends.sglang_cpu.serve", "--model-path", "m", *argv],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert run.returncode != 0 and "keys do not go on the command line" in run.stderr, run.stderr
+    # both at once: each is an interpreter's start-up
+    runs = [subprocess.Popen([sys.executable, "-m", "backends.sglang_cpu.serve", "--model-path", "m", *argv],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for argv in (["--api-key", "k-123"], ["--admin-api-key=k-123"])]
+    for run in runs:
+        _, stderr = run.communicate(timeout=60)
+        assert run.returncode != 0 and "keys do not go on the command line" in stderr, stderr

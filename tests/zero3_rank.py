@@ -1,6 +1,7 @@
-"""One real ZeRO-3 actor rank in a spawned process, for worker-level tests.
+"""One real ZeRO-3 actor rank in a process of its own, for worker-level tests.
 
-DeepSpeed keeps process-wide group state, so each test runs its rank through :func:`in_fresh_process`.
+DeepSpeed keeps process-wide group state (a second rank in one process after ``destroy_process_group`` finds its
+groups unregistered), so each test runs its rank through :func:`in_fresh_process`.
 """
 
 from __future__ import annotations
@@ -19,12 +20,26 @@ PLAIN_UPDATE = ActorUpdate(loss=ActorLossConfig(clip_low=0.2, clip_high=0.2), te
 FRESH_UPDATE = ActorUpdate(loss=PLAIN_UPDATE.loss, temperature=1.0, old_logp_from_update=True)
 
 
-def in_fresh_process(fn, *args):
-    """``fn(*args)`` in a spawned process (``fn`` must be importable there); its result."""
+#: imported once by the fork server, so a rank's process starts with them (about 6 s of imports a call otherwise);
+#: none of them starts a thread or touches a process group when imported. ``deepspeed.initialize`` imports the
+#: Muon optimizer, and with it torch's inductor (1.7 s), to check which optimizers ZeRO supports.
+PRELOAD = ["torch", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "transformers", "ray",
+           "rlhf_sg.workers", "rlhf_sg.trainer", "zero3_rank"]
+
+
+def in_fresh_process(fn, *args, timeout_s: float = 600):
+    """``fn(*args)`` in a new process (``fn`` must be importable there); its result.
+
+    The process is forked from a fork server that has imported :data:`PRELOAD` and done nothing else, so it holds
+    no process group or DeepSpeed state. A process that dies raises ``BrokenProcessPool`` at once.
+    """
+    import concurrent.futures
     import multiprocessing
 
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply_async(fn, args).get(timeout=600)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call of the session
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        return pool.submit(fn, *args).result(timeout=timeout_s)
 
 
 def actor_rank(model_path: str, device: str = "cpu", **spec_kwargs):

@@ -142,13 +142,17 @@ class Cluster:
         # least as many CPUs as bundles, and each worker runs Layout.worker_threads OpenMP threads (the cores
         # shared among the ranks that compute at the same time), so phases never oversubscribe the cores.
         return ModelGroup(self.layout.worker_spec(role), num_cpus=1.0, num_gpus=1.0 if t.device == "cuda" else 0.0,
-                          strategy=t.placement_strategy, shared=shared)
+                          strategy=t.placement_strategy, shared=shared, wait=False)
 
     def _start_groups(self) -> None:
+        """Every group and the engines load their models at the same time, except that engines sharing devices
+        with a group start first and alone: an engine sizes its KV cache from the memory it finds free, which a
+        model loading beside it would change (vLLM stops on that)."""
         r, t, layout = self.cfg.rollout, self.cfg.train, self.layout
         placed = self._start_shared_bundles()
         self._engine_bundles = placed.get("engines")
-        self.engines = self._start_engines()
+        if self._engine_bundles is not None:
+            self.engines = self._start_engines()
         self.actor = self._group("actor", placed.get("actor"))
         if layout.uses_critic:
             self.critic = self._group("critic", placed.get("critic"))
@@ -156,6 +160,11 @@ class Cluster:
             self.ref = self._group("ref", placed.get("ref"))
         if layout.uses_reward_model:
             self.reward_model = self._group("reward", placed.get("reward"))
+        if self._engine_bundles is None:
+            self.engines = self._start_engines()
+        for group in (self.actor, self.critic, self.ref, self.reward_model):
+            if group is not None:
+                group.wait_started()
         self.actor.call("setup_weight_sync", self.engines, r.weight_transport, r.bucket_bytes, t.timeout_s,
                         what="weight-sync set-up")
 
