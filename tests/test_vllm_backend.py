@@ -240,6 +240,20 @@ def test_truncated_sampling_reports_pre_truncation_logprobs(backend, reference, 
     assert gap > 100 * contract.LOGPROB_ATOL, "truncation kept nearly all mass: the two conventions agree here"
 
 
+# ---- seeded sampling past one step's token budget ------------------------------------------------------
+@requires_vllm
+def test_seeded_generate_with_more_prompt_tokens_than_a_step_takes(backend):
+    """A seeded batch whose prompts hold more tokens than one engine step takes on CPU (4096): with chunked prefill
+    vLLM would cut a prefill into chunks and rewind the request's seeded generator for each (GPUModelRunner's
+    ``gen.set_offset``), which a CPU generator refuses; the backend runs CPU engines without chunked prefill, so the
+    batch completes, and repeats with its seed."""
+    prompts = [[BOS_ID] + [3 + (7 * i + j) % 80 for j in range(79)] for i in range(64)]  # 5,120 prompt tokens
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=11)
+    first = backend.generate(prompts, params)
+    assert len(first) == len(prompts) and all(1 <= len(c.token_ids) <= 2 for c in first)
+    assert [c.token_ids for c in backend.generate(prompts, params)] == [c.token_ids for c in first]
+
+
 # ---- start-up errors ------------------------------------------------------------------------------
 @requires_vllm
 def test_start_up_errors_name_the_problem(model_dir, tmp_path):
