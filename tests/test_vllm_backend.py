@@ -527,20 +527,19 @@ def test_shared_buckets_from_a_ray_worker_into_the_vllm_engine_actor(zero3_clust
 
 
 @pytest.fixture(scope="module")
-def zero3_cluster(model_dir):
-    import ray
-
+def zero3_cluster(ray_cluster, model_dir):
     from rlhf_sg.bench.weight_sync import start_trainer_ranks
     from rlhf_sg.engine_actor import start_engine_actors
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)  # never a running cluster
+    actors = []
     try:
         config = contract._contract_config("vllm", VLLMBackend, model_dir)
-        (engine,) = start_engine_actors("vllm", config, 1, num_cpus=1, start_timeout_s=600)
-        ranks = start_trainer_ranks(model_dir, 2, timeout_s=300)
-        yield {"model_path": model_dir, "engine": engine, "ranks": ranks, "state": {"version": 0}}
+        actors += start_engine_actors("vllm", config, 1, num_cpus=1, start_timeout_s=600)
+        actors += start_trainer_ranks(model_dir, 2, timeout_s=300)
+        yield {"model_path": model_dir, "engine": actors[0], "ranks": actors[1:], "state": {"version": 0}}
     finally:
-        ray.shutdown()
+        for actor in actors:  # the session's cluster stays up
+            ray_cluster.kill(actor)
 
 
 # ---- tensor parallelism through vLLM's own executor (two CPU workers) ------------------------------
