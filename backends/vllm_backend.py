@@ -160,6 +160,13 @@ def vllm_engine_kwargs(config: BackendConfig) -> dict[str, Any]:
         # transformers (a test, a trainer); an explicit size (per worker) is the documented meaning.
         # vLLM's VLLM_CPU_KVCACHE_SPACE and engine_kwargs["kv_cache_memory_bytes"] still take precedence.
         kwargs["kv_cache_memory_bytes"] = int(kwargs["gpu_memory_utilization"] * _host_memory_bytes())
+        # No chunked prefill on CPU: a request whose prefill is cut into chunks has the token sampled after each
+        # partial chunk thrown away, and vLLM rewinds that request's seeded generator for it
+        # (GPUModelRunner._bookkeeping_sync: gen.set_offset), which a CPU generator refuses ("CPU Generator does
+        # not use offset"): every seeded generate with more prompt tokens than one step takes (4096 on CPU) would
+        # stop. vLLM then takes whole prompts a step, its budget raised to max_model_len if that is longer, and
+        # warns that the model "does not officially support" it; the CPU suite holds the outputs to transformers'.
+        kwargs["enable_chunked_prefill"] = False
     if "enable_prefix_caching" in extra:
         kwargs["enable_prefix_caching"] = bool(extra["enable_prefix_caching"])
     if not on_cpu and extra.get("enable_sleep_mode", True):

@@ -24,8 +24,9 @@ environment did not answer), length (the budget ran out), max_turns, env_done, o
 
 Tool failures are observations: an environment raises :class:`ToolError` (malformed call, unknown tool) and
 the loop asks it for :meth:`Environment.error_observation`; an exception from ``step`` counts as kind
-``exception`` and a step slower than ``--agent.tool_timeout_s`` as ``timeout`` (its thread is left to finish;
-the trajectory goes on with the error observation). Each is counted per trajectory.
+``exception`` and a step slower than ``--agent.tool_timeout_s`` as ``timeout`` (the trajectory goes on with the
+error observation). Each is counted per trajectory. Steps run in a :class:`ToolPool`: daemon threads, so a step
+that never returns is left behind without holding the process at exit.
 
 The reward sees the model's text only (``--agent.reward_text model``: the decoded model turns, concatenated)
 unless ``all`` (the decoded response block, observations included) is asked; the score lands on the last
@@ -41,9 +42,11 @@ carries the oldest (sync mode checks that all are the trainer's).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
 import importlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +57,7 @@ __all__ = [
     "Environment",
     "StepResult",
     "ToolError",
+    "ToolPool",
     "Trajectory",
     "agent_metrics",
     "check_turn_boundaries",
@@ -121,6 +125,104 @@ class Environment:
 
     def close(self) -> None:
         """The trajectory ended (release what the environment holds)."""
+
+
+class ToolPool:
+    """Where environment steps run: at most ``workers`` threads at a time, started as steps arrive.
+
+    The threads are daemons: ``concurrent.futures.ThreadPoolExecutor`` joins its threads when the interpreter
+    exits, so a single tool that never returns would hold the process forever. A step that outlives its timeout
+    is given up (:meth:`abandon`): a step still queued never runs; a running one keeps its thread until it
+    returns (Python cannot stop a thread), but that thread no longer counts against ``workers`` and another takes
+    its place. More than ``max_hung`` given-up steps still running at once is a fault of the run, not of one
+    trajectory: :meth:`abandon` raises RuntimeError naming ``--agent.max_hung_steps``.
+    """
+
+    def __init__(self, workers: int, max_hung: int, name: str = "agent-env"):
+        if workers < 1:
+            raise ValueError(f"ToolPool: workers must be >= 1, got {workers}")
+        self.workers, self.max_hung, self.name = workers, max_hung, name
+        self._cond = threading.Condition()
+        self._queue: collections.deque = collections.deque()  # (future, fn, args) not yet taken by a thread
+        self._counted = 0  # threads counting against ``workers`` (idle or running a step not given up)
+        self._idle = 0
+        self._running: set[concurrent.futures.Future] = set()
+        self._hung: set[concurrent.futures.Future] = set()  # given up, still running
+        self._closed = False
+        self._started = 0
+
+    def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+        """Run ``fn(*args)`` on a pool thread; the future holds its result or exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("ToolPool: submit after shutdown")
+            self._queue.append((future, fn, args))
+            self._cond.notify()
+            self._grow()
+        return future
+
+    def abandon(self, future: concurrent.futures.Future) -> None:
+        """Give up on ``future``'s step (its timeout passed): cancelled when still queued; when running, its thread
+        is left to finish and a new one may start in its place."""
+        with self._cond:
+            if future.cancel() or future.done() or future not in self._running or future in self._hung:
+                return
+            self._hung.add(future)
+            self._counted -= 1
+            self._grow()
+            if len(self._hung) > self.max_hung:
+                raise RuntimeError(
+                    f"agent: {len(self._hung)} environment steps are still running past --agent.tool_timeout_s, "
+                    f"more than --agent.max_hung_steps {self.max_hung} allows: a tool does not return (each holds "
+                    "a thread). Give the tool a deadline of its own (a subprocess with a timeout, a client "
+                    "timeout), or raise --agent.max_hung_steps")
+
+    @property
+    def hung(self) -> int:
+        """Steps given up on whose threads are still running."""
+        with self._cond:
+            return len(self._hung)
+
+    def shutdown(self) -> None:
+        """Idle threads end, queued steps are cancelled; running steps finish on their daemon threads."""
+        with self._cond:
+            self._closed = True
+            while self._queue:
+                self._queue.popleft()[0].cancel()
+            self._cond.notify_all()
+
+    def _grow(self) -> None:
+        """A new thread when more steps wait than idle threads will take and ``workers`` allows (under the lock)."""
+        if len(self._queue) > self._idle and self._counted < self.workers:
+            self._counted += 1
+            self._started += 1
+            threading.Thread(target=self._work, name=f"{self.name}-{self._started}", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                self._idle += 1
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                self._idle -= 1
+                if not self._queue:  # shut down
+                    self._counted -= 1
+                    return
+                future, fn, args = self._queue.popleft()
+                if not future.set_running_or_notify_cancel():
+                    continue  # given up while queued
+                self._running.add(future)
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter, as concurrent.futures does
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+            with self._cond:
+                self._running.discard(future)
+                if future in self._hung:  # given up: another thread has taken this one's place
+                    self._hung.discard(future)
+                    return
 
 
 @dataclass
@@ -272,7 +374,7 @@ def run_agent_rollout(
     num_engines: int,
     context_len: int,
     seed_of: Callable[[int, int, int], int],
-    pool: concurrent.futures.ThreadPoolExecutor,
+    pool: ToolPool | None = None,
 ) -> list[Trajectory]:
     """``n`` trajectories per prompt, prompt-major (the order of single-turn completions).
 
@@ -280,11 +382,15 @@ def run_agent_rollout(
     budget; the stop tokens those of the run and ``--agent.stop_token_ids``); generate_many: runs engine calls
     (:data:`GenerateMany`); env_factory(tokenizer): one environment; num_engines: prompt j's trajectories go to
     engine j % num_engines; context_len: the engines' context; seed_of(engine, turn, budget): the seed of that
-    call; pool: where environment steps run (bounded; a hung step keeps its worker until it returns).
+    call; pool: where environment steps run (None: a :class:`ToolPool` of ``--agent.env_workers`` threads for this
+    call, shut down at its end; a step that never returns is left on its daemon thread).
     """
     import dataclasses
 
     a = agent_cfg
+    own_pool = pool is None
+    if own_pool:
+        pool = ToolPool(a.env_workers, a.max_hung_steps)
     total = params.max_new_tokens
     turn_cap = a.max_turn_tokens or total
     stops = tuple(dict.fromkeys(tuple(params.stop_token_ids) + tuple(a.stop_token_ids)))
@@ -368,6 +474,8 @@ def run_agent_rollout(
                 s.env.close()
             except Exception:  # noqa: BLE001 - closing is best effort, the rollout is done
                 pass
+        if own_pool:
+            pool.shutdown()
     out = []
     for k, s in enumerate(states):
         if a.reward_text == "model":
@@ -414,9 +522,10 @@ def _append_observation(s: _State, obs: list[int], agent_cfg, total: int, contex
     s.finish = "overflow"
 
 
-def _step_envs(states: list[_State], stepping: list[int], tokenizer, a, pool, total: int, context_len: int) -> None:
+def _step_envs(states: list[_State], stepping: list[int], tokenizer, a, pool: ToolPool, total: int,
+               context_len: int) -> None:
     """Every trajectory in ``stepping`` gets its environment's answer to its last turn, the steps running in
-    ``pool`` concurrently, each within ``a.tool_timeout_s``."""
+    ``pool`` concurrently, each within ``a.tool_timeout_s`` (then given up: :meth:`ToolPool.abandon`)."""
     started = time.monotonic()
     futures = {}
     for k in stepping:
@@ -435,6 +544,7 @@ def _step_envs(states: list[_State], stepping: list[int], tokenizer, a, pool, to
         except concurrent.futures.TimeoutError:
             error = ("timeout", f"the tool did not answer within {a.tool_timeout_s} s")
             s.env_time_s += a.tool_timeout_s
+            pool.abandon(fut)
         except ToolError as e:
             error = (e.kind, str(e))
         except Exception as e:  # noqa: BLE001 - a tool's own failure is an observation, not a fault of the run

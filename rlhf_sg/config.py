@@ -339,8 +339,12 @@ class AgentConfig:
     overflow: str = "rollback"
     #: one environment step (a tool call) at most this long; then an error observation (kind "timeout")
     tool_timeout_s: float = 30.0
-    #: threads running environment steps (a step that hangs holds one until it returns)
+    #: threads running environment steps (daemon threads: a step that never returns does not hold the process at
+    #: exit; past its timeout it is given up and another thread takes its place)
     env_workers: int = 8
+    #: steps given up at their timeout whose threads still run, at most; one more stops the run (a tool that never
+    #: returns: give it a deadline of its own)
+    max_hung_steps: int = 64
     #: an observation is cut to this many tokens
     max_observation_tokens: int = 256
     #: an error observation's message is cut to this many characters
@@ -981,6 +985,7 @@ def _validate_agent(cfg: Config) -> None:
     _need(a.overflow in ("rollback", "truncate"), f"--agent.overflow must be rollback or truncate, got {a.overflow!r}")
     _need(a.tool_timeout_s > 0, f"--agent.tool_timeout_s must be > 0, got {a.tool_timeout_s}")
     _need(a.env_workers >= 1, f"--agent.env_workers must be >= 1, got {a.env_workers}")
+    _need(a.max_hung_steps >= 0, f"--agent.max_hung_steps must be >= 0, got {a.max_hung_steps}")
     _need(a.max_observation_tokens >= 1, f"--agent.max_observation_tokens must be >= 1, got {a.max_observation_tokens}")
     _need(a.max_error_chars >= 1, f"--agent.max_error_chars must be >= 1, got {a.max_error_chars}")
     _need(a.reward_text in ("model", "all"), f"--agent.reward_text must be model or all, got {a.reward_text!r}")

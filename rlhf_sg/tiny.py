@@ -1,9 +1,13 @@
-"""Tiny causal LMs and a character-level tokenizer, built locally from configs.
+"""Tiny causal LMs and tokenizers, built locally from configs.
 
 There is no model hub on CI machines, so tests, benchmarks and the CPU quickstart build their
-models here and ``save_pretrained`` them. The tokenizer maps one character to one token, so a
-round trip text -> ids -> text is exact; load it with :func:`load_tokenizer` (``AutoTokenizer``
-would attach the architecture's own pre-tokenizer and silently drop spaces).
+models here and ``save_pretrained`` them. The character tokenizer (:func:`build_tokenizer`) maps one
+character to one token, so a round trip text -> ids -> text is exact; load it with
+:func:`load_tokenizer` (``AutoTokenizer`` would attach the architecture's own pre-tokenizer and
+silently drop spaces). The chat tokenizer (:func:`build_chat_tokenizer`) is a real byte-level BPE
+with merges, Qwen2.5's special tokens and a Qwen-style chat template, for what the character
+tokenizer would hide: ids that a decode / re-encode round trip changes, template glue at turn
+boundaries.
 """
 
 from __future__ import annotations
@@ -48,6 +52,103 @@ def build_tokenizer():
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+    )
+
+
+# ---- a byte-level BPE chat tokenizer in Qwen2.5's format ---------------------------------------------------
+
+#: Qwen2's pre-tokenizer split (its tokenizer.json): words, single digits, punctuation runs with their newlines
+QWEN_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                      r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+#: special tokens, as Qwen2.5 has them: skipped by ``decode(skip_special_tokens=True)``
+CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+#: added tokens that are not special (as in Qwen2.5 and Qwen3): they stay in decoded text, where tool calls are
+#: parsed from
+CHAT_TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
+#: Renders messages as Qwen2.5's chat template does (system / user / assistant turns between <|im_start|> and
+#: <|im_end|>, an assistant's tool calls as <tool_call> JSON, tool results as <tool_response> blocks in one user
+#: turn), without its default system prompt; ``tools`` are listed in a system turn.
+QWEN_STYLE_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nFunctions you may call, one signature a line:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nCall one with its name and arguments as JSON within <tool_call></tool_call> tags:\\n"
+    "<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message.tool_calls %}"
+    "{%- if call.function is defined %}{%- set call = call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' + (call['arguments'] | tojson)"
+    " + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+#: what the BPE merges are learned from: prose, chat roles, arithmetic and tool-call JSON (a few hundred merges)
+_CHAT_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A tool call is a JSON object with a name and its arguments.
+You are a helpful assistant. Answer the question, and call a tool when you need one.
+What is 417*38? Let me call the calculator. The answer is 15846.
+What is 12+34? The answer is 46. What is 250-75? The answer is 175.
+system user assistant tool
+{"name": "calculator", "arguments": {"expression": "417*38"}}
+{"name": "calculator", "arguments": {"expression": "12+34"}}
+{"name": "search", "arguments": {"query": "the capital of France"}}
+{"name": "get_weather", "arguments": {"location": "Paris", "unit": "celsius"}}
+{"result": 15846} {"error": "unknown tool"} {"temperature": 21, "unit": "celsius"}
+The capital of France is Paris. It is sunny and warm in Paris today.
+def add(a, b):
+    return a + b
+Reinforcement learning from human feedback trains a policy with rewards; the policy writes answers, the
+reward model scores them, and the trainer updates the weights.
+"""
+
+
+def build_chat_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer in Qwen2.5's format, trained here on a small built-in corpus (deterministic).
+
+    Qwen2's pre-tokenizer split (:data:`QWEN_SPLIT_PATTERN`) and byte-level alphabet, about ``vocab_size`` ids of
+    learned merges (``"name"``, ``" answer"``, ``'"}}'``), then :data:`CHAT_SPECIAL_TOKENS` (special) and
+    :data:`CHAT_TOOL_TOKENS` (added, not special) at the end of the vocabulary as in Qwen's; eos ``<|im_end|>``,
+    pad ``<|endoftext|>``; chat template :data:`QWEN_STYLE_CHAT_TEMPLATE`. Text that the merges would join,
+    sampled one piece at a time, decodes to the same text but re-encodes to other ids."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CHAT_CORPUS.splitlines() * 4, trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in CHAT_TOOL_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        extra_special_tokens=["<|im_start|>", "<|im_end|>"], clean_up_tokenization_spaces=False,
+        chat_template=QWEN_STYLE_CHAT_TEMPLATE,
     )
 
 

@@ -3,7 +3,6 @@ trainer's log-probs on multi-turn rows. Fast tier: the embedded engine in-proces
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import string
 import time
@@ -104,10 +103,9 @@ def run(engine, cfg=None, n=3, total=40, factory=None, context_len=256, seed=0, 
     backend, tokenizer, _ = engine
     rec = Recorder(backends or [backend])
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=total, stop_token_ids=(2,), **(params_kw or {}))
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        out = run_agent_rollout(prompts_for(tokenizer), n, params, rec, factory or (lambda tok: Calc(tok)), tokenizer,
-                                cfg or agent_cfg(), len(rec.backends), context_len,
-                                lambda e, t, b: turn_seed(seed, step, 0, e, t, b), pool)
+    out = run_agent_rollout(prompts_for(tokenizer), n, params, rec, factory or (lambda tok: Calc(tok)), tokenizer,
+                            cfg or agent_cfg(), len(rec.backends), context_len,
+                            lambda e, t, b: turn_seed(seed, step, 0, e, t, b))
     return out, rec
 
 
@@ -217,6 +215,14 @@ def test_tool_failures_become_error_observations(engine, how, kind):
         assert f"[error {kind}:" in err
     m = agent_metrics(out)
     assert m["agent/tool_error_frac"] == 1.0 and m["agent/tool_calls"] >= 1
+
+
+def test_more_hung_steps_than_allowed_stop_the_rollout(engine):
+    """Each step past its timeout is given up; one more given-up step still running than --agent.max_hung_steps is a
+    fault of the run (a tool that never returns), not an observation."""
+    cfg = agent_cfg(tool_timeout_s=0.1, max_turns=3, max_hung_steps=1)
+    with pytest.raises(RuntimeError, match=r"--agent.max_hung_steps 1 allows"):
+        run(engine, cfg=cfg, n=1, total=120, factory=lambda tok: Failing(tok, "hang"))
 
 
 # ---- budgets and finish reasons --------------------------------------------------------------------------------------
@@ -418,6 +424,7 @@ def test_agent_flags_are_checked_before_ray(engine, tmp_path):
         (dict(env="rlhf_sg.agent:nothing"), "has no callable 'nothing'"),
         (dict(env="rlhf_sg.agent:Environment", overflow="drop"), "--agent.overflow must be rollback or truncate"),
         (dict(env="rlhf_sg.agent:Environment", max_turns=0), "--agent.max_turns must be >= 1"),
+        (dict(env="rlhf_sg.agent:Environment", max_hung_steps=-1), "--agent.max_hung_steps must be >= 0"),
         (dict(env="rlhf_sg.agent:Environment", reward_text="text"), "--agent.reward_text must be model or all"),
         (dict(env="rlhf_sg.agent:Environment", env_reward="x"), "--agent.env_reward must be ignore, add or replace"),
         (dict(env="rlhf_sg.agent:Environment", template_check="x"), "--agent.template_check must be off, warn or"),
@@ -453,9 +460,8 @@ def test_a_turn_cut_by_a_weight_sync_continues_and_the_sample_carries_the_oldest
     cfg = agent_cfg(max_turn_tokens=8, max_turns=2)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, stop_token_ids=(2,))
     try:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            out = run_agent_rollout(prompts_for(tokenizer), 2, params, rec, lambda tok: Calc(tok), tokenizer, cfg, 1,
-                                    256, lambda e, t, b: turn_seed(0, 0, 0, e, t, b), pool)
+        out = run_agent_rollout(prompts_for(tokenizer), 2, params, rec, lambda tok: Calc(tok), tokenizer, cfg, 1,
+                                256, lambda e, t, b: turn_seed(0, 0, 0, e, t, b))
     finally:
         backend.finish_weight_update(0)
     for t in out:
@@ -618,9 +624,476 @@ def test_a_cut_turn_that_reached_its_cap_goes_to_the_environment(engine):
 
     cut_first.done = False
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=60, stop_token_ids=())
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        out = run_agent_rollout(prompts_for(tokenizer), 2, params, cut_first, lambda tok: Seen(tok), tokenizer,
-                                agent_cfg(max_turn_tokens=6, max_turns=2), 1, 256, lambda e, t, b: 5 + t, pool)
+    out = run_agent_rollout(prompts_for(tokenizer), 2, params, cut_first, lambda tok: Seen(tok), tokenizer,
+                            agent_cfg(max_turn_tokens=6, max_turns=2), 1, 256, lambda e, t, b: 5 + t)
     assert cut_first.done and all(t.turns == 2 for t in out)
     full = [(n_ids, r) for n_ids, r in steps[:4]]
     assert all(r == "length" for _, r in full) and all(n_ids == 6 for n_ids, _ in full)
+
+
+# ---- tools that never return -----------------------------------------------------------------------------------------
+
+#: one agent rollout whose tool never returns, in a fresh interpreter that imports the agent module only (no torch:
+#: the config and sampling parameters come as JSON from the real dataclasses, the engine is a script)
+NEVER_RETURNS = r"""
+import dataclasses, json, sys, threading, types
+from rlhf_sg.agent import Environment, run_agent_rollout
+
+spec = json.loads(sys.argv[1])
+Params = dataclasses.make_dataclass("SamplingParams", [(k, object, dataclasses.field(default=tuple(v) if isinstance(
+    v, list) else v)) for k, v in spec["params"].items()], frozen=True)
+
+class Bytes:
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode())
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(ids).decode(errors="replace")
+
+class NeverReturns(Environment):
+    def step(self, turn_ids, turn_text, finish_reason):
+        threading.Event().wait()
+
+def generate_many(calls):
+    return [[types.SimpleNamespace(token_ids=[65, 66], logprobs=[-1.0, -1.0], finish_reason="stop", weight_version=0)
+             for _ in range(len(prompts) * params.n)] for _, prompts, params in calls]
+
+prompt = types.SimpleNamespace(token_ids=[72, 105], text="Hi", label=None)
+agent = types.SimpleNamespace(**spec["agent"])
+out = run_agent_rollout([prompt], 2, Params(), generate_many, NeverReturns, Bytes(), agent, 1, 512, lambda e, t, b: t)
+observations = [Bytes().decode([i for i, m in zip(t.token_ids, t.action_mask) if not m]) for t in out]
+print(json.dumps([[t.finish_reason, t.turns, t.tool_errors, o] for t, o in zip(out, observations)]), flush=True)
+"""
+
+
+def test_a_tool_that_never_returns_does_not_hold_the_process_at_exit():
+    """Each step times out into an error observation and a counter, and the interpreter exits when the rollout is
+    done (a pool of non-daemon threads, as concurrent.futures has, would keep it waiting for the tool forever)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    spec = {"params": dataclasses.asdict(SamplingParams(n=2, max_new_tokens=200, stop_token_ids=(66,))),
+            "agent": dataclasses.asdict(agent_cfg(tool_timeout_s=0.2, max_turns=2))}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        proc = subprocess.run([sys.executable, "-c", NEVER_RETURNS, json.dumps(spec)], capture_output=True, text=True,
+                              timeout=20, env={**os.environ, "PYTHONPATH": root})
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the process did not exit within 20 s of starting a rollout whose tool never returns; "
+                    f"it printed {e.stdout!r}")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert len(out) == 2
+    for finish, turns, errors, observations in out:
+        assert (finish, turns, errors) == ("max_turns", 2, {"timeout": 2})
+        assert observations.startswith("[error timeout: the tool did not answer within 0.2 s]")
+
+
+def _poll(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
+        time.sleep(0.002)
+
+
+def test_tool_pool_is_bounded_gives_up_steps_and_caps_the_hung_ones():
+    """At most ``workers`` steps run at once; a step given up at its timeout frees its place (a running one keeps its
+    daemon thread, a queued one never runs); one given-up step past ``max_hung`` still running stops the run."""
+    import threading
+
+    from rlhf_sg.agent import ToolPool
+
+    pool = ToolPool(workers=2, max_hung=2, name="test-tool-pool")
+    release, started = threading.Event(), []
+
+    def step(name):
+        started.append(name)
+        release.wait(60)  # longer than any poll below: a step ends early only when released
+        return name
+
+    try:
+        a, b, c = (pool.submit(step, x) for x in "abc")
+        _poll(lambda: len(started) == 2, "two running steps")
+        assert sorted(started) == ["a", "b"] and not c.running()  # the third waits: two threads at most
+        threads = [t for t in threading.enumerate() if t.name.startswith("test-tool-pool")]
+        assert len(threads) == 2 and all(t.daemon for t in threads)
+        pool.abandon(a)  # its thread is left running; another takes the queue
+        _poll(lambda: c.running(), "the queued step to start in the given-up one's place")
+        assert pool.hung == 1
+        d = pool.submit(step, "d")
+        pool.abandon(d)  # still queued: never runs
+        assert d.cancelled()
+        pool.abandon(b)
+        assert pool.hung == 2
+        with pytest.raises(RuntimeError, match=r"3 environment steps .* --agent.max_hung_steps 2"):
+            pool.abandon(c)
+    finally:
+        release.set()
+    _poll(lambda: pool.hung == 0, "the given-up steps to return")
+    assert (a.result(), b.result(), c.result()) == ("a", "b", "c") and "d" not in started
+    pool.shutdown()
+    _poll(lambda: not [t for t in threading.enumerate() if t.name.startswith("test-tool-pool")], "idle threads to end")
+
+
+def test_the_trainers_environment_steps_run_on_daemon_threads():
+    import threading
+
+    from rlhf_sg.config import Config
+    from rlhf_sg.tiny import build_tokenizer
+    from rlhf_sg.trainer.rollout import RolloutMaker
+
+    cfg = Config()
+    cfg.agent.env, cfg.agent.env_workers, cfg.agent.max_hung_steps = "rlhf_sg.agent:Environment", 3, 5
+    maker = RolloutMaker(cfg, [], None, 2, 0, None, tokenizer=build_tokenizer())
+    pool = maker._env_pool
+    assert (pool.workers, pool.max_hung) == (3, 5)
+    assert pool.submit(lambda: threading.current_thread().daemon).result(timeout=10) is True
+    pool.shutdown()
+
+
+# ---- a real byte-level BPE tokenizer in Qwen2.5's chat format -------------------------------------------------------
+
+QUESTION = [{"role": "user", "content": "What is 417*38?"}]
+CALL = {"name": "calculator", "arguments": {"expression": "417*38"}}
+
+
+def _recipe(name: str):
+    import importlib
+    import os
+    import sys
+
+    recipes = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+    if recipes not in sys.path:
+        sys.path.insert(0, recipes)
+    return importlib.import_module(name)
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    from rlhf_sg.tiny import build_chat_tokenizer
+
+    return build_chat_tokenizer()
+
+
+class ScriptedBackend:
+    """An engine whose model is a script (the boundary: no tiny model writes a tool call on cue), held to the
+    backend interface: a :class:`backends.base.RolloutBackend` whose ``generate`` checks its arguments as every
+    backend does and returns :class:`Completion` s, n per prompt. The answer to a prompt is the script's turn for the
+    number of assistant headers in it, exactly the scripted ids, cut after the first stop token (finish "stop") or
+    at ``max_new_tokens`` (finish "length")."""
+
+    def __new__(cls, tokenizer, turns: list[list[int]]):
+        from backends.base import BackendConfig, Completion, RolloutBackend, check_generate_args
+
+        class Scripted(RolloutBackend):
+            name = "scripted"
+
+            def generate(self, prompts, params):
+                check_generate_args(prompts, params, len(tokenizer), self.config.max_model_len)
+                header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+                out = []
+                for i, p in enumerate(prompts):
+                    turn = sum(p[j:j + len(header)] == header for j in range(len(p))) - 1
+                    ids = []
+                    for t in turns[turn][:params.max_new_tokens]:
+                        ids.append(t)
+                        if t in params.stop_token_ids:
+                            break
+                    finish = "stop" if ids[-1] in params.stop_token_ids else "length"
+                    out += [Completion(list(ids), [-0.25] * len(ids), finish, self.weight_version, i)
+                            for _ in range(params.n)]
+                return out
+
+        return Scripted(BackendConfig(model_path="scripted", max_model_len=1024))
+
+
+def spelled(tok, text: str) -> list[int]:
+    """``text`` as an engine may sample it: added tokens whole, every other character its own token, where the BPE
+    joins them (``name``, `` answer``, ``"}}``). It decodes to ``text``."""
+    import re
+
+    added = tok.get_added_vocab()
+    ids = []
+    for part in re.split("(" + "|".join(map(re.escape, added)) + ")", text):
+        ids += [added[part]] if part in added else [i for ch in part for i in tok.encode(ch, add_special_tokens=False)]
+    return ids
+
+
+def qwen_prompt(tok) -> Prompt:
+    text = tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    return Prompt(tok.encode(text, add_special_tokens=False), text, "15846")
+
+
+def qwen_run(tok, turns, n=2, stop_token_ids=()):
+    backend = ScriptedBackend(tok, turns)
+    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=400, stop_token_ids=(tok.eos_token_id,
+                                                                                      tok.pad_token_id))
+    cfg = agent_cfg(max_turns=4, max_turn_tokens=150, stop_token_ids=list(stop_token_ids))
+    generate_many = lambda calls: [backend.generate(ps, q) for _, ps, q in calls]  # noqa: E731
+    return run_agent_rollout([qwen_prompt(tok)], n, params, generate_many, _recipe("qwen_tools").make_env, tok, cfg, 1,
+                             1024, lambda e, t, b: t)
+
+
+def tool_response(tok, result: str) -> list[int]:
+    """Qwen2.5's rendering of a tool result after the model's <|im_end|>, the next assistant header included."""
+    return tok.encode(f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
+                      "<|im_start|>assistant\n", add_special_tokens=False)
+
+
+def _special_segments(tok, ids, sampled):
+    """ids cut at the special tokens: (special id or None, the ids of the piece, whether any was sampled)."""
+    specials, out, piece, hit = set(tok.all_special_ids), [], [], False
+    for t, m in zip(ids, sampled):
+        if t in specials:
+            out += [(None, piece, hit)] if piece else []
+            out.append((t, [t], m))
+            piece, hit = [], False
+        else:
+            piece.append(t)
+            hit = hit or m
+    return out + ([(None, piece, hit)] if piece else [])
+
+
+def assert_matches_the_render(tok, ours, sampled, messages):
+    """Our ids against the chat template's render of the same conversation, at the special-token boundaries: the
+    same special tokens in the same places, the same text between them, and exactly the template's ids in every
+    piece the engine did not sample (prompt, glue, observations)."""
+    rendered = tok.apply_chat_template(messages, tokenize=False)
+    assert rendered.endswith("<|im_end|>\n")  # the glue after the last turn, which no observation follows
+    theirs = tok.encode(rendered[:-1], add_special_tokens=False)
+    a, b = _special_segments(tok, ours, sampled), _special_segments(tok, theirs, [False] * len(theirs))
+    assert [s for s, _, _ in a] == [s for s, _, _ in b]
+    for (_, mine, was_sampled), (_, template, _) in zip(a, b):
+        assert tok.decode(mine) == tok.decode(template)
+        assert was_sampled or mine == template
+
+
+@pytest.mark.parametrize("turn_stop", ["<|im_end|>", "</tool_call>"])
+def test_qwen_tool_calls_keep_the_sampled_ids_and_match_the_chat_template(chat_tok, turn_stop):
+    """A real byte-level BPE (merges) and Qwen's format: the engine's turns in a non-canonical segmentation stay
+    exactly as sampled (a decode / re-encode would change them), <|im_end|> ends the model's turn (mask 1), the
+    template's "\\n" after it opens the observation (mask 0), and the whole row is the chat template's render.
+    With </tool_call> as a turn's stop token (--agent.stop_token_ids) the <|im_end|> the model did not write opens
+    the observation."""
+    import json
+
+    from rlhf_sg.agent import check_turn_boundaries, turn_glue
+
+    tok = chat_tok
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    turn1 = spelled(tok, f"<tool_call>\n{json.dumps(CALL)}\n</tool_call>") + [end]
+    turn2 = spelled(tok, "The answer is 15846.") + [end]
+    for turn in (turn1, turn2):  # the engine's segmentation is not the tokenizer's
+        assert tok.decode(turn) and tok.encode(tok.decode(turn), add_special_tokens=False) != turn
+    obs = tool_response(tok, "15846")
+    if turn_stop == "</tool_call>":  # the engine stops before the <|im_end|>, which the observation then opens with
+        turn1, obs = turn1[:-1], [end] + obs
+    out = qwen_run(tok, [turn1, turn2], stop_token_ids=[tok.convert_tokens_to_ids(turn_stop)])
+    prompt = qwen_prompt(tok).token_ids
+    messages = [*QUESTION, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": CALL}]},
+                {"role": "tool", "content": "15846"}, {"role": "assistant", "content": "The answer is 15846."}]
+    for t in out:
+        assert (t.finish_reason, t.turns, t.tool_calls, t.tool_errors) == ("env_done", 2, 1, {})
+        assert t.token_ids == turn1 + obs + turn2
+        assert t.action_mask == [True] * len(turn1) + [False] * len(obs) + [True] * len(turn2)
+        assert t.logprobs == [-0.25] * len(turn1) + [0.0] * len(obs) + [-0.25] * len(turn2)
+        assert_matches_the_render(tok, prompt + t.token_ids, [False] * len(prompt) + t.action_mask, messages)
+        # the reward sees the model's text: its call and its answer, no tool response
+        assert t.reward_text == tok.decode(turn1 + turn2, skip_special_tokens=True)
+        assert "<tool_call>" in t.reward_text and "<tool_response>" not in t.reward_text
+    glue = turn_glue(tok)
+    assert glue == (end, tok.encode("\n<|im_start|>user\n<tool_response>\n", add_special_tokens=False))
+    assert check_turn_boundaries(out, glue, "strict") == 0
+
+
+@pytest.mark.parametrize("call,kind,says", [
+    ('{"name": "calculator", "arguments": {"expression": "417*38"}', "malformed", "not JSON"),
+    ('["calculator", "417*38"]', "malformed", "a tool call is"),
+    ('{"name": "search", "arguments": {"query": "417*38"}}', "unknown_tool", "no tool 'search'"),
+    ('{"name": "calculator", "arguments": {"expr": "417*38"}}', "malformed", "missing a required argument"),
+    ('{"name": "calculator", "arguments": {"expression": "__import__(0)"}}', "malformed", "is not INT*INT"),
+])
+def test_qwen_tool_call_errors_become_error_observations(chat_tok, call, kind, says):
+    """A call that is not JSON, not a call, names no tool or misfits its tool is answered with an error in the
+    template's <tool_response> block (mask 0) and counted; the trajectory goes on, and the model's next call works."""
+    import json
+
+    from rlhf_sg.agent import check_turn_boundaries, turn_glue
+
+    tok = chat_tok
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    bad = spelled(tok, f"<tool_call>\n{call}\n</tool_call>") + [end]
+    good = spelled(tok, f"<tool_call>\n{json.dumps(CALL)}\n</tool_call>") + [end]
+    answer = spelled(tok, "15846") + [end]
+    out = qwen_run(tok, [bad, good, answer])
+    for t in out:
+        assert (t.finish_reason, t.turns, t.tool_calls, t.tool_errors) == ("env_done", 3, 2, {kind: 1})
+        error = t.token_ids[len(bad):t.action_mask.index(True, len(bad))]
+        text = tok.decode(error)
+        assert text.startswith(f"\n<|im_start|>user\n<tool_response>\nerror ({kind}): ") and says in text
+        assert text.endswith("\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        assert t.token_ids == bad + error + good + tool_response(tok, "15846") + answer
+        assert not any(t.action_mask[len(bad):len(bad) + len(error)])
+    assert check_turn_boundaries(out, turn_glue(tok), "strict") == 0
+
+
+def _glue_dropped(tok):
+    class GlueDropped(_recipe("qwen_tools").QwenToolEnv):  # the "\n" after <|im_end|> lost
+        def tool_responses(self, results):
+            return super().tool_responses(results)[1:]
+
+    return GlueDropped(tok)
+
+
+def _end_doubled(tok):
+    class EndDoubled(_recipe("qwen_tools").QwenToolEnv):  # <|im_end|> in the observation too: counted twice
+        def tool_responses(self, results):
+            return [self.end_id] + super().tool_responses(results)
+
+    return EndDoubled(tok)
+
+
+def _wrong_role(tok):
+    class WrongRole(_recipe("qwen_tools").QwenToolEnv):  # a "tool" turn: Qwen2.5 renders tool results in a user turn
+        def tool_responses(self, results):
+            text = self.tokenizer.decode(super().tool_responses(results))
+            return self.encode(text.replace("<|im_start|>user", "<|im_start|>tool", 1))
+
+    return WrongRole(tok)
+
+
+@pytest.mark.parametrize("mode", ["off", "warn", "strict"])
+def test_the_trainers_turn_boundary_check_on_the_bpe_tokenizer(chat_tok, mode):
+    """RolloutMaker (the engines' Ray calls replaced by the scripted engine) with --agent.template_check: a Qwen
+    environment passes; one that drops the glue, counts <|im_end|> twice or opens the wrong turn is counted (warn),
+    stops the run (strict) or goes unchecked (off)."""
+    import json
+
+    from rlhf_sg.config import Config
+    from rlhf_sg.trainer.rollout import RolloutMaker
+
+    _recipe("qwen_tools")
+    tok = chat_tok
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    backend = ScriptedBackend(tok, [spelled(tok, f"<tool_call>\n{json.dumps(CALL)}\n</tool_call>") + [end],
+                                    spelled(tok, "15846") + [end]])
+    cfg = Config()
+    cfg.agent.env, cfg.agent.template_check, cfg.agent.max_turn_tokens = "qwen_tools:make_env", mode, 150
+    cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens, cfg.rollout.max_model_len = 2, 400, 1024
+    maker = RolloutMaker(cfg, [backend], None, (end, tok.pad_token_id), tok.pad_token_id, None, tokenizer=tok)
+    maker._generate_on = lambda calls: [backend.generate(ps, q) for _, ps, q in calls]
+    out = maker.generate([qwen_prompt(tok)], step=0)
+    assert [t.turns for t in out] == [2, 2] and maker.template_mismatches == 0
+    for broken in (_glue_dropped, _end_doubled, _wrong_role):
+        maker.env_factory = broken
+        if mode == "strict":
+            with pytest.raises(ValueError, match="not the chat template's glue"):
+                maker.generate([qwen_prompt(tok)], step=0)
+            continue
+        out = maker.generate([qwen_prompt(tok)], step=0)
+        assert [t.turns for t in out] == [2, 2]
+        assert maker.template_mismatches == (2 if mode == "warn" else 0)
+        assert maker._agent_stats(out)["agent/template_mismatch"] == maker.template_mismatches
+
+
+def test_the_chat_tokenizer_is_deterministic_saves_and_loads(chat_tok, tmp_path):
+    from rlhf_sg.data import load_tokenizer
+    from rlhf_sg.tiny import CHAT_SPECIAL_TOKENS, CHAT_TOOL_TOKENS, build_chat_tokenizer
+
+    tok = chat_tok
+    assert build_chat_tokenizer().backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
+    tok.save_pretrained(str(tmp_path))
+    loaded = load_tokenizer(str(tmp_path))
+    messages = [*QUESTION, {"role": "assistant", "content": "", "tool_calls": [{"function": CALL}]},
+                {"role": "tool", "content": "15846"}, {"role": "assistant", "content": "The answer is 15846."}]
+    rendered = tok.apply_chat_template(messages, tokenize=False)
+    assert loaded.apply_chat_template(messages, tokenize=False) == rendered
+    ids = tok.encode(rendered, add_special_tokens=False)
+    assert loaded.encode(rendered, add_special_tokens=False) == ids and tok.decode(ids) == rendered
+    assert (loaded.eos_token, loaded.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    assert set(CHAT_SPECIAL_TOKENS) <= set(loaded.all_special_tokens)
+    for t in CHAT_TOOL_TOKENS:  # one added token each, not special: kept in the text tool calls are parsed from
+        (i,) = tok.encode(t, add_special_tokens=False)
+        assert tok.decode([i], skip_special_tokens=True) == t and t not in tok.all_special_tokens
+    assert len(tok.encode(" answer", add_special_tokens=False)) == 1  # a learned merge
+
+
+# ---- the async producer, in one process -----------------------------------------------------------------------------
+
+
+def test_async_producer_cuts_a_turn_at_a_sync_and_continues_it(engine, monkeypatch):
+    """The trainer's async path with Ray replaced at its boundary only (tests/test_sync_spec.py's handles: the real
+    EngineActor on the embedded engine, in this process): AsyncRollout's producer makes a multi-turn batch with the
+    real RolloutMaker; the trainer's sync cuts the first turn mid-generation (partial rollout's abort), loads version
+    1 and resumes; the turn goes on from its tokens with version 1, then the second turn. Every turn's version is kept,
+    the sample carries the oldest, and the experience the trainer takes holds the trajectories' rows and masks."""
+    import concurrent.futures
+    import threading
+
+    import ray
+    from test_sync_spec import _Context, _get, _Handle, _wait
+
+    from backends.base import BackendConfig as Config_
+    from rlhf_sg.config import Config
+    from rlhf_sg.data import PromptStream
+    from rlhf_sg.engine_actor import EngineActor
+    from rlhf_sg.timing import StepTimer
+    from rlhf_sg.trainer.async_rollout import AsyncRollout
+    from rlhf_sg.trainer.rollout import RolloutMaker
+
+    backend, tokenizer, model = engine
+    for name, fake in [("wait", _wait), ("get", _get), ("get_runtime_context", _Context),
+                       ("get_gpu_ids", lambda: []), ("is_initialized", lambda: False)]:
+        monkeypatch.setattr(ray, name, fake)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # EngineActor would export it into this process
+    actor = EngineActor("hf", Config_(model_path=backend.config.model_path, max_model_len=256, num_threads=1))
+    calls = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="engine-call")
+    # the first generate blocks at its third forward (two tokens sampled) until the sync's abort reaches the engine
+    mid_turn, forwards = threading.Event(), []
+
+    def hold_mid_turn(module, args, output):
+        forwards.append(1)
+        if len(forwards) == 3:
+            mid_turn.set()
+            actor.backend._abort.wait(30)
+
+    hook = actor.backend.model.register_forward_hook(hold_mid_turn)
+    cfg = Config()
+    cfg.agent.env, cfg.agent.max_turn_tokens, cfg.agent.max_turns = "rlhf_sg.agent:Environment", 8, 2
+    cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens = 2, 2, 40
+    stream = PromptStream(prompts_for(tokenizer), 2, seed=0)
+    # an end-of-sequence id past the vocabulary: every turn runs to its cap (8), the cut falls inside the first
+    maker = RolloutMaker(cfg, [_Handle(actor, calls)], stream, model.config.vocab_size + 1, 0,
+                         lambda prompts, completions, exp: torch.zeros(len(completions)), on_policy=False,
+                         tokenizer=tokenizer)
+    maker.env_factory = lambda tok: Calc(tok, turns=2)
+    made = []
+    generate = maker.generate
+    maker.generate = lambda prompts, step, draw=0: made.append(generate(prompts, step, draw)) or made[-1]
+    producer = AsyncRollout(maker, first_step=0, last_step=1, engine_version=0, max_staleness=1, timeout_s=30,
+                            data_state=stream.state, abort=actor.abort_generation, resume=actor.resume_generation)
+    timer = StepTimer(sync=lambda: None)
+    timer.start_step()
+    try:
+        producer.start()
+        assert mid_turn.wait(30), "the first turn did not start"
+        assert producer.sync(lambda: actor.finish_weight_update(1), version=1, timer=timer) == 1
+        prompts, experience, metrics = producer.take(0)
+    finally:
+        producer.stop()
+        hook.remove()
+        calls.shutdown()
+    (trajectories,) = made
+    for t in trajectories:
+        # the first turn: two tokens from version 0, the rest of its 8 after the sync; the second turn from version 1
+        assert t.turn_versions == [0, 1, 1] and t.weight_version == 0 and t.turns == 2
+        first = t.action_mask.index(False)
+        assert first == 8 and t.finish_reason == "env_done"
+    assert metrics["rollout/partial_samples"] == 4 and metrics["agent/turns"] == 2
+    T = experience.response_width
+    assert experience.weight_version.tolist() == [0] * 4
+    assert experience.action_mask.tolist() == [t.action_mask + [False] * (T - len(t.action_mask)) for t in trajectories]
+    assert [experience.sequences[i, -T:][:len(t.token_ids)].tolist() for i, t in enumerate(trajectories)] == [
+        t.token_ids for t in trajectories]

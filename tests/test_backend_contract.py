@@ -375,8 +375,6 @@ def test_multi_turn_rows_logprobs_match_trainer_recomputation(backend, reference
     """Multi-turn rows (rlhf_sg.agent): each turn generated from the prompt, the earlier turns and the
     observations (ids the engine never sampled, served from its prefix cache where it has one); the engine's
     log-prob of every sampled token equals the trainer's recomputation on the whole row."""
-    import concurrent.futures
-
     from rlhf_sg.agent import Environment, StepResult, run_agent_rollout
     from rlhf_sg.config import AgentConfig
     from rlhf_sg.data import Prompt, load_tokenizer
@@ -391,10 +389,9 @@ def test_multi_turn_rows_logprobs_match_trainer_recomputation(backend, reference
 
     params = SamplingParams(n=2, temperature=0.9, max_new_tokens=40, stop_token_ids=(EOS_ID,))
     cfg = AgentConfig(env="-", max_turns=3, max_turn_tokens=8)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        out = run_agent_rollout([Prompt(p, "") for p in prompts], 2, params,
-                                lambda calls: [backend.generate(ps, q) for _, ps, q in calls], Observe,
-                                load_tokenizer(model_dir), cfg, 1, MAX_MODEL_LEN, lambda e, t, b: 11 + 7 * t + b, pool)
+    out = run_agent_rollout([Prompt(p, "") for p in prompts], 2, params,
+                            lambda calls: [backend.generate(ps, q) for _, ps, q in calls], Observe,
+                            load_tokenizer(model_dir), cfg, 1, MAX_MODEL_LEN, lambda e, t, b: 11 + 7 * t + b)
     assert sum(t.turns for t in out) > len(out), "no trajectory took a second turn"
     worst = 0.0
     for t, expected in zip(out, trainer_logprobs(reference, prompts, out, 0.9)):

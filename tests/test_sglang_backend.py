@@ -435,14 +435,13 @@ def test_http_mode_generates_and_takes_a_collective_update(server_url):
 # ---- the trainer's own path: WeightSyncer on 2 ZeRO-3 Ray ranks into an SGLang engine actor ------------
 @needs_sglang
 @pytest.mark.slow
-def test_weight_syncer_reaches_sglang_engine_actors_without_a_group_hook(llama_dir):
+def test_weight_syncer_reaches_sglang_engine_actors_without_a_group_hook(ray_cluster, llama_dir):
     """The sender must build SGLang's group layout by itself (no ``open_group=`` passed), as the trainer does."""
-    import ray
-
+    ray = ray_cluster
     from rlhf_sg.bench.weight_sync import start_trainer_ranks
     from rlhf_sg.engine_actor import start_engine_actors
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    engines, ranks = [], []
     try:
         engines = start_engine_actors("sglang", _config(llama_dir), 1, start_timeout_s=300)
         ranks = start_trainer_ranks(llama_dir, 2, timeout_s=300.0)
@@ -458,4 +457,5 @@ def test_weight_syncer_reaches_sglang_engine_actors_without_a_group_hook(llama_d
             got = ray.get(engines[0].get_weights_by_name.remote(name), timeout=300)
             assert torch.equal(got, trainer[name]), name
     finally:
-        ray.shutdown()
+        for actor in engines + ranks:  # the session's cluster stays up
+            ray.kill(actor)

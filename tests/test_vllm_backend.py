@@ -240,6 +240,20 @@ def test_truncated_sampling_reports_pre_truncation_logprobs(backend, reference, 
     assert gap > 100 * contract.LOGPROB_ATOL, "truncation kept nearly all mass: the two conventions agree here"
 
 
+# ---- seeded sampling past one step's token budget ------------------------------------------------------
+@requires_vllm
+def test_seeded_generate_with_more_prompt_tokens_than_a_step_takes(backend):
+    """A seeded batch whose prompts hold more tokens than one engine step takes on CPU (4096): with chunked prefill
+    vLLM would cut a prefill into chunks and rewind the request's seeded generator for each (GPUModelRunner's
+    ``gen.set_offset``), which a CPU generator refuses; the backend runs CPU engines without chunked prefill, so the
+    batch completes, and repeats with its seed."""
+    prompts = [[BOS_ID] + [3 + (7 * i + j) % 80 for j in range(79)] for i in range(64)]  # 5,120 prompt tokens
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=11)
+    first = backend.generate(prompts, params)
+    assert len(first) == len(prompts) and all(1 <= len(c.token_ids) <= 2 for c in first)
+    assert [c.token_ids for c in backend.generate(prompts, params)] == [c.token_ids for c in first]
+
+
 # ---- start-up errors ------------------------------------------------------------------------------
 @requires_vllm
 def test_start_up_errors_name_the_problem(model_dir, tmp_path):
@@ -513,20 +527,19 @@ def test_shared_buckets_from_a_ray_worker_into_the_vllm_engine_actor(zero3_clust
 
 
 @pytest.fixture(scope="module")
-def zero3_cluster(model_dir):
-    import ray
-
+def zero3_cluster(ray_cluster, model_dir):
     from rlhf_sg.bench.weight_sync import start_trainer_ranks
     from rlhf_sg.engine_actor import start_engine_actors
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)  # never a running cluster
+    actors = []
     try:
         config = contract._contract_config("vllm", VLLMBackend, model_dir)
-        (engine,) = start_engine_actors("vllm", config, 1, num_cpus=1, start_timeout_s=600)
-        ranks = start_trainer_ranks(model_dir, 2, timeout_s=300)
-        yield {"model_path": model_dir, "engine": engine, "ranks": ranks, "state": {"version": 0}}
+        actors += start_engine_actors("vllm", config, 1, num_cpus=1, start_timeout_s=600)
+        actors += start_trainer_ranks(model_dir, 2, timeout_s=300)
+        yield {"model_path": model_dir, "engine": actors[0], "ranks": actors[1:], "state": {"version": 0}}
     finally:
-        ray.shutdown()
+        for actor in actors:  # the session's cluster stays up
+            ray_cluster.kill(actor)
 
 
 # ---- tensor parallelism through vLLM's own executor (two CPU workers) ------------------------------

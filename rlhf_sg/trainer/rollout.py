@@ -164,15 +164,12 @@ class RolloutMaker:
         self.tokenizer = tokenizer
         self.template_mismatches = 0  # turn boundaries unlike the chat template's in the last agent rollout
         if cfg.agent.env is not None:
-            import concurrent.futures
-
-            from rlhf_sg.agent import load_env_factory
+            from rlhf_sg.agent import ToolPool, load_env_factory
 
             if tokenizer is None:
                 raise ValueError("RolloutMaker: --agent.env needs the tokenizer (pass tokenizer=)")
             self.env_factory = load_env_factory(cfg.agent.env)
-            self._env_pool = concurrent.futures.ThreadPoolExecutor(cfg.agent.env_workers,
-                                                                   thread_name_prefix="agent-env")
+            self._env_pool = ToolPool(cfg.agent.env_workers, cfg.agent.max_hung_steps)
         #: every EOS id (:func:`eos_token_ids`), each a stop token of the engines
         self.eos_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
         self.pad_id, self.restart = pad_id, restart
@@ -235,6 +232,9 @@ class RolloutMaker:
             prompts, params.n, params, self._generate_on, self.env_factory, self.tokenizer, self.cfg.agent,
             len(self.engines), self.cfg.rollout.max_model_len,
             lambda engine, turn, budget: turn_seed(seed, step, draw, engine, turn, budget), self._env_pool)
+        # partial rollout's count: samples with tokens from two weight versions or more (a turn cut by a sync and
+        # continued after it, or turns on either side of one)
+        self.continued += sum(len(set(t.turn_versions)) > 1 for t in trajectories)
         mode = self.cfg.agent.template_check
         if mode != "off":
             if not hasattr(self, "_glue"):
@@ -393,7 +393,8 @@ class RolloutMaker:
 
         if self.env_factory is None:
             return {}
-        return {**agent_metrics(completions), "agent/template_mismatch": float(self.template_mismatches)}
+        return {**agent_metrics(completions), "agent/template_mismatch": float(self.template_mismatches),
+                "agent/hung_steps": float(self._env_pool.hung)}
 
     def shape_scores(self, scores: torch.Tensor, experience: Experience) -> torch.Tensor:
         """The reward's scores [B] with DAPO's overlong penalty added (``--reward.overlong_buffer_len``):
