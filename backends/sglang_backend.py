@@ -411,11 +411,16 @@ class _EngineDriver:
         self._timeout_s = timeout_s
         self._stuck: str | None = None
         self.engine = None
+        self._engine_children: list[int] = []  # the processes the engine started (schedulers, detokenizer)
 
         def start():
+            import psutil
             from sglang.srt.entrypoints.engine import Engine
 
-            return Engine(**engine_kwargs)
+            before = {p.pid for p in psutil.Process().children()}
+            engine = Engine(**engine_kwargs)
+            self._engine_children = [p.pid for p in psutil.Process().children() if p.pid not in before]
+            return engine
 
         try:
             self.engine = self.run("start sglang.Engine", start)
@@ -556,8 +561,35 @@ class _EngineDriver:
 
     def shutdown(self) -> None:
         if self.engine is not None and self._stuck is None:
-            self.run("shutdown", self.engine.shutdown, timeout_s=120)
+            self.run("shutdown", self._shutdown_engine, timeout_s=120)
         self._thread.shutdown(wait=self._stuck is None, cancel_futures=True)
+
+    def _shutdown_engine(self) -> None:
+        """``Engine.shutdown``, ending the engine's own processes and no others.
+
+        SGLang's ``Engine.shutdown`` ends with ``kill_process_tree(os.getpid(), include_parent=False)``: a SIGKILL
+        to every descendant of the host process. In a process that also started a local Ray cluster (a driver, a
+        test session) that is the whole cluster, and torch's shared-memory manager with it. For the length of the
+        call the engine module's ``kill_process_tree`` is narrowed to the processes the engine started.
+        """
+        import sglang.srt.entrypoints.engine as engine_module
+
+        kill_tree = engine_module.kill_process_tree
+        host = os.getpid()
+
+        def kill_engine_processes(parent_pid, include_parent=True, skip_pid=None, wait_timeout=60):
+            if parent_pid != host or include_parent:
+                return kill_tree(parent_pid, include_parent=include_parent, skip_pid=skip_pid,
+                                 wait_timeout=wait_timeout)
+            for pid in self._engine_children:
+                if pid != skip_pid:
+                    kill_tree(pid, include_parent=True, skip_pid=skip_pid, wait_timeout=wait_timeout)
+
+        engine_module.kill_process_tree = kill_engine_processes
+        try:
+            self.engine.shutdown()
+        finally:
+            engine_module.kill_process_tree = kill_tree
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):

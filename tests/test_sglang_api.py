@@ -219,6 +219,31 @@ def test_engine_attributes_the_pause_path_uses():
             assert func.attr in manager, f"TokenizerManager has no method {func.attr}"
 
 
+def test_engine_shutdown_kills_through_the_module_name_the_backend_narrows():
+    """``Engine.shutdown`` kills the host's descendants through the engine module's global ``kill_process_tree``
+    (``kill_process_tree(os.getpid(), include_parent=False, ...)``), and that function's parameters are the ones
+    the backend's narrowed stand-in takes: replacing the module global is what keeps a local Ray cluster alive."""
+    engine_src = SRT / "entrypoints" / "engine.py"
+    imported = {
+        alias.asname or alias.name
+        for node in parse(engine_src).body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert "kill_process_tree" in imported, "engine.py no longer imports kill_process_tree by name"
+    calls = [
+        n for n in ast.walk(engine_methods()["shutdown"])
+        if isinstance(n, ast.Call) and ast.unparse(n.func) == "kill_process_tree"
+    ]
+    assert calls, "Engine.shutdown no longer calls kill_process_tree"
+    assert any(
+        ast.unparse(c.args[0]) == "os.getpid()" and {"include_parent"} <= keywords(c) for c in calls
+    ), [ast.unparse(c) for c in calls]
+    utils = SRT / "utils" / "common.py"
+    kill = next(n for n in ast.walk(parse(utils)) if isinstance(n, ast.FunctionDef) and n.name == "kill_process_tree")
+    assert [a.arg for a in kill.args.args] == ["parent_pid", "include_parent", "skip_pid", "wait_timeout"]
+
+
 def test_request_structs_the_backend_builds():
     """``PauseGenerationReqInput(mode=...)`` and friends: the classes, fields and allowed modes."""
     built = 0

@@ -207,3 +207,25 @@ def test_in_process_tensor_update_does_not_need_the_shared_memory_manager(backen
     name = manifest.tensors[0].name
     want = dict(build_tiny_model("llama", "tiny", seed=7).named_parameters())[name].detach()
     assert torch.equal(backend.get_weights_by_name(name), want)
+
+
+def test_shutdown_ends_the_engines_processes_and_no_others(backend):
+    """Shutting the in-process engine down ends the processes it started and leaves the host's other children
+    (a local Ray cluster, torch's shared-memory manager) running: SGLang's own ``Engine.shutdown`` SIGKILLs every
+    descendant of its host. Runs last in this module: it shuts the module's engine down."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    engine_pids = list(backend._driver._engine_children)
+    assert engine_pids, "the driver recorded no engine processes"
+    bystander = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        backend.shutdown()
+        assert bystander.poll() is None, "the engine's shutdown killed a child of the host it did not start"
+        gone, alive = psutil.wait_procs([psutil.Process(p) for p in engine_pids if psutil.pid_exists(p)], timeout=30)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], f"engine processes left: {alive}"
+    finally:
+        bystander.stdin.close()
+        bystander.wait(timeout=30)
