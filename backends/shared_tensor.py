@@ -106,7 +106,7 @@ def share(obj: Any, children_only: bool = False) -> bytes:
     ``children_only=True``: the receivers are ``multiprocessing`` children of this process (an engine
     hosted in this process, whose workers share its authkey), so CPU memory goes by descriptor, torch's
     default. Sharing by name needs this process's ``torch_shm_manager``, a child process that an engine
-    host may kill (SGLang's ``Engine.shutdown`` kills every child of its host), after which no CPU tensor
+    host may lose (SGLang's own ``Engine.shutdown`` kills every child of its host), after which no CPU tensor
     of this process can be shared by name again.
     """
     buf = io.BytesIO()
