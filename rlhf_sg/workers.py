@@ -12,6 +12,7 @@ device, packs them (no compute on padding) and returns its results by global row
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -23,6 +24,8 @@ import torch
 
 from rlhf_sg.experience import ActorUpdate, CriticUpdate, Experience, OptimizerStep
 from rlhf_sg.probe import check_packing
+
+log = logging.getLogger("rlhf_sg")
 
 
 @dataclass
@@ -625,9 +628,24 @@ class ModelWorker:
                                     exclude_frozen_parameters=self.spec.lora is not None)
 
     def load_checkpoint(self, path: str, tag: str) -> dict[str, Any]:
-        self._check_checkpoint_partitioning(os.path.join(path, tag))
-        load_path, client_state = self.engine.load_checkpoint(path, tag=tag,
-                                                              load_module_strict=self.spec.lora is None)
+        """Load ``path/tag`` (DeepSpeed's checkpoint of this group) and return its client state. One written under
+        the other partitioning (ZeRO-3 or an unpartitioned rank: ``--train.single_rank_zero3`` switched between
+        runs) is converted first, beside it (:mod:`rlhf_sg.checkpoint_convert`); a ZeRO-3 engine loads the
+        conversion as DeepSpeed's universal checkpoint."""
+        from rlhf_sg.checkpoint_convert import ZERO3, partitioning_of
+
+        written = partitioning_of(os.path.join(path, tag))
+        converted = written is not None and written != self._partitioning
+        if converted:
+            tag = self._convert_checkpoint(path, tag, written)
+        config = self.engine._config
+        loads_universal = config.load_universal_checkpoint
+        config.load_universal_checkpoint = converted and self._partitioning == ZERO3
+        try:
+            load_path, client_state = self.engine.load_checkpoint(path, tag=tag,
+                                                                  load_module_strict=self.spec.lora is None)
+        finally:
+            config.load_universal_checkpoint = loads_universal
         if load_path is None:
             raise FileNotFoundError(f"{self.spec.role} rank {self.rank}: no DeepSpeed checkpoint {tag!r} in {path}")
         if "torch_rng" in client_state:
@@ -637,21 +655,28 @@ class ModelWorker:
             torch.cuda.set_rng_state_all(cuda_rng)
         return client_state
 
-    def _check_checkpoint_partitioning(self, directory: str) -> None:
-        """Refuse a checkpoint written under the other partitioning (ZeRO-3 writes ``zero_pp_rank_*`` model states,
-        an unpartitioned rank ``mp_rank_00_model_states.pt``): DeepSpeed cannot read one as the other."""
-        if not os.path.isdir(directory):
-            return
-        files = os.listdir(directory)
-        zero3 = any(f.startswith("zero_pp_rank_") and f.endswith("_model_states.pt") for f in files)
-        plain = "mp_rank_00_model_states.pt" in files
-        if self.spec.zero_stage == 0 and zero3 and not plain:
-            raise RuntimeError(f"{self.spec.role}: the checkpoint {directory} was written under ZeRO-3 and this "
-                               "group of one rank runs unpartitioned: resume it with --train.single_rank_zero3 true")
-        if self.spec.zero_stage == 3 and plain and not zero3:
-            raise RuntimeError(f"{self.spec.role}: the checkpoint {directory} was written by an unpartitioned rank "
-                               "and this group runs ZeRO-3: resume it with --train.single_rank_zero3 false (and "
-                               "one rank)")
+    @property
+    def _partitioning(self) -> str:
+        """How this rank writes its checkpoints (:data:`rlhf_sg.checkpoint_convert.ZERO3` or ``PLAIN``)."""
+        from rlhf_sg.checkpoint_convert import PLAIN, ZERO3
+
+        return ZERO3 if self.spec.zero_stage == 3 else PLAIN
+
+    def _convert_checkpoint(self, path: str, tag: str, written: str) -> str:
+        """Convert ``path/tag``, written under the other partitioning, for this rank; returns the converted tag.
+        Raises RuntimeError naming the flag for what the conversion does not cover."""
+        from rlhf_sg.checkpoint_convert import conversion_refused, convert_checkpoint
+
+        directory = os.path.join(path, tag)
+        refused = conversion_refused(directory, written, self.spec.role, self.spec.dtype, self.spec.world_size)
+        if refused:
+            raise RuntimeError(refused)
+        shapes = {name: getattr(p, "ds_shape", p.shape) for name, p in self.module.named_parameters()
+                  if p.requires_grad}
+        converted = convert_checkpoint(path, tag, self._partitioning, shapes)
+        log.warning("%s rank %d: converted the %s checkpoint %s for this %s rank into %s", self.spec.role, self.rank,
+                    written, directory, self._partitioning, os.path.join(path, converted))
+        return converted
 
     def export_hf(self, path: str) -> str | None:
         """Gather the full weights one tensor at a time and save an HF checkpoint from rank 0. A LoRA actor writes

@@ -94,27 +94,3 @@ def test_the_unpartitioned_deepspeed_config():
         zero3_config(stage=0, offload=True)
     with pytest.raises(ValueError, match="stage must be 0 or 3"):
         zero3_config(stage=2)
-
-
-def test_a_checkpoint_of_the_other_partitioning_is_refused_naming_the_flag(tmp_path):
-    from types import SimpleNamespace
-
-    from rlhf_sg.workers import ModelWorker, WorkerSpec
-
-    def rank(stage):
-        return SimpleNamespace(spec=WorkerSpec(role="actor", model_path="m", world_size=1, master_addr="",
-                                               master_port=0, zero_stage=stage))
-
-    zero3, plain = tmp_path / "zero3", tmp_path / "plain"
-    zero3.mkdir()
-    plain.mkdir()
-    (zero3 / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
-    (plain / "mp_rank_00_model_states.pt").write_bytes(b"")
-    check = ModelWorker._check_checkpoint_partitioning
-    check(rank(3), str(zero3))
-    check(rank(0), str(plain))
-    check(rank(0), str(tmp_path / "missing"))  # DeepSpeed names a missing checkpoint itself
-    with pytest.raises(RuntimeError, match="written under ZeRO-3 .* --train.single_rank_zero3 true"):
-        check(rank(0), str(zero3))
-    with pytest.raises(RuntimeError, match="unpartitioned rank .* --train.single_rank_zero3 false"):
-        check(rank(3), str(plain))
