@@ -461,6 +461,20 @@ class _EngineDriver:
 
         return self.run(f"generate ({len(input_ids)} rows)", generate)
 
+    def tokens_so_far(self) -> int:
+        """The fewest output tokens the tokenizer manager holds for any request of the running generate (0 when
+        none runs). A request that does not stream reaches the tokenizer manager every
+        ``SGLANG_FORCE_STREAM_INTERVAL`` tokens (50 by default), so this counts in those steps. Read from any
+        thread: the engine loop may change the table while it is read, which is then read again."""
+        tm = self.engine.tokenizer_manager
+        for _ in range(8):
+            try:
+                states = list(tm.rid_to_state.values())
+            except RuntimeError:  # "dictionary changed size during iteration"
+                continue
+            return min((len(state.output_ids) for state in states), default=0)
+        return 0
+
     def abort(self, inflight: _InFlight) -> None:
         """From any thread: abort every request of the running ``generate`` (SGLang's ``abort_request(abort_all=
         True)``), on the engine's own loop thread.
@@ -949,6 +963,14 @@ class SGLangBackend(RolloutBackend):
         self._unseeded = torch.Generator().manual_seed(config.seed)
 
     # ---- rollout -------------------------------------------------------------------------
+    @property
+    def decode_steps(self) -> int | None:
+        """The running generate's progress in tokens (engine mode; None over HTTP): see
+        :meth:`_EngineDriver.tokens_so_far`."""
+        if isinstance(self._driver, _EngineDriver) and self._driver.engine is not None:
+            return self._driver.tokens_so_far()
+        return None
+
     @property
     def honours_seed(self) -> bool:
         """True when ``SamplingParams.seed`` makes a call reproducible (SGLang deterministic inference)."""

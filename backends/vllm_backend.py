@@ -217,6 +217,7 @@ class VLLMBackend(RolloutBackend):
         self._closed = False
         self._abort_asked = threading.Event()  # abort_generation asked the running generate to stop
         self._generate_done: threading.Event | None = None  # set when the running generate returns
+        self.decode_steps = 0  # engine steps the running (or last) generate has taken: its progress
         # LLM's start-up warms the chat renderer, which needs the tokenizer we skip; stay installed (idempotent, and
         # it drops nothing but that one warning), so engines starting in several threads need no bookkeeping
         logging.getLogger(_RENDERER_LOGGER).addFilter(_TOKENIZERLESS_WARMUP)
@@ -228,6 +229,11 @@ class VLLMBackend(RolloutBackend):
                 f"tensor_parallel_size={config.tensor_parallel_size}): {type(exc).__name__}: {exc}"
             ) from exc
         self._rpc("rlhf_install_logprob_hook")
+        # On CPU with the engine core in process the model runs in whichever thread calls generate, and OpenMP's
+        # thread count is per thread: one started after the engine has the machine's default, and vLLM's CPU
+        # attention aborts the process when the count its metadata was built with differs from the kernel's.
+        # Every generate runs with the count the engine started with.
+        self._cpu_threads = torch.get_num_threads() if config.device == "cpu" else None
         self._lora_request = None  # the adapter every generate uses (load_lora_adapter), or None: the base
         self._lora_dir: str | None = None
 
@@ -310,6 +316,9 @@ class VLLMBackend(RolloutBackend):
         engine = self.llm.llm_engine
         finished: dict[str, Any] = {}
         aborted = False
+        self.decode_steps = 0
+        if self._cpu_threads is not None and torch.get_num_threads() != self._cpu_threads:
+            torch.set_num_threads(self._cpu_threads)  # this thread's OpenMP count (see __init__)
         while engine.has_unfinished_requests():
             if self._abort_asked.is_set():
                 from vllm.v1.engine import FinishReason
@@ -328,6 +337,7 @@ class VLLMBackend(RolloutBackend):
             for out in engine.step():
                 if out.finished:
                     finished[out.request_id] = out
+            self.decode_steps += 1  # each step samples one token for every running request
         # vLLM numbers a call's requests in order (LLM._run_engine sorts by the same key)
         return sorted(finished.values(), key=lambda out: int(out.request_id)), aborted
 

@@ -13,8 +13,11 @@ from backends.base import SamplingParams
 
 
 def generate_and_abort(backend, prompts, params, delay_s: float):
-    """Run ``generate`` in a thread and abort it from this one after ``delay_s``; the completions. When
-    abort_generation raises, its error is raised once the generate has returned."""
+    """Run ``generate`` in a thread and abort it from this one once the engine has produced tokens; the
+    completions. When abort_generation raises, its error is raised once the generate has returned.
+
+    The engine's progress comes from ``backend.decode_steps`` (vLLM's engine steps, the tokens SGLang's tokenizer
+    manager holds); a backend that does not count it (SGLang over HTTP: None) is aborted after ``delay_s``."""
     result: dict = {}
 
     def run():
@@ -25,7 +28,13 @@ def generate_and_abort(backend, prompts, params, delay_s: float):
 
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(delay_s)
+    if getattr(backend, "decode_steps", None) is None:
+        time.sleep(delay_s)
+    else:
+        deadline = time.monotonic() + 120
+        while thread.is_alive() and not backend.decode_steps and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert backend.decode_steps or not thread.is_alive(), "the generate produced no token within 120 s"
     try:
         backend.abort_generation()
     finally:

@@ -153,19 +153,16 @@ def _poll(condition, what: str, timeout_s: float = 120.0) -> None:
 
 
 def _wait_for_decoding(engine, min_steps: int = 2) -> None:
-    """Until the engine's generate runs and has decoded ``min_steps`` tokens a row (the embedded engine counts its
-    decode steps); SGLang and vLLM report running only, so there the wait goes on for a fixed 1.5 s (600 tokens
-    take them several seconds on CPU)."""
-    steps: list = []
+    """Until the engine's generate runs and has decoded ``min_steps`` tokens a row, as the engine counts them
+    (``decode_steps``: the embedded engine's decode steps, vLLM's engine steps, the tokens SGLang's tokenizer
+    manager holds, which reach it every 50)."""
 
     def decoding() -> bool:
         running, done = ray.get(engine.generate_progress.options(concurrency_group="abort").remote(), timeout=60)
-        steps[:] = [done]
-        return running and (done is None or done >= min_steps)
+        assert done is not None, "the engine does not report its progress (decode_steps)"
+        return running and done >= min_steps
 
     _poll(decoding, "generate under way")
-    if steps[0] is None:
-        time.sleep(1.5)
 
 
 def _teacher_forced_logp(model, prompt: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -114,10 +114,11 @@ def test_engine_abort_nobody_asked_for_is_an_error(engine):
 
     thread = threading.Thread(target=run)
     thread.start()
-    deadline = time.monotonic() + 30
-    while engine._inflight is None and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60
+    # until the scheduler has the requests: their first tokens have reached the tokenizer manager
+    while not (engine._inflight is not None and engine.decode_steps) and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.3)
+    assert engine.decode_steps, "the generate produced no tokens within 60 s"
     engine._driver.abort(engine._inflight)  # SGLang's abort_all, without abort_generation's mark
     thread.join(timeout=300)
     assert "aborted the completion of prompt" in str(errors.get("error"))

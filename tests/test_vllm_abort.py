@@ -100,3 +100,26 @@ def test_abort_with_n_samples_keeps_each_row(backend):
     assert all(c.finish_reason == "abort" and len(c.logprobs) == len(c.token_ids) < MAX_NEW for c in out)
     # the engine is clean afterwards: nothing of the aborted call is left running
     assert not backend.llm.llm_engine.has_unfinished_requests()
+
+
+def test_generate_from_a_thread_with_its_own_openmp_count(backend, reference):
+    """On CPU the in-process engine runs the model in the thread that calls generate (an abortable generate runs
+    in one of its own), and OpenMP's thread count is per thread; vLLM's CPU attention aborts the process when the
+    count differs between building its metadata and running its kernel. The backend runs every generate with the
+    count the engine started with (1 here), whatever the calling thread's."""
+    import ctypes
+    import os
+
+    # torch's own OpenMP runtime: this thread's count goes to 2 while torch's intra-op setting stays at 1, what a
+    # thread has that starts in a process without OMP_NUM_THREADS in its environment
+    gomp = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1"))
+    result: dict = {}
+
+    def run():
+        gomp.omp_set_num_threads(2)
+        result["out"] = backend.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=8))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=120)
+    assert [c.token_ids for c in result["out"]] == [reference[0].token_ids[:8]]
