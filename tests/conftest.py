@@ -1,7 +1,10 @@
 import contextlib
 import functools
 import importlib
+import importlib.util
 import os
+import subprocess
+import warnings
 
 import pytest
 import torch
@@ -66,14 +69,51 @@ def _tier(item) -> int:
     return 2 if "two_nodes" in getattr(item, "fixturenames", ()) else 1
 
 
+_op_build: dict = {"process": None, "log": None}
+
+
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_tier)  # stable: each tier keeps the collection order
     if torch.cuda.is_available():
         return
+    if items and "slow" not in items[0].keywords and "slow" in items[-1].keywords:
+        _start_op_build(config)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _start_op_build(config) -> None:
+    """DeepSpeed's CPU communication op compiled beside the fast tier (``deepspeed_ops.py``), when this session
+    runs both tiers; the first slow test waits for it."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return
+    from deepspeed_ops import start_build
+
+    log = os.path.join(str(config.rootpath), ".pytest-deepspeed-op-build.log")
+    _op_build.update(process=start_build(log), log=log)
+
+
+def _wait_op_build(timeout_s: float = 600) -> None:
+    process = _op_build["process"]
+    if process is None:
+        return
+    _op_build["process"] = None
+    try:
+        code = process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        code = f"killed after {timeout_s:.0f} s"
+    if code != 0:  # DeepSpeed then builds it in the first rank itself and reports its own error there
+        warnings.warn(f"compiling DeepSpeed's CPU communication op ahead of the slow tests failed ({code}); "
+                      f"see {_op_build['log']}", stacklevel=2)
+
+
+def pytest_runtest_setup(item):
+    if "slow" in item.keywords:
+        _wait_op_build()
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +151,8 @@ def no_ray():
 
 def pytest_sessionfinish(session, exitstatus):
     import sys
+
+    _wait_op_build(120)  # a session cut short: never leave a half-written extension (and its lock) behind
 
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
