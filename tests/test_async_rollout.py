@@ -435,6 +435,7 @@ def test_async_resume_sees_the_prompts_an_uninterrupted_run_saw(ray_cluster, tas
     settings = dict(max_staleness=max_staleness, partial_rollout=False, max_new_tokens=8)
     cfg = _async_cfg(task, out, 4, **settings)
     cfg.log.save_steps = 2
+    cfg.train.actor_num_ranks, cfg.train.kl_coef = 1, 0.0  # the prompt order and the bound need no more groups
     history = train(cfg, trainer_cls=recorder("full"), reward_fn=arith_task.addition_reward)
     _check_staleness_bound(history, versions, 4, max_staleness)
     root = checkpoint_root(out)
@@ -443,6 +444,7 @@ def test_async_resume_sees_the_prompts_an_uninterrupted_run_saw(ray_cluster, tas
     os.remove(os.path.join(root, "step4.trainer.json"))
     resumed = _async_cfg(task, out, 4, **settings)
     resumed.log.save_steps, resumed.log.resume = 2, True
+    resumed.train.actor_num_ranks, resumed.train.kl_coef = 1, 0.0
     train(resumed, trainer_cls=recorder("resumed"), reward_fn=arith_task.addition_reward)
     assert [s for s, _ in seen["resumed"]] == [3, 4]
     assert seen["resumed"] == seen["full"][2:]

@@ -32,7 +32,7 @@ def test_train_ppo_from_yaml_and_flags(ray_cluster, task, tmp_path):
         f"model:\n  pretrain: {policy}\n"
         f"data:\n  prompt_data: {prompts}\n  label_key: answer\n  max_prompt_len: 16\n"
         "rollout:\n  prompts_per_step: 4\n  n_samples_per_prompt: 4\n  max_new_tokens: 4\n  max_model_len: 64\n"
-        "train:\n  advantage_estimator: grpo\n  max_tokens_per_microbatch: 256\n"
+        "train:\n  advantage_estimator: grpo\n  max_tokens_per_microbatch: 256\n  actor_num_ranks: 1\n  kl_coef: 0.0\n"
         "reward:\n  function: arith_task:addition_reward\n"
         "log:\n  progress_bar: false\n  tensorboard: false\n"
     )

@@ -36,7 +36,8 @@ def _cfg(task, out, steps, evaluate: bool, tmp_path):
     cfg.log.progress_bar = cfg.log.tensorboard = False
     cfg.log.export_hf, cfg.log.save_steps = True, 1
     cfg.train.num_minibatches = 2  # the update draws from the trainer's random stream: evaluation must not
-    cfg.train.kl_coef = 0.0  # no reference group: three runs here, and what is tested is the engine's sampling
+    # one actor rank and no reference group: three runs here, and what is tested is the engine's sampling
+    cfg.train.actor_num_ranks, cfg.train.kl_coef = 1, 0.0
     if evaluate:
         held_out = tmp_path / "held_out.jsonl"
         held_out.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"

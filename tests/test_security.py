@@ -271,6 +271,7 @@ def test_a_run_with_a_token_leaves_it_nowhere(scorer, token, tmp_path, capfd, mo
     out = tmp_path / "run"
     cfg = make_config(policy, prompts, str(out), steps=2, algo="grpo", backend="hf")
     cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt = 4, 2
+    cfg.train.actor_num_ranks = 1  # every group's ranks get the same environment; one rank shows where it goes
     cfg.reward.kind, cfg.reward.function, cfg.reward.url = "remote", None, server.url
     cfg.reward.token_env = TOKEN_VAR
     cfg.log.progress_bar, cfg.log.export_hf, cfg.log.save_steps = False, True, 1
