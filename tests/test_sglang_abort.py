@@ -96,7 +96,7 @@ def test_engine_abort_as_the_generate_starts(engine):
 def test_engine_abort_when_idle_changes_nothing(engine, reference):
     start = time.monotonic()
     engine.abort_generation()
-    assert time.monotonic() - start < 0.05
+    assert time.monotonic() - start < 5, "abort_generation with nothing running waited for something"
     out = engine.generate(PROMPTS, GREEDY)
     assert [c.token_ids for c in out] == [r.token_ids for r in reference]
     assert [c.finish_reason for c in out] == ["length"] * len(PROMPTS)

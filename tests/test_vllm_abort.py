@@ -86,7 +86,7 @@ def test_abort_before_the_first_step_returns_every_row_empty(backend, reference)
 def test_abort_when_idle_changes_nothing(backend, reference):
     start = time.monotonic()
     backend.abort_generation()
-    assert time.monotonic() - start < 0.05
+    assert time.monotonic() - start < 5, "abort_generation with nothing running waited for something"
     out = backend.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
     assert [c.token_ids for c in out] == [r.token_ids for r in reference]
     assert [c.finish_reason for c in out] == ["length"] * len(PROMPTS)
