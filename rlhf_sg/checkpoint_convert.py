@@ -1,19 +1,24 @@
 """A trained model's DeepSpeed checkpoint converted between ZeRO-3 and an unpartitioned rank.
 
-A group of one rank runs ZeRO-3 (``--train.single_rank_zero3 true``, the default) or unpartitioned (``false``: in
-float32 DeepSpeed's stage 0 around a plain torch AdamW). They write different checkpoints:
+A group of one rank runs ZeRO-3 (``--train.single_rank_zero3 true``) or unpartitioned (``false``, the default: in
+float32 DeepSpeed's stage 0 around a plain torch AdamW; in bfloat16 ZeRO stage 1, which at one rank partitions
+nothing and keeps float32 master weights). They write different checkpoints:
 
 * ZeRO-3: ``zero_pp_rank_{r}_mp_rank_00_model_states.pt`` per rank (the run's state and ``param_shapes``; the
-  weights in it are empty partitions) and ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` (flat float32 master
-  weights and Adam moments of the rank's partition);
-* unpartitioned: ``mp_rank_00_model_states.pt``, the whole module and the optimizer's state dict, whose entries
-  are numbered in the optimizer's parameter order (the trained parameters in ``named_parameters`` order).
+  weights in it are empty partitions) and ``[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` (flat float32
+  master weights and Adam moments of the rank's partition);
+* unpartitioned float32 (stage 0): ``mp_rank_00_model_states.pt``, the whole module and the optimizer's state dict,
+  whose entries are numbered in the optimizer's parameter order (the trained parameters in ``named_parameters``
+  order);
+* unpartitioned bfloat16 (stage 1): ``mp_rank_00_model_states.pt`` with the whole bfloat16 module, and
+  ``bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt`` with the flat float32 masters and moments.
 
 The way between them is DeepSpeed's universal checkpoint: a folder per parameter holding its whole float32 weight
-and Adam moments. DeepSpeed's ``ds_to_universal`` writes one from a ZeRO-3 checkpoint, and a ZeRO-3 engine loads
-one (``checkpoint.load_universal``); DeepSpeed's universal loading does not cover a plain torch optimizer, so an
-unpartitioned checkpoint is read and written here (:func:`read_plain`, :func:`write_plain`). The conversion is
-written beside the user's checkpoint (:func:`convert_checkpoint`), which it leaves as it is.
+and Adam moments. DeepSpeed's ``ds_to_universal`` writes one from a ZeRO checkpoint of any stage (:func:`read_zero`),
+and ZeRO engines of stage 1 and 3 load one (``checkpoint.load_universal``: :func:`write_universal`,
+:func:`write_universal_stage1`). DeepSpeed's universal loading does not cover a plain torch optimizer, so a stage-0
+checkpoint is read and written here (:func:`read_plain`, :func:`write_plain`). The conversion is written beside the
+user's checkpoint (:func:`convert_checkpoint`), which it leaves as it is.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ PLAIN_FILE = "mp_rank_00_model_states.pt"
 #: the model-states file a ZeRO-3 engine of one rank reads (universal or not)
 ZERO3_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
+#: a ZeRO optimizer's states file (any stage; ``bf16_`` in bfloat16)
+_ZERO_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+#: what marks a universal checkpoint (loaded with ``checkpoint.load_universal``)
+UNIVERSAL_STATE = os.path.join("zero", "optimizer_state.pt")
 #: model-states entries that describe ZeRO-3 partitions; an unpartitioned engine saves them as None
 _ZERO3_ENTRIES = ("param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments")
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -89,32 +98,42 @@ class WholeState:
                                  f"and {tuple(shape)} in this model")
 
 
-def read_zero3(directory: str, scratch: str) -> WholeState:
-    """A ZeRO-3 checkpoint of one rank whole: DeepSpeed's ``ds_to_universal`` merges it into ``scratch`` (which it
-    needs empty, and writes a ``latest_universal`` file beside), the weights and moments are read back in the
-    shapes of the checkpoint's ``param_shapes``, the rest from rank 0's model-states file."""
+def read_zero(directory: str, scratch: str) -> WholeState:
+    """A ZeRO checkpoint of one rank whole, ZeRO-3 or stage 1/2 (a bfloat16 unpartitioned rank): DeepSpeed's
+    ``ds_to_universal`` merges it into ``scratch`` (which it needs empty), the weights and moments are read back in
+    the shapes of the checkpoint's ``param_shapes``, the rest from the model-states file. The step is the
+    optimizer's (ZeRO-3) or each parameter's ``step.pt`` (stage 1/2, which must all agree)."""
     from deepspeed.checkpoint import ds_to_universal
 
     universal = os.path.join(scratch, "universal")
+    # inject_missing_state: stage 1/2 checkpoints hold no universal_checkpoint_info unless the client adds it (it is
+    # read from the in-memory copy; the checkpoint is not written)
     args = argparse.Namespace(input_folder=directory, output_folder=universal, num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
     with contextlib.redirect_stdout(io.StringIO()):  # its progress lines
         ds_to_universal.main(args)
-    run_state = torch.load(os.path.join(directory, ZERO3_FILE), map_location="cpu", weights_only=False)
-    optim = torch.load(os.path.join(universal, "zero", "optimizer_state.pt"), map_location="cpu",
-                       weights_only=False)["optimizer_state_dict"]
+    model_file = ZERO3_FILE if os.path.isfile(os.path.join(directory, ZERO3_FILE)) else PLAIN_FILE
+    run_state = torch.load(os.path.join(directory, model_file), map_location="cpu", weights_only=False)
+    optim = torch.load(os.path.join(universal, UNIVERSAL_STATE), map_location="cpu", weights_only=False)
     shapes = {name: shape for group in run_state["param_shapes"] for name, shape in group.items()}
-    weights, moments = {}, {}
+    weights, moments, steps = {}, {}, []
     for name, shape in shapes.items():
         folder = os.path.join(universal, "zero", name)
         weights[name] = _load_flat(os.path.join(folder, "fp32.pt")).view(shape)
         moments[name] = {k: _load_flat(os.path.join(folder, f"{k}.pt")).view(shape) for k in MOMENTS}
+        if os.path.isfile(os.path.join(folder, "step.pt")):
+            steps.append(torch.load(os.path.join(folder, "step.pt"), map_location="cpu", weights_only=False))
+    if "optimizer_state_dict" in optim:  # ZeRO-3
+        step, groups = optim["optimizer_state_dict"]["state"][0]["step"], optim["optimizer_state_dict"]["param_groups"]
+    else:
+        if len(steps) != len(shapes) or any(float(s) != float(steps[0]) for s in steps):
+            raise ValueError(f"{directory}: the optimizer's parameters are at different steps, or some have none")
+        step, groups = steps[0], optim["param_groups"]
     module = run_state.pop("module") or {}
     extra = {name: module[name] for name in run_state.get("buffer_names") or [] if name in module}
     aliases = dict(run_state.get("shared_params") or {})
-    return WholeState(weights=weights, moments=moments, step=optim["state"][0]["step"],
-                      param_group=_hyperparameters(optim["param_groups"]), run_state=_without_optimizer(run_state),
-                      module_extra=extra, aliases=aliases)
+    return WholeState(weights=weights, moments=moments, step=step, param_group=_hyperparameters(groups),
+                      run_state=_without_optimizer(run_state), module_extra=extra, aliases=aliases)
 
 
 def _load_flat(path: str) -> torch.Tensor:
@@ -203,26 +222,60 @@ def write_universal(state: WholeState, directory: str) -> None:
     torch.save(dict(state.run_state, module=None, optimizer=None), os.path.join(directory, ZERO3_FILE))
 
 
-def convert_checkpoint(path: str, tag: str, to: str, shapes: dict[str, torch.Size]) -> str:
-    """Convert the checkpoint ``path/tag`` for an engine of the other partitioning and return the tag of the
-    conversion, ``<tag>.converted-zero3`` (``to=ZERO3``: a universal checkpoint, loaded with
-    ``checkpoint.load_universal``) or ``<tag>.converted-zero0`` (``to=PLAIN``), in ``path``. ``shapes``: the
-    target engine's trained parameters in its optimizer's order, name -> whole shape. Written in a scratch
-    directory in ``path`` and renamed into place (a conversion there before is replaced); ``path/tag`` is only
-    read."""
+def write_universal_stage1(state: WholeState, directory: str, dtype: torch.dtype) -> None:
+    """``state`` as a universal checkpoint in ``directory`` that an unpartitioned bfloat16 rank (ZeRO stage 1 at
+    one rank) loads: ``zero/<name>/`` with the float32 weight, moments and step of each trained parameter,
+    ``zero/optimizer_state.pt`` with the hyperparameters and the DeepSpeed version its loader requires, and the
+    module (trained weights in ``dtype``, shared names, buffers) with the run's state in ``mp_rank_00``'s file.
+    DeepSpeed then sets the module's weights from the float32 masters (``update_lp_params``)."""
+    import deepspeed
+
+    zero = os.path.join(directory, "zero")
+    step = state.step if torch.is_tensor(state.step) else torch.tensor(float(state.step))
+    for name, weight in state.weights.items():
+        folder = os.path.join(zero, name)
+        os.makedirs(folder, exist_ok=True)
+        torch.save({"param": weight.float()}, os.path.join(folder, "fp32.pt"))
+        for k in MOMENTS:
+            torch.save({"param": state.moments[name][k].float()}, os.path.join(folder, f"{k}.pt"))
+        torch.save(step.clone(), os.path.join(folder, "step.pt"))
+    torch.save({"param_groups": [dict(state.param_group, params=[0])], "ds_version": deepspeed.__version__},
+               os.path.join(zero, "optimizer_state.pt"))
+    module = {name: weight.to(dtype) for name, weight in state.weights.items()}
+    module.update({alias: module[name] for alias, name in state.aliases.items() if name in module})
+    module.update(state.module_extra)
+    torch.save(dict(state.run_state, module=module, optimizer=None), os.path.join(directory, PLAIN_FILE))
+
+
+def is_universal(directory: str) -> bool:
+    """Whether ``directory`` is a universal checkpoint (loaded with ``checkpoint.load_universal``)."""
+    return os.path.isfile(os.path.join(directory, UNIVERSAL_STATE))
+
+
+def convert_checkpoint(path: str, tag: str, to: str, shapes: dict[str, torch.Size], dtype: str = "float32") -> str:
+    """Convert the checkpoint ``path/tag`` for a ``dtype`` engine of the other partitioning and return the tag of
+    the conversion in ``path``, named by the DeepSpeed stage it is for: ``<tag>.converted-zero3`` (``to=ZERO3``),
+    ``-zero0`` (``to=PLAIN`` in float32) or ``-zero1`` (``to=PLAIN`` in bfloat16). The ZeRO-3 and stage-1 ones are
+    universal checkpoints (:func:`is_universal`). ``shapes``: the target engine's trained parameters in its
+    optimizer's order, name -> whole shape. Written in a scratch directory in ``path`` and renamed into place (a
+    conversion there before is replaced); ``path/tag`` is only read."""
     if to not in (ZERO3, PLAIN):
         raise ValueError(f"convert_checkpoint: to must be {ZERO3!r} or {PLAIN!r}, got {to!r}")
     source = os.path.join(path, tag)
-    converted = f"{tag}.converted-{'zero3' if to == ZERO3 else 'zero0'}"
+    stage = "zero3" if to == ZERO3 else ("zero0" if dtype == "float32" else "zero1")
+    converted = f"{tag}.converted-{stage}"
     scratch = tempfile.mkdtemp(prefix=f".{converted}.", dir=path)
     try:
-        state = read_plain(source, list(shapes)) if to == ZERO3 else read_zero3(source, scratch)
+        zero_format = any(_ZERO_OPTIM.match(f) for f in os.listdir(source))
+        state = read_zero(source, scratch) if zero_format else read_plain(source, list(shapes))
         state.check_fits(shapes, source)
         out = os.path.join(scratch, "out")
         if to == ZERO3:
             write_universal(state, out)
-        else:
+        elif dtype == "float32":
             write_plain(state, out, list(shapes))
+        else:
+            write_universal_stage1(state, out, getattr(torch, dtype))
         target = os.path.join(path, converted)
         if os.path.isdir(target):
             shutil.rmtree(target)
@@ -232,19 +285,15 @@ def convert_checkpoint(path: str, tag: str, to: str, shapes: dict[str, torch.Siz
     return converted
 
 
-
-def conversion_refused(directory: str, written: str, role: str, dtype: str, world_size: int = 1) -> str | None:
+def conversion_refused(directory: str, written: str, role: str, world_size: int = 1) -> str | None:
     """Why the checkpoint ``directory``, written under ``written`` partitioning, is not converted for a group of
     ``world_size`` ``role`` ranks under the other one (a message naming the flag to resume it with), or None when it
-    is: a float32 checkpoint of one rank for one rank. A bfloat16 unpartitioned rank runs ZeRO stage 1, whose
-    optimizer checkpoint is another format."""
+    is: a checkpoint of one rank for one rank."""
     resume = ("--train.single_rank_zero3 true" if written == ZERO3
               else "--train.single_rank_zero3 false and one rank")
     what = (f"{role}: the checkpoint {directory} was written " + ("under ZeRO-3" if written == ZERO3 else
             "by an unpartitioned rank") + f" and this {role} group runs " + ("unpartitioned" if written == ZERO3
                                                                            else "ZeRO-3"))
-    if dtype != "float32":
-        return f"{what}; a {dtype} checkpoint is not converted between the two: resume it with {resume}"
     ranks = zero3_world_size(directory) if written == ZERO3 else 1
     if ranks != 1:
         return (f"{what}; a ZeRO-3 checkpoint of {ranks} ranks (world size {ranks}) is not converted for one "

@@ -630,9 +630,9 @@ class ModelWorker:
     def load_checkpoint(self, path: str, tag: str) -> dict[str, Any]:
         """Load ``path/tag`` (DeepSpeed's checkpoint of this group) and return its client state. One written under
         the other partitioning (ZeRO-3 or an unpartitioned rank: ``--train.single_rank_zero3`` switched between
-        runs) is converted first, beside it (:mod:`rlhf_sg.checkpoint_convert`); a ZeRO-3 engine loads the
-        conversion as DeepSpeed's universal checkpoint."""
-        from rlhf_sg.checkpoint_convert import ZERO3, partitioning_of
+        runs) is converted first, beside it (:mod:`rlhf_sg.checkpoint_convert`); a ZeRO-3 engine and a bfloat16
+        unpartitioned one (ZeRO stage 1) load the conversion as DeepSpeed's universal checkpoint."""
+        from rlhf_sg.checkpoint_convert import is_universal, partitioning_of
 
         written = partitioning_of(os.path.join(path, tag))
         converted = written is not None and written != self._partitioning
@@ -640,7 +640,7 @@ class ModelWorker:
             tag = self._convert_checkpoint(path, tag, written)
         config = self.engine._config
         loads_universal = config.load_universal_checkpoint
-        config.load_universal_checkpoint = converted and self._partitioning == ZERO3
+        config.load_universal_checkpoint = converted and is_universal(os.path.join(path, tag))
         try:
             load_path, client_state = self.engine.load_checkpoint(path, tag=tag,
                                                                   load_module_strict=self.spec.lora is None)
@@ -668,12 +668,12 @@ class ModelWorker:
         from rlhf_sg.checkpoint_convert import conversion_refused, convert_checkpoint
 
         directory = os.path.join(path, tag)
-        refused = conversion_refused(directory, written, self.spec.role, self.spec.dtype, self.spec.world_size)
+        refused = conversion_refused(directory, written, self.spec.role, self.spec.world_size)
         if refused:
             raise RuntimeError(refused)
         shapes = {name: getattr(p, "ds_shape", p.shape) for name, p in self.module.named_parameters()
                   if p.requires_grad}
-        converted = convert_checkpoint(path, tag, self._partitioning, shapes)
+        converted = convert_checkpoint(path, tag, self._partitioning, shapes, self.spec.dtype)
         log.warning("%s rank %d: converted the %s checkpoint %s for this %s rank into %s", self.spec.role, self.rank,
                     written, directory, self._partitioning, os.path.join(path, converted))
         return converted

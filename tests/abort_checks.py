@@ -57,7 +57,8 @@ def full_greedy(backend, prompts, max_new: int, min_seconds: float = 1.5):
     seconds = time.monotonic() - start
     assert [c.finish_reason for c in ref] == ["length"] * len(prompts)
     if getattr(backend, "decode_steps", None) is None:
-        assert seconds > min_seconds, f"the full generate took {seconds:.2f} s: too short to abort halfway; raise max_new"
+        assert seconds > min_seconds, (f"the full generate took {seconds:.2f} s: too short to abort halfway; "
+                                       "raise max_new")
     return ref
 
 
