@@ -116,9 +116,10 @@ class TrainConfig:
     recompute_old_logp: bool | None = None
     #: recompute activations in the backward of actor and critic (less memory, ~30% more compute)
     gradient_checkpointing: bool = False
-    #: a model group of one rank under ZeRO-3 too (true) or unpartitioned (false: DeepSpeed stage 0, or stage 1
-    #: with bfloat16, where one rank partitions nothing; no gathers, same numbers); groups of several ranks stay ZeRO-3
-    single_rank_zero3: bool = True
+    #: a model group of one rank under ZeRO-3 too (true) or unpartitioned (false, the default: DeepSpeed stage 0, or
+    #: stage 1 with bfloat16, where one rank partitions nothing; no gathers, same numbers); groups of several ranks
+    #: stay ZeRO-3. A checkpoint written under the other setting is converted on resume (rlhf_sg/checkpoint_convert.py)
+    single_rank_zero3: bool = False
     #: zero every dropout of the actor, critic, reference and reward models (the config's *dropout / *pdrop
     #: rates and nn.Dropout modules): scoring and update forwards then see the same function, so the PPO ratio
     #: of a fresh batch is exactly 1 (TRL does the same by default); false keeps the model's dropout in updates

@@ -142,11 +142,11 @@ def test_colocate_all_places_rank_i_of_every_group_on_bundle_i_and_trains(task, 
 # Each of these runs one real ZeRO-3 actor rank in a spawned process: DeepSpeed keeps process-wide group state.
 
 
-def _offload_round_trip(model_path: str, device: str) -> dict:
+def _offload_round_trip(model_path: str, device: str, zero_stage: int = 3, dtype: str = "float32") -> dict:
     """Forward, offload, reload, forward; then a train step after another round trip, and a forward."""
     import torch.distributed as dist
 
-    worker, batch, plan = actor_rank(model_path, device)
+    worker, batch, plan = actor_rank(model_path, device, zero_stage=zero_stage, dtype=dtype)
     try:
         _, before = worker.forward(batch, plan)
         freed = worker.offload_states()
@@ -162,16 +162,28 @@ def _offload_round_trip(model_path: str, device: str) -> dict:
         dist.destroy_process_group()
 
 
+#: the partitionings a training rank runs: ZeRO-3, and a one-rank group unpartitioned (--train.single_rank_zero3
+#: false): float32 at DeepSpeed stage 0 (the worker moves the torch optimizer's states itself), bfloat16 at ZeRO
+#: stage 1 (DeepSpeed's offload_states of stage 1). On CPU nothing moves, so the unpartitioned ones run on GPU only.
+_PARTITIONINGS = [
+    pytest.param("cpu", 3, "float32", id="cpu-zero3"),
+    pytest.param("cuda", 3, "float32", marks=pytest.mark.gpu, id="cuda-zero3"),
+    pytest.param("cuda", 0, "float32", marks=pytest.mark.gpu, id="cuda-zero0-fp32"),
+    pytest.param("cuda", 0, "bfloat16", marks=pytest.mark.gpu, id="cuda-zero1-bf16"),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_offload_then_reload_leaves_the_worker_exact_and_trainable(tmp_path, device):
-    """A real ZeRO-3 actor rank: its log-probs are bit-identical after an offload and reload, it still takes
-    an optimizer step, and on GPU the offload frees device memory (on CPU there is nothing to move and it
-    says so with 0)."""
+@pytest.mark.parametrize(("device", "zero_stage", "dtype"), _PARTITIONINGS)
+def test_offload_then_reload_leaves_the_worker_exact_and_trainable(tmp_path, device, zero_stage, dtype):
+    """A real actor rank: its log-probs are bit-identical after an offload and reload, it still takes an optimizer
+    step, and on GPU the offload frees device memory (on CPU there is nothing to move and it says so with 0).
+    On GPU this proves the colocated offload of each partitioning: ZeRO-3's, and an unpartitioned rank's in float32
+    (the worker's own moves) and bfloat16 (ZeRO stage 1)."""
     from rlhf_sg.tiny import save_tiny_model
 
     path = save_tiny_model(str(tmp_path / "m"), arch="qwen2", size="tiny")
-    out = in_fresh_process(_offload_round_trip, path, device)
+    out = in_fresh_process(_offload_round_trip, path, device, zero_stage, dtype)
     if device == "cuda":
         assert out["freed"] > 0 and out["taken"] > 0
     else:

@@ -67,9 +67,9 @@ def test_the_worker_spec_carries_the_rank_threads(eight_cores):
     assert Layout(_cfg(actor=2, threads=1)).worker_spec("actor").threads == 1
 
 
-def test_only_a_group_of_one_rank_goes_unpartitioned_and_only_when_asked():
-    assert Layout(_cfg(actor=1)).zero_stage("actor") == 3  # the default keeps ZeRO-3
-    assert Layout(_cfg(actor=1, single_rank_zero3=False)).zero_stage("actor") == 0
+def test_only_a_group_of_one_rank_goes_unpartitioned_unless_told_to_stay_zero3():
+    assert Layout(_cfg(actor=1)).zero_stage("actor") == 0  # by default a group of one rank is unpartitioned
+    assert Layout(_cfg(actor=1, single_rank_zero3=True)).zero_stage("actor") == 3
     assert Layout(_cfg(actor=2, single_rank_zero3=False)).zero_stage("actor") == 3  # several ranks: ZeRO-3
     cfg = _cfg("gae", actor=2, critic=1, kl=0.01, single_rank_zero3=False, ref_num_ranks=1, ref_offload=True)
     layout = Layout(cfg)

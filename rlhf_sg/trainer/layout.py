@@ -161,9 +161,9 @@ class Layout:
         return dataclasses.asdict(lora)
 
     def zero_stage(self, role: str) -> int:
-        """3 (ZeRO-3) for ``role``'s group, or 0 (unpartitioned) for a group of one rank with
-        ``--train.single_rank_zero3 false``; a reference model offloaded to CPU (``--train.ref_offload``) stays
-        ZeRO-3, whose parameter offload it uses."""
+        """3 (ZeRO-3) for ``role``'s group of several ranks, or for one rank with ``--train.single_rank_zero3
+        true``; 0 (unpartitioned) for a group of one rank by default. A reference model offloaded to CPU
+        (``--train.ref_offload``) stays ZeRO-3, whose parameter offload it uses."""
         t = self.cfg.train
         world = {"actor": t.actor_num_ranks, "critic": t.critic_num_ranks, "ref": t.ref_num_ranks,
                  "reward": self.cfg.reward.num_ranks}[role]
