@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -631,7 +632,8 @@ class ModelWorker:
         """Load ``path/tag`` (DeepSpeed's checkpoint of this group) and return its client state. One written under
         the other partitioning (ZeRO-3 or an unpartitioned rank: ``--train.single_rank_zero3`` switched between
         runs) is converted first, beside it (:mod:`rlhf_sg.checkpoint_convert`); a ZeRO-3 engine and a bfloat16
-        unpartitioned one (ZeRO stage 1) load the conversion as DeepSpeed's universal checkpoint."""
+        unpartitioned one (ZeRO stage 1) load the conversion as DeepSpeed's universal checkpoint. The conversion is
+        removed once loaded (the next checkpoint is written in this rank's own format; the original stays)."""
         from rlhf_sg.checkpoint_convert import is_universal, partitioning_of
 
         written = partitioning_of(os.path.join(path, tag))
@@ -646,6 +648,8 @@ class ModelWorker:
                                                                   load_module_strict=self.spec.lora is None)
         finally:
             config.load_universal_checkpoint = loads_universal
+            if converted:
+                shutil.rmtree(os.path.join(path, tag), ignore_errors=True)
         if load_path is None:
             raise FileNotFoundError(f"{self.spec.role} rank {self.rank}: no DeepSpeed checkpoint {tag!r} in {path}")
         if "torch_rng" in client_state:

@@ -115,6 +115,7 @@ def test_an_unpartitioned_checkpoint_writes_as_a_universal_one_per_parameter(tmp
     optim = torch.load(tmp_path / "uni" / "zero" / "optimizer_state.pt", weights_only=False)
     assert float(optim["optimizer_state_dict"]["state"][0]["step"]) == 2.0
     assert optim["optimizer_state_dict"]["param_groups"][0]["lr"] == 0.004
+    assert is_universal(str(tmp_path / "uni")) and not is_universal(str(tmp_path / "step2"))
     run = torch.load(tmp_path / "uni" / ZERO3_FILE, weights_only=False)
     assert run["lr_scheduler"]["last_epoch"] == 3 and run["module"] is None and run["optimizer"] is None
 
@@ -186,6 +187,17 @@ def _run(model_path: str, zero_stage: int, load: tuple | None, save: tuple | Non
 
     worker, batch, plan = actor_rank(model_path, zero_stage=zero_stage, lr_scheduler="linear", lr_warmup_steps=3,
                                      lr_total_steps=10, lora=lora, dtype=dtype)
+    from rlhf_sg import checkpoint_convert
+
+    universal = []  # whether the conversion the worker loads is a universal checkpoint (it is removed once loaded)
+    convert = checkpoint_convert.convert_checkpoint
+
+    def recording(path, tag, *args):
+        converted = convert(path, tag, *args)
+        universal.append(checkpoint_convert.is_universal(os.path.join(path, converted)))
+        return converted
+
+    checkpoint_convert.convert_checkpoint = recording  # this process is the test's own (in_fresh_process)
     try:
         client = worker.load_checkpoint(*load) if load else None
         if not load:
@@ -195,7 +207,7 @@ def _run(model_path: str, zero_stage: int, load: tuple | None, save: tuple | Non
         at_save = _state(worker)
         metrics = worker.train_actor(batch, one_step(plan, batch), FRESH_UPDATE)
         return {"at_save": at_save, "client": client, "after": _state(worker), "grad_norm": metrics["actor/grad_norm"],
-                "stage": worker.engine.zero_optimization_stage()}
+                "stage": worker.engine.zero_optimization_stage(), "universal": universal == [True]}
     finally:
         dist.destroy_process_group()
 
@@ -254,8 +266,7 @@ def test_a_checkpoint_resumes_under_the_other_partitioning_and_takes_the_same_ne
         _assert_same_state(resumed["at_save"], first["at_save"], exact=True)
         assert resumed["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-5 if dtype == "float32" else 1e-2)
         _assert_same_state(resumed["after"], first["after"], exact=False, dtype=dtype)
-    for directory, converted in ((zero3_dir, f"step1.converted-zero{unpartitioned}"),
-                                 (plain_dir, "step1.converted-zero3")):
-        assert sorted(d for d in os.listdir(directory) if os.path.isdir(os.path.join(directory, d))) == [
-            "step1", converted]
-        assert is_universal(os.path.join(directory, converted)) == (converted.endswith("zero3") or dtype != "float32")
+    for resumed in (plain, zero3):
+        assert resumed["universal"] == (resumed["stage"] == 3 or dtype != "float32")
+    for directory in (zero3_dir, plain_dir):  # each conversion removed once loaded; the originals stay
+        assert sorted(d for d in os.listdir(directory) if os.path.isdir(os.path.join(directory, d))) == ["step1"]
