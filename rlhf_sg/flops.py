@@ -104,20 +104,21 @@ def _best_seconds(fn, min_total_s: float, repeats: int) -> float:
 
 @functools.lru_cache(maxsize=8)
 def measure_cpu_ceiling(shape: ModelShape, dtype: str, threads: int, tokens: int = 1024, copy_bytes: int = 1 << 28,
-                        min_total_s: float = 0.3) -> Ceiling:
+                        min_total_s: float = 0.5, repeats: int = 5) -> Ceiling:
     """Measure this CPU: a ``[tokens, hidden] x [hidden, intermediate]`` GEMM in ``dtype`` (the model's MLP
     projection, its largest matmul) with ``threads`` torch threads, and a copy of ``copy_bytes`` (read + written).
-    Fastest of three timings each. Measured once per process for the same arguments (about a second)."""
+    Fastest of ``repeats`` timings each, so a moment of load elsewhere does not lower it. Measured once per process
+    for the same arguments (about a second), by the trainer before its cluster starts."""
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
         a = torch.randn(tokens, shape.hidden_size, dtype=torch_dtype)
         b = torch.randn(shape.hidden_size, shape.intermediate_size, dtype=torch_dtype)
-        gemm_s = _best_seconds(lambda: torch.mm(a, b), min_total_s, 3)
+        gemm_s = _best_seconds(lambda: torch.mm(a, b), min_total_s, repeats)
         src = torch.empty(copy_bytes // 4, dtype=torch.float32).fill_(1.0)
         dst = torch.empty_like(src)
-        copy_s = _best_seconds(lambda: dst.copy_(src), min_total_s, 3)
+        copy_s = _best_seconds(lambda: dst.copy_(src), min_total_s, repeats)
     finally:
         torch.set_num_threads(before)
     tflops = 2 * tokens * shape.hidden_size * shape.intermediate_size / gemm_s / 1e12
@@ -278,7 +279,8 @@ class StepAccounting:
     @classmethod
     def for_run(cls, cfg, layout, actor_group=None) -> StepAccounting:
         """Shapes of the run's models in ``--model.dtype`` and the ceiling: on CUDA the device table (the device
-        named by actor rank 0) or the ``--perf`` flags; on CPU measured here with an actor rank's threads."""
+        named by ``actor_group``'s rank 0) or the ``--perf`` flags; on CPU measured here with an actor rank's
+        threads (no group needed)."""
         import dataclasses
 
         from rlhf_sg.memory import load_shape

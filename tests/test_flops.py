@@ -171,3 +171,35 @@ def test_phase_metrics_by_hand():
     assert out["perf/weight_sync_GBps"] == pytest.approx(2.0)
     assert out["perf/weight_sync_over_engine_load"] == pytest.approx(1.5)
     assert "perf/train_of_peak" not in flops.phase_metrics(None, {"train": 2.0}, {"train": (6e12, 2)})
+
+
+def test_the_cpu_ceiling_is_measured_before_the_cluster_starts(tmp_path, monkeypatch, no_ray):
+    """The trainer measures a CPU's ceiling before its cluster starts (loading ranks and engines would lower it),
+    and needs no group for it."""
+    import json
+
+    from rlhf_sg.config import parse_args
+    from rlhf_sg.tiny import save_tiny_model
+    from rlhf_sg.trainer.ppo import PPOTrainer
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(8)))
+    cfg = parse_args(["--model", save_tiny_model(str(tmp_path / "m")), "--prompt-data", str(prompts),
+                      "--reward.function", "exact_match", "--data.label_key", "label",
+                      "--log.output_dir", str(tmp_path / "out")])
+    events = []
+
+    class Started(Exception):
+        pass
+
+    def start():
+        events.append("cluster starts")
+        raise Started
+
+    monkeypatch.setattr(flops.StepAccounting, "for_run", classmethod(
+        lambda cls, cfg, layout, actor_group=None: events.append(f"ceiling measured, group {actor_group}")))
+    trainer = PPOTrainer(cfg)
+    monkeypatch.setattr(trainer.cluster, "start", start)
+    with pytest.raises(Started):
+        trainer.setup()
+    assert events == ["ceiling measured, group None", "cluster starts"]

@@ -185,11 +185,19 @@ class PPOTrainer:
         checkpoint.check_output_dir(cfg.log.output_dir, trained)
         with open(os.path.join(cfg.log.output_dir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
+        # the CPU ceiling is measured before the cluster starts, while nothing of the run loads the machine; a GPU's
+        # comes from the table, by the name of the device actor rank 0 sees
+        measure_first = cfg.perf.accounting and cfg.train.device != "cuda"
+        if measure_first:
+            from rlhf_sg.flops import StepAccounting
+
+            self.accounting = StepAccounting.for_run(cfg, self.layout)
         self.cluster.start()
         if cfg.perf.accounting:
             from rlhf_sg.flops import StepAccounting
 
-            self.accounting = StepAccounting.for_run(cfg, self.layout, self.cluster.actor)
+            if not measure_first:
+                self.accounting = StepAccounting.for_run(cfg, self.layout, self.cluster.actor)
             ceiling = self.accounting.ceiling
             log.info("per-phase ceiling of one rank: %s", ceiling.describe() if ceiling else
                      "unknown device: set --perf.peak_tflops and --perf.peak_bandwidth_gbs (perf/*_of_peak)")
