@@ -31,8 +31,9 @@ Sides:
   ``generate``), ``beta=0``, ``bf16=False``, at the fastest of TRL's own batch knobs: before the rounds,
   ``--trl-search`` (on by default) tries ``per_device_train_batch_size`` 8, 16, 32 and 64 with
   ``gradient_accumulation_steps`` = 64 / that (one optimizer step over the step's 64 samples) and
-  ``gradient_checkpointing`` off and on, each for ``--trl-probe-steps`` timed steps, all in one process
-  after ``--warmup`` steps of the first (every setting generates the same batch), and keeps the fastest
+  ``gradient_checkpointing`` off and on, each for ``--trl-probe-steps`` timed steps after ``--warmup`` untimed
+  ones of its own (a fresh model and trainer pays its first step's allocations), all in one process, and keeps the
+  fastest
   (it prints every setting's time and the one kept; ``--trl-setting 8,8,off`` pins one and skips the
   search). TRL's ``steps_per_generation`` defaults to the accumulation, so its generation batch is
   micro-batch x accumulation = 64 completions in every setting: one ``generate`` over 64, then the
@@ -554,16 +555,16 @@ def _describe_ours_threads(trainer) -> str:
 
 
 def run_trl(args: argparse.Namespace, model_path: str, prompt_file: str, out: str, settings: list[TrlSetting],
-            steps: int, warm_once: bool = False) -> list[tuple[TrlSetting, SideResult | None]]:
+            steps: int) -> list[tuple[TrlSetting, SideResult | None]]:
     """Run :func:`_trl_child` in a fresh Python process: each of ``settings`` in turn, a fresh model and trainer
-    each, ``args.warmup`` untimed (``warm_once``: before the first setting only) and ``steps`` timed steps.
+    each, ``args.warmup`` untimed and ``steps`` timed steps.
     Returns each setting's result, None for one that failed (the reason printed); all None if the process
     failed."""
     spec = {
         "model_path": model_path, "prompt_file": prompt_file, "output_dir": os.path.join(out, "trl"),
         "prompts": args.prompts, "samples": args.samples, "max_new_tokens": args.max_new_tokens,
         "lr": args.lr, "warmup": args.warmup, "steps": steps, "threads": args.trl_threads, "seed": args.seed,
-        "settings": [[s.micro_batch, s.accumulation, s.checkpointing] for s in settings], "warm_once": warm_once,
+        "settings": [[s.micro_batch, s.accumulation, s.checkpointing] for s in settings],
     }
     env = dict(os.environ, OMP_NUM_THREADS=str(args.trl_threads), TOKENIZERS_PARALLELISM="false",
                CUDA_VISIBLE_DEVICES="")
@@ -626,13 +627,12 @@ def trl_perf(shape, ceiling, step: dict[str, Any]) -> dict[str, float]:
 
 def search_trl(args: argparse.Namespace, model_path: str, prompt_file: str, out: str) -> TrlSetting:
     """TRL's fastest setting for this work: every :func:`trl_settings` setting for ``--trl-probe-steps`` timed steps
-    after the warm-up, in one process; prints each one's time and the one kept."""
+    after its own warm-up, in one process; prints each one's time and the one kept."""
     settings = trl_settings(args.prompts * args.samples)
-    print(f"trl search: {len(settings)} settings, {args.trl_probe_steps} timed step(s) each, in one process after "
-          f"{args.warmup} warm-up step(s); load average {_load()}", flush=True)
+    print(f"trl search: {len(settings)} settings, {args.warmup} warm-up and {args.trl_probe_steps} timed step(s) "
+          f"each, in one process; load average {_load()}", flush=True)
     start = time.perf_counter()
-    runs = run_trl(args, model_path, prompt_file, os.path.join(out, "trl-search"), settings, args.trl_probe_steps,
-                   warm_once=True)
+    runs = run_trl(args, model_path, prompt_file, os.path.join(out, "trl-search"), settings, args.trl_probe_steps)
     probes = [(setting, None if r is None else r.mean_step_s) for setting, r in runs]
     kept = fastest_setting(probes)
     for line in search_lines(probes, kept):
@@ -674,11 +674,9 @@ def _trl_child(spec: dict[str, Any]) -> None:
     ceiling = measure_cpu_ceiling(dataclasses.replace(load_shape(spec["model_path"]), dtype="float32"), "float32",
                                   torch.get_num_threads())
     runs = []
-    for i, (micro_batch, accumulation, checkpointing) in enumerate(spec["settings"]):
-        # a search warms the process up once: every setting generates the same batch on the same model
-        warmup = spec["warmup"] if i == 0 or not spec.get("warm_once") else 0
-        try:
-            runs.append(_trl_run(spec, micro_batch, accumulation, checkpointing, warmup))
+    for micro_batch, accumulation, checkpointing in spec["settings"]:
+        try:  # each setting's own warm-up: a fresh model and trainer pays its first step's allocations
+            runs.append(_trl_run(spec, micro_batch, accumulation, checkpointing, spec["warmup"]))
         except Exception as e:  # one setting failing (e.g. out of memory) leaves the others to compare
             runs.append({"error": f"{type(e).__name__}: {e}"})
     threads = f"1 process x {torch.get_num_threads()} thread(s)"
