@@ -189,6 +189,8 @@ def test_our_steps_are_timed_by_the_wall_clock_not_by_the_trainers_own_step_time
 
     monkeypatch.setattr(rlhf_sg.trainer, "PPOTrainer", _OverlappingTrainer)
     monkeypatch.setattr(e2e, "_describe_ours_threads", lambda trainer: "")
+    waits = []  # the side waits for its Ray processes; here the session's other children would hold it up
+    monkeypatch.setattr(e2e, "wait_for_children", lambda timeout_s: waits.append(timeout_s) or 0)
     args = argparse.Namespace(backend="hf", prompts=8, samples=8, max_new_tokens=64, actor_ranks=1, lr=1e-6,
                               critic_lr=1e-5, warmup=1, steps=2, seed=0, worker_threads=None, engine_threads=None,
                               share_prompts=True)
@@ -199,6 +201,7 @@ def test_our_steps_are_timed_by_the_wall_clock_not_by_the_trainers_own_step_time
     assert got.reward == [0.2, 0.3] and got.trajectories == [[0.1, 0.2, 0.3]]  # the warm-up step's reward first
     assert got.phase_s["wait_rollout"] == [0.0, 0.0]
     assert got.phase_s["generate"] == [0.04, 0.04]  # the batch's own generation, beside the step before
+    assert waits == [60.0]
 
 
 def test_the_next_side_waits_for_the_processes_the_last_one_left():
