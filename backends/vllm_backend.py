@@ -217,7 +217,10 @@ class VLLMBackend(RolloutBackend):
         self._closed = False
         self._abort_asked = threading.Event()  # abort_generation asked the running generate to stop
         self._generate_done: threading.Event | None = None  # set when the running generate returns
-        self.decode_steps = 0  # engine steps the running (or last) generate has taken: its progress
+        #: the running (or last) generate's progress: the fewest output tokens vLLM's output processor holds for any of
+        #: its unfinished requests (an engine step need not deliver tokens: with asynchronous scheduling a step's
+        #: tokens arrive with the next one)
+        self.decode_steps = 0
         # LLM's start-up warms the chat renderer, which needs the tokenizer we skip; stay installed (idempotent, and
         # it drops nothing but that one warning), so engines starting in several threads need no bookkeeping
         logging.getLogger(_RENDERER_LOGGER).addFilter(_TOKENIZERLESS_WARMUP)
@@ -337,7 +340,10 @@ class VLLMBackend(RolloutBackend):
             for out in engine.step():
                 if out.finished:
                     finished[out.request_id] = out
-            self.decode_steps += 1  # each step samples one token for every running request
+            held = [state.detokenizer.num_output_tokens() for state in engine.output_processor.request_states.values()
+                    if state.detokenizer is not None]
+            if held:
+                self.decode_steps = min(held)
         # vLLM numbers a call's requests in order (LLM._run_engine sorts by the same key)
         return sorted(finished.values(), key=lambda out: int(out.request_id)), aborted
 

@@ -154,8 +154,8 @@ def _poll(condition, what: str, timeout_s: float = 120.0) -> None:
 
 def _wait_for_decoding(engine, min_steps: int = 2) -> None:
     """Until the engine's generate runs and has decoded ``min_steps`` tokens a row, as the engine counts them
-    (``decode_steps``: the embedded engine's decode steps, vLLM's engine steps, the tokens SGLang's tokenizer
-    manager holds, which reach it every 50)."""
+    (``decode_steps``: the embedded engine's decode steps, the fewest tokens vLLM's output processor holds for a
+    request, the same in SGLang's tokenizer manager, which its tokens reach every 50)."""
 
     def decoding() -> bool:
         running, done = ray.get(engine.generate_progress.options(concurrency_group="abort").remote(), timeout=60)
