@@ -217,9 +217,9 @@ class VLLMBackend(RolloutBackend):
         self._closed = False
         self._abort_asked = threading.Event()  # abort_generation asked the running generate to stop
         self._generate_done: threading.Event | None = None  # set when the running generate returns
-        #: the running (or last) generate's progress: the fewest output tokens vLLM's output processor holds for any of
-        #: its unfinished requests (an engine step need not deliver tokens: with asynchronous scheduling a step's
-        #: tokens arrive with the next one)
+        #: the running generate's progress (0 when none runs): the fewest output tokens vLLM's output processor holds
+        #: for any of its unfinished requests (an engine step need not deliver tokens: with asynchronous scheduling a
+        #: step's tokens arrive with the next one)
         self.decode_steps = 0
         # LLM's start-up warms the chat renderer, which needs the tokenizer we skip; stay installed (idempotent, and
         # it drops nothing but that one warning), so engines starting in several threads need no bookkeeping
@@ -322,28 +322,31 @@ class VLLMBackend(RolloutBackend):
         self.decode_steps = 0
         if self._cpu_threads is not None and torch.get_num_threads() != self._cpu_threads:
             torch.set_num_threads(self._cpu_threads)  # this thread's OpenMP count (see __init__)
-        while engine.has_unfinished_requests():
-            if self._abort_asked.is_set():
-                from vllm.v1.engine import FinishReason
+        try:
+            while engine.has_unfinished_requests():
+                if self._abort_asked.is_set():
+                    from vllm.v1.engine import FinishReason
 
-                aborted = True
-                states = engine.output_processor.request_states
-                for request_id in request_ids:
-                    state = states.get(request_id)
-                    if state is None:
-                        continue  # finished already
-                    out = state.make_request_output([], None, FinishReason.ABORT, None)
-                    if out is not None:
+                    aborted = True
+                    states = engine.output_processor.request_states
+                    for request_id in request_ids:
+                        state = states.get(request_id)
+                        if state is None:
+                            continue  # finished already
+                        out = state.make_request_output([], None, FinishReason.ABORT, None)
+                        if out is not None:
+                            finished[out.request_id] = out
+                    engine.abort_request(request_ids, internal=True)
+                    break
+                for out in engine.step():
+                    if out.finished:
                         finished[out.request_id] = out
-                engine.abort_request(request_ids, internal=True)
-                break
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-            held = [state.detokenizer.num_output_tokens() for state in engine.output_processor.request_states.values()
-                    if state.detokenizer is not None]
-            if held:
-                self.decode_steps = min(held)
+                states = engine.output_processor.request_states.values()
+                held = [state.detokenizer.num_output_tokens() for state in states if state.detokenizer is not None]
+                if held:
+                    self.decode_steps = min(held)
+        finally:
+            self.decode_steps = 0  # none runs: one waiting for the next generate's progress must not see this one's
         # vLLM numbers a call's requests in order (LLM._run_engine sorts by the same key)
         return sorted(finished.values(), key=lambda out: int(out.request_id)), aborted
 

@@ -90,6 +90,8 @@ def test_abort_when_idle_changes_nothing(backend, reference):
     out = backend.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
     assert [c.token_ids for c in out] == [r.token_ids for r in reference]
     assert [c.finish_reason for c in out] == ["length"] * len(PROMPTS)
+    # no generate runs: no progress, so a caller waiting for the next generate's tokens does not see this one's
+    assert backend.decode_steps == 0
 
 
 def test_abort_with_n_samples_keeps_each_row(backend):
