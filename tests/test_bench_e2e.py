@@ -205,16 +205,28 @@ def test_our_steps_are_timed_by_the_wall_clock_not_by_the_trainers_own_step_time
 
 
 def test_the_next_side_waits_for_the_processes_the_last_one_left():
+    """``wait_for_children`` returns once the processes this one started have exited (0 left), and counts those
+    still running at its timeout. Run in a process of its own: a pytest session has children of its own."""
+    import json
     import subprocess
     import sys
 
-    quick = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
-    start = time.perf_counter()
-    assert e2e.wait_for_children(30.0) == 0
-    assert quick.poll() is not None and time.perf_counter() - start < 20
-    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        assert e2e.wait_for_children(0.2) == 1
-    finally:
-        slow.kill()
-        slow.wait()
+    script = """
+import json, subprocess, sys
+from rlhf_sg.bench import e2e
+quick = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+left = e2e.wait_for_children(60.0)
+exited = quick.poll() is not None
+slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+try:
+    left_at_timeout = e2e.wait_for_children(0.2)
+finally:
+    slow.kill()
+    slow.wait()
+print(json.dumps([left, exited, left_at_timeout]))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    left, exited, left_at_timeout = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (left, exited) == (0, True)
+    assert left_at_timeout == 1
