@@ -192,9 +192,7 @@ def read_plain(directory: str, names: list[str]) -> WholeState:
 def write_plain(state: WholeState, directory: str, names: list[str]) -> None:
     """``state`` as an unpartitioned float32 rank's checkpoint in ``directory``: the module (trained weights, shared
     names, buffers) and the optimizer's state dict numbered in the order of ``names``."""
-    module = {name: state.weights[name].clone() for name in names}
-    module.update({alias: module[name] for alias, name in state.aliases.items() if name in module})
-    module.update(state.module_extra)
+    module = _whole_module(state, names, torch.float32)
     step = state.step
     optimizer = {
         "state": {i: {"step": step.clone() if torch.is_tensor(step) else step,
@@ -210,12 +208,7 @@ def write_universal(state: WholeState, directory: str) -> None:
     with the float32 weight and moments of each trained parameter, ``zero/optimizer_state.pt`` with the step and
     hyperparameters, and the run's state in the ZeRO-3 model-states file."""
     zero = os.path.join(directory, "zero")
-    for name, weight in state.weights.items():
-        folder = os.path.join(zero, name)
-        os.makedirs(folder, exist_ok=True)
-        torch.save({"param": weight.float()}, os.path.join(folder, "fp32.pt"))
-        for k in MOMENTS:
-            torch.save({"param": state.moments[name][k].float()}, os.path.join(folder, f"{k}.pt"))
+    _write_parameter_folders(state, zero)
     group = dict(state.param_group, params=[0])
     torch.save({"optimizer_state_dict": {"state": {0: {"step": state.step}}, "param_groups": [group]},
                 "param_groups": [group]}, os.path.join(zero, "optimizer_state.pt"))
@@ -231,6 +224,16 @@ def write_universal_stage1(state: WholeState, directory: str, dtype: torch.dtype
     import deepspeed
 
     zero = os.path.join(directory, "zero")
+    _write_parameter_folders(state, zero, with_step=True)
+    torch.save({"param_groups": [dict(state.param_group, params=[0])], "ds_version": deepspeed.__version__},
+               os.path.join(zero, "optimizer_state.pt"))
+    module = _whole_module(state, list(state.weights), dtype)
+    torch.save(dict(state.run_state, module=module, optimizer=None), os.path.join(directory, PLAIN_FILE))
+
+
+def _write_parameter_folders(state: WholeState, zero: str, with_step: bool = False) -> None:
+    """A universal checkpoint's ``zero/<name>/`` folders: each trained parameter's float32 weight and Adam moments,
+    and with ``with_step`` its step (what stage 1/2 read per parameter; ZeRO-3 reads the optimizer's)."""
     step = state.step if torch.is_tensor(state.step) else torch.tensor(float(state.step))
     for name, weight in state.weights.items():
         folder = os.path.join(zero, name)
@@ -238,13 +241,17 @@ def write_universal_stage1(state: WholeState, directory: str, dtype: torch.dtype
         torch.save({"param": weight.float()}, os.path.join(folder, "fp32.pt"))
         for k in MOMENTS:
             torch.save({"param": state.moments[name][k].float()}, os.path.join(folder, f"{k}.pt"))
-        torch.save(step.clone(), os.path.join(folder, "step.pt"))
-    torch.save({"param_groups": [dict(state.param_group, params=[0])], "ds_version": deepspeed.__version__},
-               os.path.join(zero, "optimizer_state.pt"))
-    module = {name: weight.to(dtype) for name, weight in state.weights.items()}
+        if with_step:
+            torch.save(step.clone(), os.path.join(folder, "step.pt"))
+
+
+def _whole_module(state: WholeState, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The module state of an unpartitioned rank: the trained weights ``names`` in ``dtype``, the shared names of
+    those weights, and the buffers."""
+    module = {name: state.weights[name].to(dtype, copy=True) for name in names}
     module.update({alias: module[name] for alias, name in state.aliases.items() if name in module})
     module.update(state.module_extra)
-    torch.save(dict(state.run_state, module=module, optimizer=None), os.path.join(directory, PLAIN_FILE))
+    return module
 
 
 def is_universal(directory: str) -> bool:
