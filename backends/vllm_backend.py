@@ -341,8 +341,8 @@ class VLLMBackend(RolloutBackend):
                 for out in engine.step():
                     if out.finished:
                         finished[out.request_id] = out
-                states = engine.output_processor.request_states.values()
-                held = [state.detokenizer.num_output_tokens() for state in states if state.detokenizer is not None]
+                running = engine.output_processor.request_states.values()
+                held = [state.detokenizer.num_output_tokens() for state in running if state.detokenizer is not None]
                 if held:
                     self.decode_steps = min(held)
         finally:

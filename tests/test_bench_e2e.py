@@ -211,18 +211,22 @@ def test_the_next_side_waits_for_the_processes_the_last_one_left():
     import subprocess
     import sys
 
+    # each child lives until its stdin closes: "quick" is let go just before the wait (which must then wait for
+    # it to exit), "held" only after the wait's timeout
     script = """
 import json, subprocess, sys
 from rlhf_sg.bench import e2e
-quick = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+child = [sys.executable, "-c", "import sys; sys.stdin.read()"]
+quick = subprocess.Popen(child, stdin=subprocess.PIPE)
+quick.stdin.close()
 left = e2e.wait_for_children(60.0)
 exited = quick.poll() is not None
-slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+held = subprocess.Popen(child, stdin=subprocess.PIPE)
 try:
     left_at_timeout = e2e.wait_for_children(0.2)
 finally:
-    slow.kill()
-    slow.wait()
+    held.stdin.close()
+    held.wait(timeout=60)
 print(json.dumps([left, exited, left_at_timeout]))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

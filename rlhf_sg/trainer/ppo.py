@@ -187,15 +187,13 @@ class PPOTrainer:
             json.dump(cfg.to_dict(), f, indent=2)
         # the CPU ceiling is measured before the cluster starts, while nothing of the run loads the machine; a GPU's
         # comes from the table, by the name of the device actor rank 0 sees
+        from rlhf_sg.flops import StepAccounting
+
         measure_first = cfg.perf.accounting and cfg.train.device != "cuda"
         if measure_first:
-            from rlhf_sg.flops import StepAccounting
-
             self.accounting = StepAccounting.for_run(cfg, self.layout)
         self.cluster.start()
         if cfg.perf.accounting:
-            from rlhf_sg.flops import StepAccounting
-
             if not measure_first:
                 self.accounting = StepAccounting.for_run(cfg, self.layout, self.cluster.actor)
             ceiling = self.accounting.ceiling
