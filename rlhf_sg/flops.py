@@ -34,6 +34,7 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -264,6 +265,13 @@ def _device_name(_actor_instance) -> str:
     return torch.cuda.get_device_name(torch.cuda.current_device())
 
 
+def _segment_tokens(worker) -> int:
+    """Run inside a model-worker actor through ``__ray_call__``: the shared-prompt segment size its forwards use."""
+    from rlhf_sg.packing import default_segment_tokens
+
+    return default_segment_tokens(worker.module)
+
+
 class StepAccounting:
     """A run's per-phase accounting: the controller counts each phase's model FLOPs from the micro-batch plans it
     hands the ranks (:meth:`count`), and :meth:`report` turns a finished step's counts and times into ``perf/*``
@@ -275,6 +283,8 @@ class StepAccounting:
         self.engines = engines
         #: phase -> role -> (model FLOPs, ranks) of the step in progress
         self.flops: dict[str, dict[str, tuple[float, int]]] = {}
+        #: role -> the shared-prompt segment size its ranks use (:meth:`ask_segments`); else its hidden size
+        self.segment_tokens: dict[str, int] = {}
 
     @classmethod
     def for_run(cls, cfg, layout, actor_group=None) -> StepAccounting:
@@ -301,6 +311,16 @@ class StepAccounting:
                                   ceiling.source + ", --perf flags over it")
         return cls(shapes, ceiling, cfg.rollout.num_engines)
 
+    def ask_segments(self, groups: dict[str, Any], timeout_s: float) -> None:
+        """Ask rank 0 of each role's group (``role -> group``) for the shared-prompt segment size its forwards use,
+        which its attention decides (:func:`rlhf_sg.packing.default_segment_tokens`), so :meth:`count` cuts the
+        segments the ranks compute."""
+        import ray
+
+        refs = {role: group.workers[0].__ray_call__.remote(_segment_tokens) for role, group in groups.items()}
+        self.segment_tokens = {role: int(size) for role, size in zip(refs, ray.get(list(refs.values()),
+                                                                                  timeout=timeout_s))}
+
     def start_step(self) -> None:
         self.flops = {}
 
@@ -312,7 +332,7 @@ class StepAccounting:
         from rlhf_sg.packing import MAX_DEFAULT_SEGMENT_TOKENS
 
         shape = self.shapes[role]
-        segment_tokens = min(shape.hidden_size, MAX_DEFAULT_SEGMENT_TOKENS)
+        segment_tokens = self.segment_tokens.get(role) or min(shape.hidden_size, MAX_DEFAULT_SEGMENT_TOKENS)
         segments = [seg for plan in plans for seg in microbatch_segments(
             experience.sequences, experience.attention_mask, experience.response_width, plan, share_prompts,
             segment_tokens)]

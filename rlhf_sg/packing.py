@@ -30,6 +30,14 @@ untouched (``masking_utils`` returns a 4D mask as-is): an additive mask in the m
 and ``eager`` (a bool mask would be ADDED to the scores by eager: wrong; sdpa would convert it on every layer),
 built once per forward and shared by every layer (see :func:`_finish_mask`).
 
+Shared-prompt rows (:class:`SharedPromptRows`, a prompt once and its responses after it) take a tree mask, whose
+[L, L] square the masked kernels compute whole though a response attends only to its prompt and itself. A model
+switched to :data:`SHARED_PROMPT_ATTENTION` (:func:`use_shared_prompt_attention`; the trainer's workers switch an
+sdpa model that shares prompts) computes them instead as blocks (:class:`SharedPromptBlocks`): each prompt causally,
+each response over its prompt and itself, with sdpa's kernels on gathered keys and values. Any layer the blocks do
+not describe (a sliding window, softcapping, sinks, a mask the model changed) gets the tree mask from sdpa as before,
+and the start-up probe (:mod:`rlhf_sg.probe`) holds the result to each sequence alone.
+
 The functions the trainer calls, all taking the padded layout and answering in it:
 :func:`response_logprobs` (log-probs and entropy of response tokens, fp32, chunked over the vocabulary),
 :func:`critic_values`, :func:`reward_scores`; and for the training loop :func:`token_budget_microbatches`.
@@ -296,6 +304,10 @@ class SharedPromptRows:
             prompt's last slot for a response's first token, shared by the segment's responses).
         block_positions: [n] long; flat index ``b * T + j`` of the token in the [B, T] response block.
         labels: [n] long; the token.
+    branches: [num_branches, 4] long, on the CPU: per *branch* (a segment's prompt, or one response) the flat slot
+        where its prefix starts, the prefix's length (the segment's prompt for a response, 0 for the prompt), the
+        flat slot where its own run starts and that run's length: a branch's slots attend to its prefix and
+        causally to its own run, nothing else (what :class:`SharedPromptBlocks` computes in place of the mask).
     max_seqlen: the longest prompt + response (what any token attends over).
     """
 
@@ -308,6 +320,7 @@ class SharedPromptRows:
     predictor_slots: torch.Tensor
     block_positions: torch.Tensor
     labels: torch.Tensor
+    branches: torch.Tensor
     num_segments: int
     max_seqlen: int
 
@@ -394,7 +407,7 @@ def pack_shared_prompts(
     position_ids = torch.zeros(num_slots, dtype=torch.long)
     segment_start, prompt_end, branch_start = columns.clone(), columns.clone(), columns.clone()
     holders = torch.zeros(num_slots, dtype=torch.long)
-    predictors, positions, labels = [], [], []
+    predictors, positions, labels, branches = [], [], [], []
     for r, row in enumerate(rows):
         base, offset = r * row_len, 0
         for i in row:
@@ -406,6 +419,7 @@ def pack_shared_prompts(
             prompt_end[start:end] = offset + p
             branch_start[start:end] = offset
             holders[start:end] = len(members)
+            branches.append((start, 0, start, p))
             cursor = end
             for b in members:
                 n = response_len[b]
@@ -415,6 +429,8 @@ def pack_shared_prompts(
                 prompt_end[cursor : cursor + n] = offset + p
                 branch_start[cursor : cursor + n] = cursor - base
                 holders[cursor : cursor + n] = 1
+                if n:
+                    branches.append((start, p, cursor, n))
                 # token j is predicted by the slot before it: the prompt's last for j = 0
                 predictors.append(torch.cat([torch.tensor([end - 1]), torch.arange(cursor, cursor + n - 1)]))
                 positions.append(b * response_width + torch.arange(n))
@@ -427,13 +443,16 @@ def pack_shared_prompts(
         input_ids=view(input_ids), position_ids=view(position_ids), segment_start=view(segment_start),
         prompt_end=view(prompt_end), branch_start=view(branch_start), holders=view(holders),
         predictor_slots=torch.cat(predictors).to(device), block_positions=torch.cat(positions).to(device),
-        labels=torch.cat(labels).to(device), num_segments=len(segments),
+        labels=torch.cat(labels).to(device), branches=torch.tensor(branches, dtype=torch.long).view(-1, 4),
+        num_segments=len(segments),
         max_seqlen=max(p + r for p, r in zip(prompt_len, response_len)),
     )
 
 
 def _shared_forward(model: nn.Module, rows: SharedPromptRows, impl: str, **forward_kwargs):
-    """Call ``model`` on shared-prompt rows with their tree mask (additive, in the model's dtype)."""
+    """Call ``model`` on shared-prompt rows with their tree mask (additive, in the model's dtype); a model switched
+    to :data:`SHARED_PROMPT_ATTENTION` also gets the rows' :class:`SharedPromptBlocks`, which its full-attention
+    layers compute instead of the mask's whole square."""
     if impl not in _MASKED_IMPLEMENTATIONS:
         raise ValueError(
             f"shared prompts need an attention that takes a mask ({_MASKED_IMPLEMENTATIONS}); {impl} (varlen) "
@@ -442,8 +461,175 @@ def _shared_forward(model: nn.Module, rows: SharedPromptRows, impl: str, **forwa
     module = _unwrap(model)
     dtype = _model_dtype(module)
     mask = _dense_mask(module, lambda window: rows.attention_mask(dtype, window))
+    unwindowed = mask if isinstance(mask, torch.Tensor) else mask.get("full_attention")
+    switched = getattr(getattr(module, "config", None), "_attn_implementation", None) == SHARED_PROMPT_ATTENTION
+    if switched and unwindowed is not None:
+        forward_kwargs[SHARED_PROMPT_BLOCKS_KWARG] = SharedPromptBlocks.build(rows, unwindowed)
     return model(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=mask, use_cache=False,
                  **forward_kwargs)
+
+
+# ---- shared prompts without the mask's square ---------------------------------------------------------------
+
+#: the transformers attention function (``AttentionInterface``) that computes shared-prompt rows block by block
+#: (:func:`shared_prompt_attention`); every other call it hands to transformers' sdpa
+SHARED_PROMPT_ATTENTION = "rlhf_sg_shared_prompts"
+#: the model-forward keyword that carries a forward's :class:`SharedPromptBlocks` to the attention function
+SHARED_PROMPT_BLOCKS_KWARG = "shared_prompt_blocks"
+#: attention keyword arguments that change the computation: a call given any of them (not None) is not plain
+#: softmax(q k^T scale + mask) v, so it takes transformers' own function
+SPECIAL_ATTENTION_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
+
+
+@dataclass
+class SharedPromptBlocks:
+    """The attention of shared-prompt rows as two batches of small blocks, in place of the tree mask's [L, L]
+    square per row (which the masked kernels compute whole: a segment of a prompt of p and n responses of r
+    tokens costs (p + n r)^2 pairs where the tree needs about p^2/2 + n r (p + r/2)).
+
+    - **prompts**: each segment's prompt, its slots padded to the longest prompt at the end: causal attention
+      (a pad query sees real keys only before it, and no real query sees a pad).
+    - **responses**: each response's queries, padded to the longest response; its keys are its segment's prompt
+      (padded to the longest prompt, the padding masked) then its own slots (causal).
+
+    The index tensors are flat slots ``r * L + c`` of the rows; ``out_slots`` / ``out_index`` put the real
+    queries' outputs back into their slots (every other slot, a row's padding, gets 0: no real slot attends to
+    it). ``mask`` is the dense mask these blocks stand in for: the attention function takes the blocks only when a
+    layer is handed that very tensor, so a layer whose mask differs (a sliding window, a bias the model adds)
+    computes its own (:func:`counting_block_layers` counts the layers that took the blocks).
+    """
+
+    mask: torch.Tensor
+    num_slots: int
+    prompt_slots: torch.Tensor  # [S, P]
+    query_slots: torch.Tensor  # [G, Q]
+    key_slots: torch.Tensor  # [G, P + Q]
+    response_mask: torch.Tensor  # [G, 1, Q, P + Q] additive, in the mask's dtype
+    out_index: torch.Tensor  # [n] into the concatenated [S * P + G * Q] outputs
+    out_slots: torch.Tensor  # [n] their slots
+
+    @classmethod
+    def build(cls, rows: SharedPromptRows, mask: torch.Tensor) -> SharedPromptBlocks:
+        branches = rows.branches
+        prompts, responses = branches[branches[:, 1] == 0], branches[branches[:, 1] > 0]
+        prompt_width = int(prompts[:, 3].max())
+        prefix_width = int(responses[:, 1].max()) if len(responses) else 0
+        query_width = int(responses[:, 3].max()) if len(responses) else 0
+
+        def runs(start: torch.Tensor, length: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """[k, width] slots start + j, padded by repeating each run's last slot; and where j is real."""
+            column = torch.arange(width)[None, :]
+            real = column < length[:, None]
+            return start[:, None] + torch.minimum(column, length[:, None] - 1), real
+
+        prompt_slots, prompt_real = runs(prompts[:, 2], prompts[:, 3], prompt_width)
+        prefix_slots, prefix_real = runs(responses[:, 0], responses[:, 1], prefix_width)
+        query_slots, query_real = runs(responses[:, 2], responses[:, 3], query_width)
+        causal = torch.ones(query_width, query_width, dtype=torch.bool).tril()
+        allowed = torch.cat([prefix_real[:, None, :].expand(-1, query_width, -1),
+                             causal[None].expand(len(responses), -1, -1)], dim=2)
+        out_real = torch.cat([prompt_real.reshape(-1), query_real.reshape(-1)])
+        device = mask.device
+        return cls(
+            mask=mask, num_slots=rows.num_slots, prompt_slots=prompt_slots.to(device),
+            query_slots=query_slots.to(device), key_slots=torch.cat([prefix_slots, query_slots], dim=1).to(device),
+            response_mask=_finish_mask(allowed.to(device), rows.position_ids, mask.dtype, None),
+            out_index=out_real.nonzero()[:, 0].to(device),
+            out_slots=torch.cat([prompt_slots.reshape(-1), query_slots.reshape(-1)])[out_real].to(device),
+        )
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+               ) -> torch.Tensor:
+        """query [R, H, L, D], key / value [R, H_kv, L, D] of the rows -> the attention output [R, L, H, D] (the
+        layout transformers' attention functions return)."""
+        rows, heads, length, dim = query.shape
+        kv_heads = key.shape[1]
+        if heads % kv_heads:
+            raise ValueError(f"shared-prompt blocks: {heads} query heads over {kv_heads} key/value heads")
+        # torch's CPU kernels take grouped heads with a mask; CUDA's fall back to the math kernel (transformers'
+        # use_gqa_in_sdpa), so there the key / value heads are repeated as transformers' sdpa path repeats them
+        grouped = heads != kv_heads and query.device.type == "cpu"
+        if heads != kv_heads and not grouped:
+            key = key.repeat_interleave(heads // kv_heads, dim=1)
+            value = value.repeat_interleave(heads // kv_heads, dim=1)
+
+        def gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # [R, h, L, d] -> [k, h, w, d]
+            flat = x.transpose(1, 2).reshape(rows * length, x.shape[1], x.shape[3])
+            return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, x.shape[1], x.shape[3]).transpose(1, 2)
+
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        outputs = [sdpa(gather(query, self.prompt_slots), gather(key, self.prompt_slots),
+                        gather(value, self.prompt_slots), is_causal=True, scale=scaling, enable_gqa=grouped)]
+        if self.query_slots.numel():
+            outputs.append(sdpa(gather(query, self.query_slots), gather(key, self.key_slots),
+                                gather(value, self.key_slots), attn_mask=self.response_mask, scale=scaling,
+                                enable_gqa=grouped))
+        flat = torch.cat([o.transpose(1, 2).reshape(-1, heads, value.shape[3]) for o in outputs])
+        out = flat.new_zeros(rows * length, heads, value.shape[3])
+        out = out.index_copy(0, self.out_slots, flat.index_select(0, self.out_index))
+        for counter in _BLOCK_COUNTERS:
+            counter[0] += 1
+        return out.view(rows, length, heads, value.shape[3])
+
+
+_BLOCK_COUNTERS: list[list[int]] = []
+
+
+@contextlib.contextmanager
+def counting_block_layers():
+    """A diagnostic: yields ``[count]``, the attention calls computed block by block while it is open (which layers
+    of a model take the blocks; :mod:`rlhf_sg.bench.models` prints them per family)."""
+    counter = [0]
+    _BLOCK_COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _BLOCK_COUNTERS.remove(counter)
+
+
+def shared_prompt_attention(module, query, key, value, attention_mask, shared_prompt_blocks=None, **kwargs):
+    """The transformers attention function :data:`SHARED_PROMPT_ATTENTION`: with the forward's
+    :class:`SharedPromptBlocks` (keyword :data:`SHARED_PROMPT_BLOCKS_KWARG`), a plain call (the blocks' own mask, no
+    dropout, none of :data:`SPECIAL_ATTENTION_KWARGS`) is computed block by block; everything else is transformers'
+    sdpa attention, unchanged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    blocks = shared_prompt_blocks
+    if (blocks is not None and attention_mask is blocks.mask and query.shape[0] * query.shape[2] == blocks.num_slots
+            and not kwargs.get("dropout") and not kwargs.get("output_attentions")
+            and all(kwargs.get(k) is None for k in SPECIAL_ATTENTION_KWARGS)):
+        return blocks.attend(query, key, value, kwargs.get("scaling")), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def use_shared_prompt_attention(model: nn.Module) -> bool:
+    """Switch an sdpa model to :data:`SHARED_PROMPT_ATTENTION` (registered here, with sdpa's mask builder), so its
+    shared-prompt forwards skip the masked pairs; returns whether it did (a model on another attention keeps it).
+    Every other forward of the model is sdpa's as before. Exactness is checked per model at start-up by the packing
+    probe (:mod:`rlhf_sg.probe`), which compares the shared layout with each sequence alone."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    module = _unwrap(model)
+    if getattr(module.config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(SHARED_PROMPT_ATTENTION, shared_prompt_attention)
+    AttentionMaskInterface.register(SHARED_PROMPT_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    _backbone(module).set_attn_implementation(SHARED_PROMPT_ATTENTION)
+    return True
+
+
+def stop_shared_prompt_attention(model: nn.Module) -> None:
+    """Switch a model back from :data:`SHARED_PROMPT_ATTENTION` to sdpa (for one none of whose layers takes the
+    blocks: its segments are then sized for the tree mask again, :func:`default_segment_tokens`)."""
+    module = _unwrap(model)
+    if getattr(module.config, "_attn_implementation", None) == SHARED_PROMPT_ATTENTION:
+        _backbone(module).set_attn_implementation("sdpa")
+
+
+def _backbone(module: nn.Module) -> nn.Module:
+    """The transformers model whose attention implementation a module's forwards use (a ValueHeadModel's own)."""
+    return module.model if hasattr(module, "value_head") else module
 
 
 #: the largest default shared-prompt segment: a row of 4096 slots has a 32 MiB bf16 mask, one storage for all layers
@@ -451,12 +637,18 @@ MAX_DEFAULT_SEGMENT_TOKENS = 4096
 
 
 def default_segment_tokens(module: nn.Module) -> int:
-    """A shared-prompt segment's default size: the model's hidden size d (2048 without one). The masked kernels
-    compute every pair of a row, so a token in a row of L costs about 4 L d FLOPs of attention against about
-    24 d^2 of projections and MLP (a layer's 12 d^2 weights, forward): at L = d attention adds ~1/6, while a
-    longer segment saves only the prompt copies it merges. Capped at :data:`MAX_DEFAULT_SEGMENT_TOKENS`: the
-    mask of a row holds L^2 entries in the model's dtype (a wide model's d would make it large)."""
+    """A shared-prompt segment's default size.
+
+    On the tree mask, the model's hidden size d (2048 without one): the masked kernels compute every pair of a row,
+    so a token in a row of L costs about 4 L d FLOPs of attention against about 24 d^2 of projections and MLP (a
+    layer's 12 d^2 weights, forward): at L = d attention adds ~1/6, while a longer segment saves only the prompt
+    copies it merges. On :data:`SHARED_PROMPT_ATTENTION` a response's attention costs its prompt and itself whatever
+    the segment holds, so the segment is :data:`MAX_DEFAULT_SEGMENT_TOKENS`, which keeps a group of that many tokens
+    whole (its prompt computed once). Either way at most that: the tree mask of a row holds L^2 entries in the
+    model's dtype (a wide model's d would make it large)."""
     config = getattr(module, "config", None)
+    if getattr(config, "_attn_implementation", None) == SHARED_PROMPT_ATTENTION:
+        return MAX_DEFAULT_SEGMENT_TOKENS
     hidden = getattr(config, "hidden_size", None)
     return min(int(hidden), MAX_DEFAULT_SEGMENT_TOKENS) if isinstance(hidden, int) and hidden > 0 else 2048
 
@@ -494,6 +686,8 @@ def _attn_implementation(module: nn.Module, override: str | None) -> str:
         return override
     config = getattr(module, "config", None)
     impl = getattr(config, "_attn_implementation", None)
+    if impl == SHARED_PROMPT_ATTENTION:  # sdpa, with shared-prompt rows computed block by block
+        return "sdpa"
     if impl is None:
         raise ValueError(
             f"{type(module).__name__} has no config._attn_implementation; pass attn_implementation= "

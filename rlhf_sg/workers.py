@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from rlhf_sg.experience import ActorUpdate, CriticUpdate, Experience, OptimizerStep
+from rlhf_sg.packing import counting_block_layers, stop_shared_prompt_attention, use_shared_prompt_attention
 from rlhf_sg.probe import check_packing
 
 log = logging.getLogger("rlhf_sg")
@@ -297,9 +298,13 @@ class ModelWorker:
             self.engine.eval()
         #: the start-up packing probe's max |Δ| per layout ({} when off); a model found wrong when packed now takes
         #: one sequence per row
-        self.packing_probe = (check_packing(self.module, self.spec.share_prompts and self.spec.role != "reward",
-                                            reduce=self._max_over_ranks)
-                              if self.spec.packing_probe else {})
+        with counting_block_layers() as block_layers:
+            self.packing_probe = (check_packing(self.module, self.spec.share_prompts and self.spec.role != "reward",
+                                                reduce=self._max_over_ranks)
+                                  if self.spec.packing_probe else {})
+        if "shared" in self.packing_probe and block_layers[0] == 0:
+            # no layer of this model took the blocks (every one windowed, softcapped, ...): the tree mask's segments
+            stop_shared_prompt_attention(self.module)
         self.syncer = None
         self._sync_setups = 0  # weight-sync set-ups so far (each gets group names of its own)
         self._profiler = None
@@ -341,6 +346,9 @@ class ModelWorker:
             for module in model.modules():
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
+        if self.spec.share_prompts and self.spec.role != "reward":
+            # shared-prompt forwards computed block by block (the start-up probe checks them against each row alone)
+            use_shared_prompt_attention(model)
         if self.spec.lora is not None:
             from rlhf_sg.lora import LoraSpec, apply_lora
 

@@ -79,6 +79,27 @@ def test_a_shared_prompt_counts_once_per_micro_batch_and_segment():
     assert cut == [flops.Segment(3, (2,)), flops.Segment(3, (4,))]
 
 
+def test_the_count_cuts_segments_at_the_size_the_ranks_use():
+    """A role's segment size is what its ranks reported (the shared-prompt attention keeps a group whole), else its
+    hidden size (the tree mask's default): here 8 tokens cut the group of 3 + 2 + 4, each part with its prompt."""
+    from types import SimpleNamespace
+
+    same = [5, 6, 7]
+    seq, mask = _layout([(same, [1, 2]), (same, [1, 2, 3, 4])], prompt_width=4, response_width=4)
+    experience = SimpleNamespace(sequences=seq, attention_mask=mask, response_width=4)
+    counted = {}
+    for reported in ({}, {"actor": 4096}):
+        accounting = flops.StepAccounting({"actor": SHAPE}, None, engines=1)
+        accounting.segment_tokens = reported
+        accounting.start_step()
+        accounting.count("train", "actor", experience, [[[0, 1]]], share_prompts=True, train=True)
+        counted[bool(reported)] = accounting.flops["train"]["actor"][0]
+    cut = [flops.Segment(3, (2,)), flops.Segment(3, (4,))]
+    whole = [flops.Segment(3, (2, 4))]
+    assert counted[False] == flops.train_flops(SHAPE, cut, "lm")
+    assert counted[True] == flops.train_flops(SHAPE, whole, "lm") < counted[False]
+
+
 def test_the_count_agrees_with_torchs_flop_counter_on_a_real_model():
     """A tiny Qwen2 forward over one unpadded sequence, the lm_head on every position (as transformers computes it):
     torch counts the matmuls of q/k/v/o, the MLP and lm_head; ours is 2 N_body T + 2 V h T. Attention (eager, so

@@ -45,6 +45,21 @@ def test_layout_equals_rows_alone(family, layout):
     assert delta <= TOLERANCE
 
 
+#: layers of each 2-layer family that compute shared-prompt rows block by block: every layer of the plain
+#: full-attention families; none where every layer is windowed (Mistral, Mixtral, Phi-3, Starcoder2, windowed Qwen2),
+#: softcapped (Gemma-2) or has sinks (gpt-oss), or the model takes one sequence per row; the full layer of the
+#: sliding/full pairs (Gemma-3, Cohere2)
+BLOCK_LAYERS = {"llama-3": 2, "qwen2": 2, "qwen3": 2, "qwen3-moe": 2, "gpt-2": 2, "olmo-2": 2, "gemma-3": 1,
+                "cohere2": 1}
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in REFUSED])
+def test_the_blocks_take_the_layers_whose_attention_they_describe(family):
+    """The ``blocks`` layout is exact for every family (above); this says where it saves the mask's square."""
+    taken, layers, _ = _matrix(family)["block layers"]
+    assert (int(taken), int(layers)) == (BLOCK_LAYERS.get(family, 0), 2)
+
+
 @pytest.mark.parametrize("lengths", [(12, 16, 9, 14), (17, 20, 18, 23)], ids=["within", "beyond"])
 def test_longrope_is_exact_when_every_sequence_is_on_one_side_of_its_original_length(lengths):
     """LongRoPE's frequencies follow the forward's longest sequence: a batch all within original_max_position_embeddings

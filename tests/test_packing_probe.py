@@ -38,6 +38,26 @@ def test_an_exact_model_passes_and_keeps_packing(share_prompts):
     assert not hasattr(model, PROBE_REASON_ATTRIBUTE)
 
 
+def test_wrong_blocks_are_caught_by_the_probe_and_the_model_falls_back(monkeypatch, caplog):
+    """The shared-prompt blocks are what the probe's shared layout runs on a switched model: blocks that let a
+    response see its sibling (every branch's keys widened to the whole row) are found, and the model falls back."""
+    model = tiny_family_model("qwen2")
+    assert packing.use_shared_prompt_attention(model)
+    assert check_packing(model, share_prompts=True)["shared"] <= 1e-5
+    build = packing.SharedPromptBlocks.build.__func__
+
+    def leaky(cls, rows, mask):
+        blocks = build(cls, rows, mask)
+        blocks.response_mask = torch.zeros_like(blocks.response_mask)  # prefix padding and later own slots visible
+        return blocks
+
+    monkeypatch.setattr(packing.SharedPromptBlocks, "build", classmethod(leaky))
+    with caplog.at_level(logging.WARNING, logger="rlhf_sg.probe"):
+        deltas = check_packing(model, share_prompts=True)
+    assert deltas["packed"] <= 1e-5 and deltas["shared"] > 1e-3 and deltas["one per row"] <= 1e-5
+    assert "shared max |Δ|" in getattr(model, PROBE_REASON_ATTRIBUTE)
+
+
 @pytest.mark.parametrize("role", ["actor", "critic"])
 def test_a_recurrent_model_packed_by_a_wrong_decision_is_caught_and_falls_back(monkeypatch, caplog, role):
     """Qwen3.5's linear-attention state runs across a packed row; with the layer-type check defeated the probe sees

@@ -628,3 +628,39 @@ def test_the_actor_logs_its_gradient_norm_and_rows_out_of_the_loss_move_nothing(
     frozen = in_fresh_process(_update_with_loss_rows, model_dir, [False, False, False, False])
     assert frozen["metrics"]["actor/grad_norm"] == 0.0
     torch.testing.assert_close(frozen["before"], frozen["after"], rtol=0, atol=0)
+
+
+def _a_rank_sharing_prompts(model_path: str, share_prompts: bool) -> dict:
+    import torch.distributed as dist
+
+    from rlhf_sg.packing import counting_block_layers
+    from rlhf_sg.trainer import build_rollout_batch
+
+    worker, _, _ = actor_rank(model_path, zero_stage=3, share_prompts=share_prompts)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        prompts = [[5, 6, 7]] * 3 + [[9, 10]] * 2  # two groups: their prompts computed once each
+        responses = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (4, 6, 2, 5, 3)]
+        batch = build_rollout_batch(prompts, responses, [[0.0] * len(r) for r in responses], pad_id=0)
+        batch.advantages = torch.randn(batch.rollout_logp.shape, generator=gen) * batch.action_mask
+        update = dataclasses.replace(FRESH_UPDATE, share_prompts=share_prompts)
+        with counting_block_layers() as counted:
+            stats = worker.train_actor(batch, one_step([list(range(5))], batch), update)
+        return {"attention": worker.module.config._attn_implementation, "probe": worker.packing_probe,
+                "block_layers": counted[0], "layers": worker.module.config.num_hidden_layers,
+                "loss_finite": all(torch.isfinite(torch.tensor(v)).all() for v in stats.values()
+                                   if isinstance(v, float))}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_rank_sharing_prompts_computes_them_block_by_block_as_its_probe_checked(model_dir):
+    """A ZeRO-3 actor rank that shares prompts runs its model on the shared-prompt attention; its start-up probe
+    measured that layout against each row alone, and an update's forward takes the blocks in every layer."""
+    from rlhf_sg.packing import SHARED_PROMPT_ATTENTION
+
+    got = in_fresh_process(_a_rank_sharing_prompts, model_dir, True)
+    assert got["attention"] == SHARED_PROMPT_ATTENTION
+    assert got["probe"]["shared"] <= 1e-5
+    assert got["block_layers"] == got["layers"] and got["loss_finite"]

@@ -14,6 +14,9 @@ from test_packing_spec import _Recorder  # tests/ is on the path: the model that
 from rlhf_sg.experience import ActorUpdate, Experience
 from rlhf_sg.models import ValueHeadModel
 from rlhf_sg.packing import (
+    SHARED_PROMPT_ATTENTION,
+    SharedPromptBlocks,
+    counting_block_layers,
     critic_values,
     default_segment_tokens,
     pack_shared_prompts,
@@ -21,6 +24,7 @@ from rlhf_sg.packing import (
     response_logprobs,
     shared_prompt_microbatches,
     token_budget_microbatches,
+    use_shared_prompt_attention,
 )
 from rlhf_sg.tiny import build_tiny_model
 
@@ -53,6 +57,9 @@ def test_the_layout_by_hand():
         (3, L + 2, 12),                             # row 1: token 12, after its prompt's last slot
         (6, 1, 13), (7, 4, 14), (8, 5, 15),         # row 2: tokens 13, 14, 15
     ]
+    # branches (prefix start, prefix length, own start, own length), flat slots: row 0's prompt, its two
+    # responses after that prompt, then row 1's prompt and its response
+    assert rows.branches.tolist() == [[0, 0, 0, 2], [0, 2, 2, 2], [0, 2, 4, 3], [L, 0, L, 3], [L, 3, L + 3, 1]]
 
 
 def test_the_tree_mask_by_hand():
@@ -138,11 +145,13 @@ def _reference_logprobs(model, ids, mask, width):
     return logp, entropy
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager", "blocks"])
 @pytest.mark.parametrize("segment_tokens", [None, 8])
 def test_log_probs_entropy_and_gradients_are_each_rows_own(impl, segment_tokens):
+    """``blocks``: the model switched to the shared-prompt attention, whose every layer must take the blocks (the
+    tiny model's grouped key / value heads included)."""
     model = build_tiny_model("qwen2", "tiny", seed=0)
-    model.config._attn_implementation = impl
+    model.config._attn_implementation = "sdpa" if impl == "blocks" else impl
     ids, mask, width = _groups_batch(model.config.vocab_size)
     weights = torch.linspace(-1.0, 1.0, width)  # unequal weights per column: no cancelling errors
 
@@ -153,9 +162,13 @@ def test_log_probs_entropy_and_gradients_are_each_rows_own(impl, segment_tokens)
     ref_grads = [p.grad.clone() for p in model.parameters()]
 
     model.zero_grad()
-    logp, entropy = response_logprobs(model, ids, mask, width, with_entropy=True, share_prompts=True,
-                                      segment_tokens=segment_tokens)
+    if impl == "blocks":
+        assert use_shared_prompt_attention(model) and model.config._attn_implementation == SHARED_PROMPT_ATTENTION
+    with counting_block_layers() as counted:
+        logp, entropy = response_logprobs(model, ids, mask, width, with_entropy=True, share_prompts=True,
+                                          segment_tokens=segment_tokens)
     ((logp * weights)[action]).sum().backward()
+    assert counted[0] == (model.config.num_hidden_layers if impl == "blocks" else 0)
     assert torch.allclose(logp.detach(), ref_logp.detach(), atol=TOL)
     assert torch.allclose(entropy.detach(), ref_entropy.detach(), atol=TOL)
     assert (logp[~action] == 0).all() and (entropy[~action] == 0).all()
@@ -163,11 +176,16 @@ def test_log_probs_entropy_and_gradients_are_each_rows_own(impl, segment_tokens)
         assert torch.allclose(got, want, atol=1e-4)
 
 
-def test_critic_values_are_each_rows_own():
+@pytest.mark.parametrize("blocks", [False, True], ids=["mask", "blocks"])
+def test_critic_values_are_each_rows_own(blocks):
     critic = ValueHeadModel(build_tiny_model("qwen2", "tiny", seed=0).model)
     critic.config._attn_implementation = "sdpa"
+    if blocks:
+        assert use_shared_prompt_attention(critic)
     ids, mask, width = _groups_batch(critic.config.vocab_size, seed=3)
-    shared = critic_values(critic, ids, mask, width, share_prompts=True)
+    with counting_block_layers() as counted:
+        shared = critic_values(critic, ids, mask, width, share_prompts=True)
+    assert counted[0] == (critic.config.num_hidden_layers if blocks else 0)
     prompt_width = ids.shape[1] - width
     for b in range(ids.shape[0]):
         real = ids[b][mask[b].bool()][None]
@@ -438,3 +456,100 @@ def test_on_cuda_shared_log_probs_and_gradients_are_each_rows_own(dtype):
     assert torch.allclose(results[0][0], results[1][0], atol=tol)
     for a, b in zip(results[0][1], results[1][1]):
         assert torch.allclose(a, b, atol=tol * 10)
+
+
+def test_the_blocks_compute_what_the_tree_mask_computes_and_hand_every_other_call_to_sdpa(monkeypatch):
+    """The attention function against sdpa on the tree mask, layer-sized random inputs with grouped heads: equal
+    outputs and input gradients; a call with another mask (a sliding layer's), a window or dropout goes to sdpa."""
+    from transformers.integrations import sdpa_attention
+
+    from rlhf_sg.packing import shared_prompt_attention
+
+    ids, mask, width = _groups_batch(128)
+    rows = pack_shared_prompts(ids, mask, width, segment_tokens=8)
+    tree = rows.attention_mask(torch.float32)
+    blocks = SharedPromptBlocks.build(rows, tree)
+    R, L = rows.input_ids.shape
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(R, h, L, 8, generator=gen, requires_grad=True) for h in (4, 2, 2))
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups, is_causal, training = 2, True, False
+
+    want, _ = sdpa_attention.sdpa_attention_forward(Layer(), q, k, v, tree, scaling=0.3)
+    with counting_block_layers() as counted:
+        got, _ = shared_prompt_attention(Layer(), q, k, v, tree, shared_prompt_blocks=blocks, scaling=0.3)
+        assert counted[0] == 1
+    assert got.shape == want.shape == (R, L, 4, 8)
+    real = torch.zeros(R * L, dtype=torch.bool)
+    real[blocks.out_slots] = True
+    real = real.view(R, L)
+    assert torch.allclose(got[real], want[real], atol=1e-6)
+    assert (got[~real] == 0).all()
+    weights = torch.randn(want[real].shape, generator=gen)
+    grads = [torch.autograd.grad((out[real] * weights).sum(), (q, k, v)) for out in (want, got)]
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-5)
+
+    handed = []
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", lambda *a, **kw: handed.append(kw) or (None, None))
+    windowed = rows.attention_mask(torch.float32, window=2)
+    with counting_block_layers() as counted:
+        shared_prompt_attention(Layer(), q, k, v, windowed, shared_prompt_blocks=blocks)
+        shared_prompt_attention(Layer(), q, k, v, tree, shared_prompt_blocks=blocks, sliding_window=4)
+        shared_prompt_attention(Layer(), q, k, v, tree, shared_prompt_blocks=blocks, dropout=0.1)
+        shared_prompt_attention(Layer(), q, k, v, tree)
+    assert len(handed) == 4 and counted[0] == 0
+
+
+def test_a_windowed_layer_computes_its_own_mask_and_the_rest_take_the_blocks():
+    """Gemma-3's sliding and full layers: the sliding one gets its windowed mask from sdpa, the full one the blocks,
+    and the log-probs stay each row's own (sequences longer than the window)."""
+    from rlhf_sg.tiny import tiny_family_model
+
+    model = tiny_family_model("gemma-3")
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    ids, mask, width = _groups_batch(model.config.vocab_size)
+    ref_logp, _ = _reference_logprobs(model, ids, mask, width)
+    assert use_shared_prompt_attention(model)
+    with counting_block_layers() as counted:
+        logp = response_logprobs(model, ids, mask, width, share_prompts=True, segment_tokens=8)
+    assert counted[0] == 1
+    assert torch.allclose(logp, ref_logp, atol=TOL)
+
+
+def test_only_an_sdpa_model_is_switched_and_its_saved_config_does_not_name_the_switch(tmp_path):
+    """An eager model keeps its attention; a switched one saves a config that loads anywhere (the attention
+    implementation is not written), and its unshared forwards are sdpa's."""
+    import json
+
+    eager = build_tiny_model("qwen2", "tiny", seed=0)
+    eager.config._attn_implementation = "eager"
+    assert not use_shared_prompt_attention(eager) and eager.config._attn_implementation == "eager"
+    model = build_tiny_model("qwen2", "tiny", seed=0)
+    model.config._attn_implementation = "sdpa"
+    ids = torch.tensor([[5, 6, 7, 8]])
+    before = model(input_ids=ids).logits
+    assert use_shared_prompt_attention(model)
+    assert torch.equal(model(input_ids=ids).logits, before)
+    model.save_pretrained(tmp_path)
+    assert SHARED_PROMPT_ATTENTION not in (tmp_path / "config.json").read_text()
+    assert "attn_implementation" not in json.loads((tmp_path / "config.json").read_text())
+
+
+def test_the_blocks_of_a_long_group_hold_a_fraction_of_the_tree_masks_bytes():
+    """Memory at a real size: a 1024-token prompt and 8 responses of 2048 (one 17,408-token segment, the default
+    cap lifted), bf16. The tree mask of that row is 17,408^2 x 2 bytes (578 MiB, built for the layers that cannot
+    take the blocks); the blocks add their own mask and indices, which must stay under a quarter of it."""
+    prompt, responses, n = 1024, 2048, 8
+    ids = torch.ones(n, prompt + responses, dtype=torch.long)
+    rows = pack_shared_prompts(ids, torch.ones_like(ids), responses, segment_tokens=prompt + n * responses)
+    assert rows.input_ids.shape == (1, prompt + n * responses)
+    stand_in = torch.zeros(1, dtype=torch.bfloat16)  # the tree mask's dtype and device; not built at this size
+    blocks = SharedPromptBlocks.build(rows, stand_in)
+    tensors = (blocks.prompt_slots, blocks.query_slots, blocks.key_slots, blocks.response_mask, blocks.out_index,
+               blocks.out_slots)
+    held = sum(t.untyped_storage().nbytes() for t in tensors)
+    tree = rows.num_slots**2 * 2
+    assert blocks.response_mask.shape[:3] == (n, 1, responses) and blocks.response_mask.dtype == torch.bfloat16
+    assert held < tree / 4, (held, tree)

@@ -5,11 +5,12 @@ classes) and each training layout, the largest |Δ| between what the layout give
 through the model's own forward: response log-probs, their entropy, the values of a critic head on the same
 backbone (:class:`rlhf_sg.models.ValueHeadModel`), and the gradient of the summed log-probs.
 
-Layouts: ``packed`` (sequences bin-packed into rows with a block-causal mask, ``share_prompts=False``) and
-``shared`` (rows with one prompt compute it once, ``share_prompts=True``). A layout prints ``exact`` when every
-|Δ| is within float rounding, ``fell back`` when the model's recurrent layers made it take one sequence per row
-
-(:func:`rlhf_sg.packing.one_sequence_per_row_reason`: recurrent layers, ALiBi),
+Layouts: ``packed`` (sequences bin-packed into rows with a block-causal mask, ``share_prompts=False``),
+``shared`` (rows with one prompt compute it once, ``share_prompts=True``, on the tree mask) and ``blocks`` (the same
+rows with the model switched to :func:`rlhf_sg.packing.use_shared_prompt_attention`, as the trainer's workers
+switch it: layers that can, compute the rows block by block; the count of those layers is printed). A layout
+prints ``exact`` when every |Δ| is within float rounding, ``fell back`` when the model's recurrent layers made it
+take one sequence per row (:func:`rlhf_sg.packing.one_sequence_per_row_reason`: recurrent layers, ALiBi),
 ``refused`` with the error when it raised, else ``WRONG``.
 """
 
@@ -19,7 +20,7 @@ import argparse
 
 import torch
 
-LAYOUTS = ("packed", "shared")
+LAYOUTS = ("packed", "shared", "blocks")
 #: |Δ| at or below this is float32 rounding
 TOLERANCE = 1e-5
 
@@ -76,9 +77,17 @@ def _grads(model, loss: torch.Tensor) -> list[torch.Tensor]:
 
 
 def check_family(family: str) -> dict[str, tuple[str, float, float]]:
-    """layout -> (verdict, max |Δlogp|, max |Δ| over log-probs, entropy, values and gradients) for ``family``."""
+    """layout -> (verdict, max |Δlogp|, max |Δ| over log-probs, entropy, values and gradients) for ``family``, and
+    ``"block layers"`` -> (the attention calls of one ``blocks`` log-prob forward computed block by block, the
+    model's layers, 0)."""
     from rlhf_sg.models import ValueHeadModel
-    from rlhf_sg.packing import critic_values, one_sequence_per_row_reason, response_logprobs
+    from rlhf_sg.packing import (
+        counting_block_layers,
+        critic_values,
+        one_sequence_per_row_reason,
+        response_logprobs,
+        use_shared_prompt_attention,
+    )
     from rlhf_sg.tiny import tiny_family_model
 
     model = tiny_family_model(family)
@@ -89,11 +98,17 @@ def check_family(family: str) -> dict[str, tuple[str, float, float]]:
     ref_logp, ref_entropy = ref_logp.detach(), ref_entropy.detach()
     out = {}
     for layout in LAYOUTS:
+        shared = layout != "packed"
+        if layout == "blocks":
+            use_shared_prompt_attention(model)  # the critic's backbone is the model's: switched with it
         try:
-            logp, entropy = response_logprobs(model, sequences, mask, width, with_entropy=True,
-                                              share_prompts=layout == "shared")
+            with counting_block_layers() as block_calls:
+                logp, entropy = response_logprobs(model, sequences, mask, width, with_entropy=True,
+                                                  share_prompts=shared)
+            if layout == "blocks":
+                out["block layers"] = (str(block_calls[0]), float(model.config.num_hidden_layers), 0.0)
             with torch.no_grad():
-                values = critic_values(critic, sequences, mask, width, share_prompts=layout == "shared")
+                values = critic_values(critic, sequences, mask, width, share_prompts=shared)
         except (ValueError, TypeError) as e:
             out[layout] = (f"refused: {e}", float("nan"), float("nan"))
             continue
@@ -117,11 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), help=f"a subset of {', '.join(FAMILIES)}")
     args = parser.parse_args(argv)
     print("max |Δlogp| / max |Δ| over log-probs, entropy, values and gradients, against each row alone")
-    print(f"{'family':14s}" + "".join(f"{layout:>34s}" for layout in LAYOUTS))
+    print(f"{'family':14s}" + "".join(f"{layout:>34s}" for layout in LAYOUTS) + f"{'block layers':>14s}")
     for family in args.families:
         cells = check_family(family)
-        print(f"{family:14s}" + "".join(f"{f'{v[:12]} {dl:.1e} / {d:.1e}':>34s}" for v, dl, d in cells.values()),
-              flush=True)
+        taken, layers, _ = cells.pop("block layers", ("-", 0.0, 0.0))
+        print(f"{family:14s}" + "".join(f"{f'{v[:12]} {dl:.1e} / {d:.1e}':>34s}" for v, dl, d in cells.values())
+              + f"{f'{taken}/{int(layers)}':>14s}", flush=True)
 
 
 if __name__ == "__main__":

@@ -196,6 +196,9 @@ class PPOTrainer:
         if cfg.perf.accounting:
             if not measure_first:
                 self.accounting = StepAccounting.for_run(cfg, self.layout, self.cluster.actor)
+            groups = {"actor": self.cluster.actor, "ref": self.cluster.ref, "critic": self.cluster.critic}
+            self.accounting.ask_segments({role: group for role, group in groups.items()
+                                          if group is not None and role in self.accounting.shapes}, cfg.train.timeout_s)
             ceiling = self.accounting.ceiling
             log.info("per-phase ceiling of one rank: %s", ceiling.describe() if ceiling else
                      "unknown device: set --perf.peak_tflops and --perf.peak_bandwidth_gbs (perf/*_of_peak)")
