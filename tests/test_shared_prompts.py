@@ -100,9 +100,16 @@ def test_a_group_longer_than_a_segment_is_split_evenly_each_part_with_its_prompt
         pack_shared_prompts(ids, torch.ones_like(ids), 3, segment_tokens=0)
 
 
-def test_the_default_segment_is_the_hidden_size():
+def test_the_default_segment_is_the_hidden_size_on_the_tree_mask_and_the_cap_on_the_blocks():
+    from rlhf_sg.packing import MAX_DEFAULT_SEGMENT_TOKENS, stop_shared_prompt_attention
+
     model = build_tiny_model("qwen2", "tiny", seed=0)
+    model.config._attn_implementation = "sdpa"
     assert default_segment_tokens(model) == model.config.hidden_size
+    assert use_shared_prompt_attention(model)
+    assert default_segment_tokens(model) == MAX_DEFAULT_SEGMENT_TOKENS  # a response's cost is its prompt and itself
+    stop_shared_prompt_attention(model)
+    assert model.config._attn_implementation == "sdpa" and default_segment_tokens(model) == model.config.hidden_size
     assert default_segment_tokens(torch.nn.Linear(2, 2)) == 2048
     for hidden, expected in ((1, 1), (0, 2048), (4096, 4096), (8192, 4096)):  # capped: the mask grows as L^2
         module = torch.nn.Linear(2, 2)
@@ -435,20 +442,26 @@ def test_the_model_is_asked_for_no_logits_of_its_own_on_shared_rows():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("blocks", [False, True], ids=["tree-mask", "blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_on_cuda_shared_log_probs_and_gradients_are_each_rows_own(dtype):
+def test_on_cuda_shared_log_probs_and_gradients_are_each_rows_own(dtype, blocks):
     """On a GPU, sdpa takes the tree mask through its memory-efficient kernel (CPU runs its flash kernel with a
     mask): the shared log-probs and gradients must still be each row's own, in fp32 and bf16, with the rows
-    built, masked and gathered on the device."""
+    built, masked and gathered on the device. ``blocks``: the shared-prompt attention's blocks on CUDA, whose
+    grouped key / value heads are repeated there (CUDA's kernels take no grouped heads with a mask), in every layer."""
     model = build_tiny_model("qwen2", "tiny", seed=0).to("cuda", dtype)
     model.config._attn_implementation = "sdpa"
+    if blocks:
+        assert use_shared_prompt_attention(model)
     ids, mask, width = _groups_batch(model.config.vocab_size)
     ids, mask = ids.cuda(), mask.cuda()
     action = mask[:, -width:].bool()
     results = []
     for share in (False, True):
         model.zero_grad()
-        logp = response_logprobs(model, ids, mask, width, share_prompts=share)
+        with counting_block_layers() as counted:
+            logp = response_logprobs(model, ids, mask, width, share_prompts=share)
+        assert counted[0] == (model.config.num_hidden_layers if share and blocks else 0)
         logp[action].sum().backward()
         results.append((logp.detach().float(), [p.grad.float().clone() for p in model.parameters()]))
     tol = 2e-5 if dtype == torch.float32 else 3e-2
