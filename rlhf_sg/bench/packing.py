@@ -18,8 +18,11 @@ Length mixes:
 
 ``--group-size G`` (default 1) gives every G consecutive rollouts one prompt (GRPO's groups: the prompt's
 length and tokens are the group's first row's), and adds a third side, ``shared``: the packed path with
-``share_prompts=True`` (:func:`rlhf_sg.packing.pack_shared_prompts`, each prompt computed once per segment),
-printed as shared / packed and shared / padded.
+``share_prompts=True`` (:func:`rlhf_sg.packing.pack_shared_prompts`, each prompt computed once per segment) on the
+tree mask, printed as shared / packed and shared / padded; and with ``--attn sdpa`` a fourth, ``blocks``: the same
+with the model switched to the shared-prompt attention as the trainer's ranks switch it
+(:func:`rlhf_sg.packing.use_shared_prompt_attention`: blocks instead of the mask's square, a group per segment),
+printed as blocks / shared and blocks / packed.
 
 The sides alternate round by round (A B, then B A, ...) so drifting machine load hits both alike,
 after one untimed warm-up of each. Each side's figure is from its fastest round: other processes on
@@ -68,7 +71,12 @@ def _padded_logprobs(model, sequences, mask, response_width):
 
 
 def _run_mix(args, model, mix: str, gen: torch.Generator) -> None:
-    from rlhf_sg.packing import pack, response_logprobs
+    from rlhf_sg.packing import (
+        pack,
+        response_logprobs,
+        stop_shared_prompt_attention,
+        use_shared_prompt_attention,
+    )
 
     group = args.group_size
     prompt_lens, response_lens = _lengths(mix, args.batch, gen, group)
@@ -91,9 +99,18 @@ def _run_mix(args, model, mix: str, gen: torch.Generator) -> None:
             torch.cuda.synchronize()
         return loss.item()
 
+    def on_blocks(*a):
+        use_shared_prompt_attention(model)  # config only; the backward after it needs nothing of it
+        try:
+            return response_logprobs(*a, share_prompts=True)
+        finally:
+            stop_shared_prompt_attention(model)
+
     sides = {"padded": _padded_logprobs, "packed": response_logprobs}
     if group > 1:
         sides["shared"] = lambda *a: response_logprobs(*a, share_prompts=True)
+        if model.config._attn_implementation == "sdpa":
+            sides["blocks"] = on_blocks
     losses = {name: step(fn) for name, fn in sides.items()}  # warm-up, untimed
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(args.rounds):
@@ -122,6 +139,9 @@ def _run_mix(args, model, mix: str, gen: torch.Generator) -> None:
     if "shared" in rate:
         print(f"  ratio shared / packed: {rate['shared'] / rate['packed']:.2f}x; shared / padded: "
               f"{rate['shared'] / rate['padded']:.2f}x")
+    if "blocks" in rate:
+        print(f"  ratio blocks / shared: {rate['blocks'] / rate['shared']:.2f}x; blocks / packed: "
+              f"{rate['blocks'] / rate['packed']:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> None:
