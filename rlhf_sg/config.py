@@ -104,7 +104,9 @@ class TrainConfig:
     #: their backward: one packed segment [prompt | response_1 | response_2 | ...] whose responses attend to the
     #: prompt and to themselves only (same results up to rounding; models with recurrent layers or ALiBi
     #: take one sequence per row instead, see the README's model families). Needs an attention that takes a mask
-    #: (sdpa, eager); with flash_attention_2 (varlen, no tree mask) every row computes its own prompt
+    #: (sdpa, eager); with flash_attention_2 (varlen, no tree mask) every row computes its own prompt. On sdpa the
+    #: ranks compute the segments block by block (each response over its prompt and itself, not the mask's square;
+    #: packing.SharedPromptBlocks), a group per segment up to 4096 tokens
     share_prompts: bool = True
     #: at model load, every actor / critic / reference / reward rank runs three short sequences through the
     #: layouts its forwards use (packed two to a row; shared prompts) and alone: a difference beyond float
