@@ -566,3 +566,39 @@ def test_the_blocks_of_a_long_group_hold_a_fraction_of_the_tree_masks_bytes():
     tree = rows.num_slots**2 * 2
     assert blocks.response_mask.shape[:3] == (n, 1, responses) and blocks.response_mask.dtype == torch.bfloat16
     assert held < tree / 4, (held, tree)
+
+
+def test_a_checkpointed_backward_recomputes_on_the_blocks_and_gives_the_same_gradients():
+    """transformers' gradient checkpointing replays a layer with its keywords: the recomputation takes the blocks
+    too (twice the layer calls), and the gradients are those of the plain backward, bit for bit."""
+    grads, calls = [], []
+    for checkpointed in (False, True):
+        model = build_tiny_model("qwen2", "tiny", seed=0)
+        model.config._attn_implementation = "sdpa"
+        model.train()
+        assert use_shared_prompt_attention(model)
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ids, mask, width = _groups_batch(model.config.vocab_size)
+        with counting_block_layers() as counted:
+            response_logprobs(model, ids, mask, width, share_prompts=True).sum().backward()
+        calls.append(counted[0])
+        grads.append([p.grad.clone() for p in model.parameters()])
+    layers = model.config.num_hidden_layers
+    assert calls == [layers, 2 * layers]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_lora_model_keeps_the_blocks_under_its_adapter_wrapper():
+    from rlhf_sg.lora import LoraSpec, apply_lora
+
+    model = build_tiny_model("qwen2", "tiny", seed=0)
+    model.config._attn_implementation = "sdpa"
+    assert use_shared_prompt_attention(model)
+    wrapped = apply_lora(model, LoraSpec(rank=4, alpha=8), True, trainable=True)
+    ids, mask, width = _groups_batch(model.config.vocab_size)
+    with counting_block_layers() as counted:
+        logp = response_logprobs(wrapped, ids, mask, width, share_prompts=True)
+    reference, _ = _reference_logprobs(wrapped, ids, mask, width)
+    assert counted[0] == model.config.num_hidden_layers
+    assert torch.allclose(logp, reference, atol=TOL)
