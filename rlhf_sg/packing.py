@@ -463,7 +463,7 @@ def _shared_forward(model: nn.Module, rows: SharedPromptRows, impl: str, **forwa
     mask = _dense_mask(module, lambda window: rows.attention_mask(dtype, window))
     unwindowed = mask if isinstance(mask, torch.Tensor) else mask.get("full_attention")
     switched = getattr(getattr(module, "config", None), "_attn_implementation", None) == SHARED_PROMPT_ATTENTION
-    if switched and unwindowed is not None:
+    if switched and unwindowed is not None and (_BLOCKS_ALWAYS or SharedPromptBlocks.pays(rows)):
         forward_kwargs[SHARED_PROMPT_BLOCKS_KWARG] = SharedPromptBlocks.build(rows, unwindowed)
     return model(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=mask, use_cache=False,
                  **forward_kwargs)
@@ -507,6 +507,21 @@ class SharedPromptBlocks:
     response_mask: torch.Tensor  # [G, 1, Q, P + Q] additive, in the mask's dtype
     out_index: torch.Tensor  # [n] into the concatenated [S * P + G * Q] outputs
     out_slots: torch.Tensor  # [n] their slots
+
+    @staticmethod
+    def pays(rows: SharedPromptRows) -> bool:
+        """Whether the blocks cost less than the tree mask on these rows. Their queries and keys are padded to the
+        batch's longest prompt and response, so one long response among short ones can make them dearer: they are
+        taken only when their query-key pairs are fewer than the rows' R L^2 and the query, key and value rows they
+        gather (which sdpa keeps for the backward) at most twice the 3 R L the tree mask's sdpa keeps."""
+        branches = rows.branches
+        prompts, responses = branches[branches[:, 1] == 0], branches[branches[:, 1] > 0]
+        prompt_width = int(prompts[:, 3].max())
+        prefix = int(responses[:, 1].max()) if len(responses) else 0
+        query = int(responses[:, 3].max()) if len(responses) else 0
+        pairs = len(prompts) * prompt_width**2 + len(responses) * query * (prefix + query)
+        gathered = 3 * len(prompts) * prompt_width + len(responses) * (query + 2 * (prefix + query))
+        return pairs < rows.num_slots * rows.input_ids.shape[1] and gathered <= 2 * 3 * rows.num_slots
 
     @classmethod
     def build(cls, rows: SharedPromptRows, mask: torch.Tensor) -> SharedPromptBlocks:
@@ -573,6 +588,18 @@ class SharedPromptBlocks:
 
 
 _BLOCK_COUNTERS: list[list[int]] = []
+_BLOCKS_ALWAYS: list[bool] = []
+
+
+@contextlib.contextmanager
+def blocks_whatever_they_cost():
+    """While open, a switched model's shared forwards take the blocks even where they cost more than the tree mask
+    (:meth:`SharedPromptBlocks.pays`): the start-up probe checks every layout a model may run on its tiny batch."""
+    _BLOCKS_ALWAYS.append(True)
+    try:
+        yield
+    finally:
+        _BLOCKS_ALWAYS.pop()
 
 
 @contextlib.contextmanager

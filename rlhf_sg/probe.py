@@ -74,11 +74,14 @@ def _alone(model: nn.Module, module: nn.Module, sequences: torch.Tensor, mask: t
 
 def _layout(model: nn.Module, module: nn.Module, sequences: torch.Tensor, mask: torch.Tensor, width: int,
             share_prompts: bool) -> torch.Tensor:
-    from rlhf_sg.packing import critic_values, response_logprobs
+    """The layout's forward; shared prompts on a model switched to the shared-prompt attention take its blocks (on
+    the probe's tiny batch they would not pay, and a run's batches may take them)."""
+    from rlhf_sg.packing import blocks_whatever_they_cost, critic_values, response_logprobs
 
-    if _is_value_model(module):
-        return critic_values(model, sequences, mask, width, share_prompts=share_prompts).float()
-    return response_logprobs(model, sequences, mask, width, share_prompts=share_prompts).float()
+    with blocks_whatever_they_cost():
+        if _is_value_model(module):
+            return critic_values(model, sequences, mask, width, share_prompts=share_prompts).float()
+        return response_logprobs(model, sequences, mask, width, share_prompts=share_prompts).float()
 
 
 @torch.no_grad()

@@ -302,8 +302,11 @@ class ModelWorker:
             self.packing_probe = (check_packing(self.module, self.spec.share_prompts and self.spec.role != "reward",
                                                 reduce=self._max_over_ranks)
                                   if self.spec.packing_probe else {})
-        if "shared" in self.packing_probe and block_layers[0] == 0:
-            # no layer of this model took the blocks (every one windowed, softcapped, ...): the tree mask's segments
+        layers = getattr(self.module.config, "num_hidden_layers", None)
+        if "shared" in self.packing_probe and (not layers or block_layers[0] < layers):
+            # some layer of this model did not take the blocks in the probe's shared forward (windowed, softcapped,
+            # with sinks, or handed a mask the model copied): its tree mask would then run at the blocks' long
+            # segments, so the model keeps the tree mask and its segments
             stop_shared_prompt_attention(self.module)
         self.syncer = None
         self._sync_setups = 0  # weight-sync set-ups so far (each gets group names of its own)

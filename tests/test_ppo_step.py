@@ -655,18 +655,18 @@ def _a_rank_sharing_prompts(model_path: str, share_prompts: bool) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma-3"])
 def test_a_rank_sharing_prompts_computes_them_block_by_block_as_its_probe_checked(family, tmp_path):
     """A ZeRO-3 actor rank that shares prompts runs its model on the shared-prompt attention; its start-up probe
-    measured that layout against each row alone, and an update's forward takes the blocks in every layer. Mistral's
-    layers are all windowed, so none takes them: the rank switches it back to sdpa (its segments sized for the mask)."""
+    measured that layout against each row alone, and an update's forward takes the blocks in every layer. Gemma-3's
+    sliding layer cannot take them: the rank switches it back to sdpa (the tree mask's segments, not the blocks')."""
     from rlhf_sg.packing import SHARED_PROMPT_ATTENTION
     from rlhf_sg.tiny import tiny_family_model
 
     path = save_tiny_model(str(tmp_path / family), model=tiny_family_model(family))
     got = in_fresh_process(_a_rank_sharing_prompts, path, True)
     assert got["probe"]["shared"] <= 1e-5 and got["loss_finite"]
-    if family == "mistral":
+    if family == "gemma-3":
         assert got["attention"] == "sdpa" and got["block_layers"] == 0
     else:
         assert got["attention"] == SHARED_PROMPT_ATTENTION and got["block_layers"] == got["layers"]

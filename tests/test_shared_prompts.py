@@ -602,3 +602,32 @@ def test_a_lora_model_keeps_the_blocks_under_its_adapter_wrapper():
     reference, _ = _reference_logprobs(wrapped, ids, mask, width)
     assert counted[0] == model.config.num_hidden_layers
     assert torch.allclose(logp, reference, atol=TOL)
+
+
+def test_blocks_that_would_cost_more_than_the_tree_mask_are_not_taken_unless_the_probe_asks():
+    """One long response among short ones pads every response's block to it: then the pairs exceed the rows' R L^2
+    and the forward keeps the tree mask (exact either way); the start-up probe's context takes them anyway."""
+    from rlhf_sg.packing import blocks_whatever_they_cost
+
+    model = build_tiny_model("qwen2", "tiny", seed=0)
+    model.config._attn_implementation = "sdpa"
+    assert use_shared_prompt_attention(model)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    lengths = [40] + [2] * 7 + [2] * 8  # two groups of 8; one long response in the first
+    prompt_width, width = 3, max(lengths)
+    ids = torch.zeros(len(lengths), prompt_width + width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        ids[b, :prompt_width] = torch.tensor([5, 6, 7]) if b < 8 else torch.tensor([8, 9, 10])
+        ids[b, prompt_width : prompt_width + n] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[b, : prompt_width + n] = 1
+    rows = pack_shared_prompts(ids, mask, width, segment_tokens=4096)
+    assert not SharedPromptBlocks.pays(rows)
+    reference, _ = _reference_logprobs(model, ids, mask, width)
+    with counting_block_layers() as counted:
+        logp = response_logprobs(model, ids, mask, width, share_prompts=True)
+    assert counted[0] == 0 and torch.allclose(logp, reference, atol=TOL)
+    with blocks_whatever_they_cost(), counting_block_layers() as counted:
+        logp = response_logprobs(model, ids, mask, width, share_prompts=True)
+    assert counted[0] == model.config.num_hidden_layers and torch.allclose(logp, reference, atol=TOL)
