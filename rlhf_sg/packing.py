@@ -514,22 +514,14 @@ class SharedPromptBlocks:
         batch's longest prompt and response, so one long response among short ones can make them dearer: they are
         taken only when their query-key pairs are fewer than the rows' R L^2 and the query, key and value rows they
         gather (which sdpa keeps for the backward) at most twice the 3 R L the tree mask's sdpa keeps."""
-        branches = rows.branches
-        prompts, responses = branches[branches[:, 1] == 0], branches[branches[:, 1] > 0]
-        prompt_width = int(prompts[:, 3].max())
-        prefix = int(responses[:, 1].max()) if len(responses) else 0
-        query = int(responses[:, 3].max()) if len(responses) else 0
+        prompts, responses, prompt_width, prefix, query = _branch_widths(rows)
         pairs = len(prompts) * prompt_width**2 + len(responses) * query * (prefix + query)
         gathered = 3 * len(prompts) * prompt_width + len(responses) * (query + 2 * (prefix + query))
         return pairs < rows.num_slots * rows.input_ids.shape[1] and gathered <= 2 * 3 * rows.num_slots
 
     @classmethod
     def build(cls, rows: SharedPromptRows, mask: torch.Tensor) -> SharedPromptBlocks:
-        branches = rows.branches
-        prompts, responses = branches[branches[:, 1] == 0], branches[branches[:, 1] > 0]
-        prompt_width = int(prompts[:, 3].max())
-        prefix_width = int(responses[:, 1].max()) if len(responses) else 0
-        query_width = int(responses[:, 3].max()) if len(responses) else 0
+        prompts, responses, prompt_width, prefix_width, query_width = _branch_widths(rows)
 
         def runs(start: torch.Tensor, length: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
             """[k, width] slots start + j, padded by repeating each run's last slot; and where j is real."""
@@ -612,6 +604,16 @@ def counting_block_layers():
         yield counter
     finally:
         _BLOCK_COUNTERS.remove(counter)
+
+
+def _branch_widths(rows: SharedPromptRows) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """The rows' prompt branches and response branches ([k, 4] each, as :attr:`SharedPromptRows.branches`), and the
+    widths the blocks pad to: the longest prompt, the longest response's prefix, the longest response."""
+    branches = rows.branches
+    prompts, responses = branches[branches[:, 1] == 0], branches[branches[:, 1] > 0]
+    prefix = int(responses[:, 1].max()) if len(responses) else 0
+    query = int(responses[:, 3].max()) if len(responses) else 0
+    return prompts, responses, int(prompts[:, 3].max()), prefix, query
 
 
 def shared_prompt_attention(module, query, key, value, attention_mask, shared_prompt_blocks=None, **kwargs):
