@@ -70,6 +70,7 @@ from backends.base import (
     memory_tags,
     wait_work,
 )
+from backends.checkpoint_names import checkpoint_views, saved_as
 
 __all__ = ["ENGINE_ATTENTION", "EmbeddedBackend", "KVBuffers", "engine_attention", "open_weight_update_group",
            "sample_next_tokens"]
@@ -367,6 +368,8 @@ class EmbeddedBackend(RolloutBackend):
             self._device
         )
         self.model.eval().requires_grad_(False)
+        self._checkpoint_renames = saved_as(self.model,
+                                            [(n, p.shape, p.dtype) for n, p in self.model.named_parameters()])
         model_config = self.model.config
         self._vocab_size = int(model_config.vocab_size)
         self._pad_id = model_config.pad_token_id if model_config.pad_token_id is not None else 0
@@ -559,7 +562,7 @@ class EmbeddedBackend(RolloutBackend):
                 layers.append((torch.cat([pad(k) for k in keys]), torch.cat([pad(v) for v in values])))
             cache = DynamicCache(layers)
         if n > 1:  # one prefill per prompt, its cache shared by the n samples
-            cache.batch_repeat_interleave(n)
+            _select_cache_rows(cache, torch.arange(len(prompts), device=self._device).repeat_interleave(n))
         return _CachedDecode(self.model, cache, pad_mask.repeat_interleave(n, dim=0), next_position), logits
 
     def _left_pad(self, prompts: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -642,9 +645,11 @@ class EmbeddedBackend(RolloutBackend):
         return completions
 
     # ---- weights -------------------------------------------------------------------------
-    def _named_params(self) -> dict[str, torch.nn.Parameter]:
-        # remove_duplicate=False: tied weights answer to every HF name they are saved under.
-        return dict(self.model.named_parameters(remove_duplicate=False))
+    def _named_params(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the model's checkpoint by its checkpoint name, as a view of the parameter data that
+        holds it (a fused mixture-of-experts parameter answers to its per-expert names; tied weights to every
+        name they are saved under)."""
+        return checkpoint_views(self.model, self._checkpoint_renames)
 
     def _check_names_and_shapes(self, specs: Iterable[tuple[str, tuple[int, ...]]], source: str) -> None:
         params = self._named_params()
@@ -936,7 +941,7 @@ class _CachedDecode(_DecodeState):
 
     def select(self, keep: torch.Tensor) -> None:
         super().select(keep)
-        self.cache.batch_select_indices(keep)
+        _select_cache_rows(self.cache, keep)
         self.attention_mask = self.attention_mask[keep]
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
@@ -947,6 +952,13 @@ class _CachedDecode(_DecodeState):
         self.cache = out.past_key_values
         self.next_position = self.next_position + 1
         return out.logits[:, -1, :]
+
+
+def _select_cache_rows(cache, rows: torch.Tensor) -> None:
+    """Make ``cache`` hold the batch rows ``rows`` (indices into its rows; repeated to give prompts their sample rows,
+    a subset to compact). Through ``reorder_cache``, which every cache layer class has: linear-attention and
+    convolution states (Qwen3.5, Qwen3-Next) have no ``batch_repeat_interleave`` or ``batch_select_indices``."""
+    cache.reorder_cache(rows)
 
 
 def plan_waves(lengths: list[int], n: int, max_new: int, max_rows: int, budget_bytes: int,

@@ -729,10 +729,12 @@ def _check_config(config: BackendConfig) -> None:
                 f"BackendConfig.tensor_parallel_size={tp} is larger than the {cores} CPU core(s) this process may "
                 "use (each CPU rank needs its own); lower it"
             )
-        with open(config_json) as f:
-            model_config = json.load(f)
-        heads = model_config.get("num_attention_heads")
-        head_dim = model_config.get("head_dim") or (model_config["hidden_size"] // heads if heads else None)
+        from transformers import AutoConfig
+
+        # through the family's config class: GPT-2 and Bloom name the head count n_head (attribute_map)
+        text = AutoConfig.from_pretrained(os.path.dirname(config_json)).get_text_config()
+        heads = getattr(text, "num_attention_heads", None)
+        head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
         if head_dim is not None and head_dim not in _CPU_HEAD_SIZES:
             raise BackendError(
                 f"model {config.model_path!r} has attention head size {head_dim}; vLLM's CPU attention takes only "

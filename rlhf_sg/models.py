@@ -31,6 +31,25 @@ VALUE_HEAD_KEY = "value_head.weight"
 SEQUENCE_CLASSIFICATION_HEAD_KEY = "score.weight"
 
 
+def attention_implementation(config, requested: str) -> str:
+    """The attention implementation to load a model of ``config`` with: ``requested``, except eager where sdpa is
+    requested and transformers has no sdpa attention for the family (gpt-oss, whose attention sinks only its eager
+    and flex kernels take); logged, since the run then computes the mask's whole square."""
+    if requested != "sdpa":
+        return requested
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    for auto in (AutoModelForCausalLM, AutoModel):
+        cls = auto._model_mapping.get(type(config), None) if type(config) in auto._model_mapping else None
+        if cls is not None:
+            if getattr(cls, "_supports_sdpa", True):
+                return requested
+            logger.warning("%s has no sdpa attention in transformers; it runs with eager attention "
+                           "(--model.attn_implementation eager)", cls.__name__)
+            return "eager"
+    return requested
+
+
 def _checkpoint_tensor(path: str, name: str) -> torch.Tensor | None:
     """Tensor ``name`` from a local safetensors checkpoint (single file or sharded), or None."""
     from safetensors import safe_open

@@ -8,7 +8,10 @@ the other buffer; before a buffer is reused the transfer that read it is waited 
 Every sync ends with ``finish_weight_update(version)`` on every engine (new ``weight_version``,
 prefix cache reset). Before the first sync of a model (and whenever its names, shapes or dtypes
 change) every engine checks the plan (:func:`~rlhf_sg.sync.plan.check_plan`), so a model mismatch
-is reported on every rank before any byte moves. A collective sync that fails later leaves the side
+is reported on every rank before any byte moves. Buckets are gathered in the model's run-time layout and
+sent under the names and offsets of its checkpoint (:mod:`backends.checkpoint_names`: a fused
+mixture-of-experts parameter goes out as its per-expert checkpoint tensors, the same bytes), which is
+what every engine loads. A collective sync that fails later leaves the side
 groups out of step: the sender drops its end at once (engines blocked in a receive then fail
 instead of waiting out ``timeout_s``), and the syncer refuses further syncs until
 :meth:`WeightSyncer.close` and :meth:`WeightSyncer.setup` have been called again.
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from backends.base import BucketManifest, WeightGroupSpec
+from backends.checkpoint_names import checkpoint_manifest, saved_as
 from rlhf_sg.engine_actor import EngineCallError, wait_engine_calls
 from rlhf_sg.lora import LoraSpec, LoraTensors, adapter_name, merge_into_bucket, split_lora
 from rlhf_sg.sync.gather import GatherStaging, gather_bucket
@@ -112,7 +116,8 @@ class WeightSyncer:
         self._transport: Transport | None = None
         self._broken: str | None = None
         self._meta: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
-        self._plan: list[BucketManifest] = []
+        self._plan: list[BucketManifest] = []  # run-time names: what the gather reads
+        self._wire_plan: list[BucketManifest] = []  # the same buckets under checkpoint names: what engines load
         self._buffers: list[torch.Tensor] = []
         self._staging = GatherStaging()
         self._last_version: int | None = None
@@ -197,7 +202,8 @@ class WeightSyncer:
         if self.lora is not None:
             named, adapters, lora_named = split_lora(named)
         send_base = self.lora is None or self.lora.sync_mode == "merged" or with_base or not self._base_sent
-        self._prepare_plan(named, adapters if self.lora is not None and self.lora.sync_mode == "merged" else {})
+        self._prepare_plan(named, adapters if self.lora is not None and self.lora.sync_mode == "merged" else {},
+                           model)
         params = dict(named)
         transport = self._transport
         self.lora_bytes_gathered = 0
@@ -244,7 +250,7 @@ class WeightSyncer:
              adapters: dict[str, LoraTensors]) -> list[dict]:
         """The one double-buffer loop: gather bucket k into a free buffer (merged LoRA: add its adapters), send it,
         reuse after its wait."""
-        transport.begin(self._plan, version)
+        transport.begin(self._wire_plan, version)
         in_flight: list[Any] = [None] * len(self._buffers)
         times: list[dict[str, float]] = [{} for _ in self._plan]
         for k, manifest in enumerate(self._plan):
@@ -260,7 +266,7 @@ class WeightSyncer:
                 self._merge_adapters(manifest, self._lora_plan[k], adapters, out)
             if out is None:
                 continue
-            handle = transport.send(k, manifest, out)
+            handle = transport.send(k, self._wire_plan[k], out)
             if handle is not None:
                 if self.overlap:
                     in_flight[slot] = handle
@@ -269,7 +275,7 @@ class WeightSyncer:
         for handle in in_flight:
             if handle is not None:
                 transport.wait(handle)
-        transport.end(self._plan, version)
+        transport.end(self._wire_plan, version)
         return times
 
     def _merge_adapters(self, manifest: BucketManifest, lora_manifest: BucketManifest,
@@ -311,20 +317,23 @@ class WeightSyncer:
         return manifest_bytes(manifest)
 
     def _prepare_plan(self, named: list[tuple[str, torch.nn.Parameter]],
-                      adapters: dict[str, LoraTensors] | None = None) -> None:
+                      adapters: dict[str, LoraTensors] | None = None, model: torch.nn.Module | None = None) -> None:
         """Plan buckets when the model's names/shapes/dtypes changed, check them with the engines first. With
-        ``adapters`` (merged LoRA) each bucket also gets the manifest of its weights' A / B."""
+        ``adapters`` (merged LoRA) each bucket also gets the manifest of its weights' A / B. ``model``: what
+        ``named`` came from, whose checkpoint names the engines are sent (:func:`_transformers_model`)."""
         meta = [(name, full_shape(p), p.dtype) for name, p in named]
         if meta == self._meta and bool(adapters) == bool(self._lora_plan):
             return
         plan = plan_buckets(meta, self.bucket_bytes)
+        renames = saved_as(_transformers_model(model), meta) if model is not None else {}
+        wire_plan = [checkpoint_manifest(manifest, renames) for manifest in plan]
         check_plan(
-            plan,
+            wire_plan,
             lambda p: wait_engine_calls(self._call_mine("check_manifests", p), self.timeout_s),
             self.world_size,
             self.world_size > 1 and dist.is_available() and dist.is_initialized(),
         )
-        self._meta, self._plan = meta, plan
+        self._meta, self._plan, self._wire_plan = meta, plan, wire_plan
         self._buffers = []
         self._lora_plan = []
         if adapters:
@@ -375,7 +384,21 @@ class WeightSyncer:
             self.disk_dir = self._transport.disk_dir
         self._transport = None
         self._buffers = []
-        self._meta, self._plan = None, []
+        self._meta, self._plan, self._wire_plan = None, [], []
         self._lora_plan = []
         if errors:
             raise EngineCallError(f"WeightSyncer rank {self.rank}: close: {'; '.join(errors)}")
+
+
+def _transformers_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside ``model``: a DeepSpeed engine's module, torch.compile's original, a PEFT
+    model's base model."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if isinstance(inner, torch.nn.Module):
+            model = inner
+            continue
+        base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+        if base is model:
+            return model
+        model = base
