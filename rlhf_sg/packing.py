@@ -46,6 +46,7 @@ The functions the trainer calls, all taking the padded layout and answering in i
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import logging
 import math
@@ -735,6 +736,7 @@ def _row_tokens(impl: str, attention_mask: torch.Tensor) -> int | None:
 def _pack_for(module: nn.Module, impl: str, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedBatch:
     """:func:`pack` as ``module`` and its attention kernel can take it: one sequence per row for a model that
     cannot take more (recurrent layers, ALiBi), else as :func:`_row_tokens` says."""
+    _refuse_chunked_attention(module)
     if input_ids.shape[0] > 1 and _one_sequence_per_row(module, "packing"):
         return pack(input_ids, attention_mask, one_per_row=True)
     return pack(input_ids, attention_mask, row_tokens=_row_tokens(impl, attention_mask))
@@ -882,13 +884,8 @@ def _dense_mask(module: nn.Module, build) -> torch.Tensor | dict[str, torch.Tens
     """The attention mask for ``module``: ``build(window)`` once per distinct window; one tensor when every
     attention layer has the same window, else transformers' per-layer-type dict (which the models with mixed
     layer types take as ``attention_mask``, one entry per ``config.layer_types`` value)."""
-    config = getattr(module, "config", None)
+    _refuse_chunked_attention(module)
     windows = _mask_windows(module)
-    if any(t == "chunked_attention" for t in getattr(config, "layer_types", None) or ()):
-        raise ValueError(
-            f"{type(module).__name__} has chunked-attention layers, which the packed and shared-prompt masks do "
-            "not express: use flash_attention_2, or share_prompts=False with one sequence per row"
-        )
     built: dict[int | None, torch.Tensor] = {}
     for window in windows.values():
         if window not in built:
@@ -896,6 +893,21 @@ def _dense_mask(module: nn.Module, build) -> torch.Tensor | dict[str, torch.Tens
     if len(windows) == 1:
         return next(iter(built.values()))
     return {layer_type: built[window] for layer_type, window in windows.items()}
+
+
+def _refuse_chunked_attention(module: nn.Module) -> None:
+    """Refuse a model with chunked-attention layers (Llama 4: ``config.layer_types`` holds ``chunked_attention``,
+    each query sees the keys of its ``attention_chunk_size`` block), in every layout: neither the packed nor the
+    shared-prompt masks express the blocks, and transformers' flash path refuses them past one block. (One sequence
+    per row would be exact, through the model's own mask, but :func:`response_logprobs` hooks
+    ``Llama4ForCausalLM.base_model``, which is the whole model: its ``base_model_prefix`` names no attribute.)"""
+    config = getattr(module, "config", None)
+    if "chunked_attention" in (getattr(config, "layer_types", None) or ()):
+        raise ValueError(
+            f"{type(_backbone(module)).__name__}: config.layer_types holds 'chunked_attention' layers "
+            f"(attention_chunk_size={getattr(config, 'attention_chunk_size', None)}), which neither the packed nor "
+            "the shared-prompt attention masks express; train a model without chunked-attention layers"
+        )
 
 
 def _model_dtype(module: nn.Module) -> torch.dtype:
@@ -1049,6 +1061,20 @@ class _FrozenHead:
         return nn.functional.linear(hidden, self.weight, self.bias)
 
 
+@contextlib.contextmanager
+def _forward_replaced(module: nn.Module, forward):
+    """``module(...)`` runs ``forward`` inside the block, its hooks (DeepSpeed's gathers) firing as for its own."""
+    own = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
 def _logprob_chunk(
     hidden: torch.Tensor, labels: torch.Tensor, lm_head, temperature: float, with_entropy: bool,
     head: tuple[str, float] | None = None,
@@ -1139,7 +1165,8 @@ def response_logprobs(
     a forward hook takes the backbone's last hidden state, and the lm_head is applied only at positions
     that predict a response token, ``chunk_tokens`` at a time, log-softmax in fp32. Under autograd each
     chunk is checkpointed, so neither forward nor backward holds more than one chunk's [chunk, vocab]
-    logits.
+    logits. The chunks run inside one call of the lm_head module, so under ZeRO-3 every rank gathers its
+    parameters as often as the others (once in the forward, once in the backward) whatever its chunk count.
 
     ``share_prompts``: where rows repeat a prompt, compute it once per segment of ``segment_tokens``
     (:func:`pack_shared_prompts`; masked attention only); the results equal the unshared ones up to rounding.
@@ -1196,32 +1223,42 @@ def response_logprobs(
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters())
     )
-    projection: nn.Module | _FrozenHead = lm_head
+
+    def chunked(projection, states: torch.Tensor) -> torch.Tensor:
+        """states: [N, H] -> logp [N], or [2, N] logp and entropy; ``chunk_tokens`` rows at a time."""
+        logps, entropies = [], []
+        for start in range(0, states.shape[0], chunk_tokens):
+            args = (
+                states[start : start + chunk_tokens],
+                labels[start : start + chunk_tokens],
+                projection,
+                temperature,
+                with_entropy,
+                head,
+            )
+            logp, entropy = (
+                checkpoint(_logprob_chunk, *args, use_reentrant=False) if needs_grad else _logprob_chunk(*args)
+            )
+            logps.append(logp)
+            entropies.append(entropy)
+        return torch.stack((torch.cat(logps), torch.cat(entropies))) if with_entropy else torch.cat(logps)
+
     if needs_grad and _frozen_zero3(lm_head):
         # a frozen ZeRO-3 lm_head (a LoRA actor's): DeepSpeed partitions it again after each call, also after the
         # backward's recomputation of a chunk, which then finds it empty; one full copy for this call instead,
-        # gathered once (no collective in the backward, whose chunk count differs across ranks)
-        projection = _FrozenHead(lm_head)
-    logps, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        args = (
-            hidden[start : start + chunk_tokens],
-            labels[start : start + chunk_tokens],
-            projection,
-            temperature,
-            with_entropy,
-            head,
-        )
-        logp, entropy = (
-            checkpoint(_logprob_chunk, *args, use_reentrant=False) if needs_grad else _logprob_chunk(*args)
-        )
-        logps.append(logp)
-        entropies.append(entropy)
+        # gathered once (no collective in the backward)
+        out = chunked(_FrozenHead(lm_head), hidden)
+    else:
+        # ZeRO-3 gathers a module's parameters at every call of it, and the chunk count differs across ranks: the
+        # head is called once, the chunks running inside that call on its own forward, so its hooks gather once in
+        # the forward, once in the backward before the chunks' recomputation, and release when the backward has
+        # passed every chunk
+        with _forward_replaced(lm_head, functools.partial(chunked, lm_head.forward)):
+            out = lm_head(hidden)
     shape = (sequences.shape[0], response_width)
-    logp = _to_response_block(torch.cat(logps), positions, shape)
     if not with_entropy:
-        return logp
-    return logp, _to_response_block(torch.cat(entropies), positions, shape)
+        return _to_response_block(out, positions, shape)
+    return _to_response_block(out[0], positions, shape), _to_response_block(out[1], positions, shape)
 
 
 def _value_model(model: nn.Module, caller: str) -> nn.Module:
