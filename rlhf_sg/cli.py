@@ -13,10 +13,27 @@ import logging
 import os
 import sys
 
+COMMANDS = ("train-ppo", "eval", "backends", "bench")
+HELP = ("-h", "--help")
+
+
+def _print_eval_help() -> None:
+    """``rlhf-sg eval``'s flags: ``--data`` and every trainer setting (the evaluation runs as during training)."""
+    from rlhf_sg.config import build_parser
+
+    parser = build_parser("rlhf-sg eval")
+    parser.usage = ("rlhf-sg eval --model DIR --data FILE --eval.reward_function NAME [--backend B] "
+                    "[--section.key V ...]")
+    parser.description = ("Held-out evaluation of a saved model (pass@k, greedy accuracy), printed as a table. Every "
+                          "setting of rlhf-sg train-ppo applies; the eval section says how to sample and score.")
+    parser.add_argument("--data", metavar="FILE", help="the held-out prompts (JSONL / Parquet, the training data's "
+                        "formats); required")
+    parser.print_help()
+
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or argv[0] in HELP:
         print(__doc__)
         return
     command, rest = argv[0], argv[1:]
@@ -38,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
         except (ConfigError, DataError, RewardError) as e:
             raise SystemExit(f"rlhf-sg train-ppo: {e}") from None
         print(f"logs, checkpoints and the exported policy are in {cfg.log.output_dir}")
+    elif command == "eval" and any(a in HELP for a in rest):  # before the check that --data is given
+        _print_eval_help()
     elif command == "eval":
         from rlhf_sg.config import ConfigError, check_devices, check_gpu_install, parse_args
         from rlhf_sg.data import DataError
@@ -61,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"rlhf-sg eval: {e}") from None
         print(f"\nevaluation of {cfg.model.pretrain} on {cfg.eval.prompt_data}:\n{format_table(metrics)}")
         print(f"samples: {os.path.join(cfg.log.output_dir, 'eval', 'step0.jsonl')}")
+    elif command == "backends" and any(a in HELP for a in rest):
+        print("usage: rlhf-sg backends\n\nList the rollout backends and whether each can load here.")
     elif command == "backends":
         from backends import available_backends
 
@@ -71,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
 
         bench_main(rest)
     else:
-        raise SystemExit(f"rlhf-sg: unknown command {command!r}; use train-ppo, eval, backends or bench (see --help)")
+        raise SystemExit(f"rlhf-sg: unknown command {command!r}; use one of {', '.join(COMMANDS)} (see --help)")
 
 
 if __name__ == "__main__":

@@ -34,9 +34,19 @@ def phase_fractions(rows: list[dict]) -> dict[str, list[float | None]]:
 
 
 def plot_run(metrics_path: str, png_path: str, title: str = "") -> str:
-    """Write a PNG: reward, held-out pass@1 (when the run evaluated) and KL curves per step (left), stacked
-    phase times per step and the weight-sync share of each step (middle), each phase's fraction of the ceiling
-    per step (right; runs logged with ``--perf.accounting``)."""
+    """Write a PNG of :func:`run_figure`; returns ``png_path``."""
+    import matplotlib.pyplot as plt
+
+    fig = run_figure(metrics_path, title)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path
+
+
+def run_figure(metrics_path: str, title: str = ""):
+    """A matplotlib Figure (the Agg backend's, open until ``plt.close``): reward, held-out pass@1 (when the run
+    evaluated) and KL curves per step (left), stacked phase times per step and the weight-sync share of each step
+    (middle), each phase's fraction of the ceiling per step (right; runs logged with ``--perf.accounting``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,7 +56,8 @@ def plot_run(metrics_path: str, png_path: str, title: str = "") -> str:
     rows = [r for r in logged if "reward/mean" in r]  # training steps (an evaluation before step 1 is a row too)
     evals = [r for r in logged if "eval/pass@1" in r]
     steps = [r["step"] for r in rows]
-    fig, (ax_r, ax_t, ax_p) = plt.subplots(1, 3, figsize=(18, 4.5))
+    # constrained layout fits each panel's titles, labels and the legend beside the bars inside the figure
+    fig, (ax_r, ax_t, ax_p) = plt.subplots(1, 3, figsize=(18, 4.5), layout="constrained")
     ax_r.plot(steps, [r["reward/mean"] for r in rows], "o-", color="tab:blue", label="mean reward")
     if evals:  # on the reward's axis: both are 0..1 for a 0/1 reward
         ax_r.plot([r["step"] for r in evals], [r["eval/pass@1"] for r in evals], "D-", color="tab:green",
@@ -75,21 +86,18 @@ def plot_run(metrics_path: str, png_path: str, title: str = "") -> str:
         ax_s.plot(steps, [100 * s for s in shares], "k.-", linewidth=1, label="weight_sync share")
         ax_s.set_ylabel("weight_sync share of step (%)")
         ax_s.set_ylim(0, max(10.0, 110 * max(shares)))
-        ax_t.set_title(f"time per step, by phase; weight_sync median {100 * statistics.median(shares):.0f} % of step")
+        ax_t.set_title(f"time per step, by phase\nweight_sync median {100 * statistics.median(shares):.0f} % of step")
     fractions = phase_fractions(rows)
     for label, values in fractions.items():
         points = [(s, v) for s, v in zip(steps, values) if v is not None]
         ax_p.plot([s for s, _ in points], [v for _, v in points], "o-", label=label)
     ax_p.set_xlabel("step")
     ax_p.set_ylabel("% of the ceiling")
-    ax_p.set_title("each phase against the machine (FLOPs; generate: bandwidth)" if fractions
+    ax_p.set_title("each phase against the machine\n(FLOPs; generate: bandwidth)" if fractions
                    else "no perf/* metrics in this log")
     if fractions:
         ax_p.set_ylim(0, max(1.0, 1.1 * max(v for vs in fractions.values() for v in vs if v is not None)))
         ax_p.legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    return png_path
+    return fig

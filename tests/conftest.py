@@ -3,7 +3,6 @@ import functools
 import importlib
 import importlib.util
 import os
-import subprocess
 import warnings
 
 import pytest
@@ -76,12 +75,20 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_tier)  # stable: each tier keeps the collection order
     if torch.cuda.is_available():
         return
-    if items and "slow" not in items[0].keywords and "slow" in items[-1].keywords:
-        _start_op_build(config)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_collection_finish(session):
+    """The op build starts when the tests that will run hold both tiers: here, once ``-m`` / ``-k`` have
+    deselected theirs (pytest deselects after this file's ``pytest_collection_modifyitems``, which sees them all)."""
+    items = session.items
+    if torch.cuda.is_available() or session.config.option.collectonly:
+        return
+    if items and "slow" not in items[0].keywords and "slow" in items[-1].keywords:
+        _start_op_build(session.config)
 
 
 def _start_op_build(config) -> None:
@@ -100,12 +107,9 @@ def _wait_op_build(timeout_s: float = 600) -> None:
     if process is None:
         return
     _op_build["process"] = None
-    try:
-        code = process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        code = f"killed after {timeout_s:.0f} s"
+    from deepspeed_ops import finish_build
+
+    code = finish_build(process, timeout_s)
     if code != 0:  # DeepSpeed then builds it in the first rank itself and reports its own error there
         warnings.warn(f"compiling DeepSpeed's CPU communication op ahead of the slow tests failed ({code}); "
                       f"see {_op_build['log']}", stacklevel=2)
@@ -152,7 +156,9 @@ def no_ray():
 def pytest_sessionfinish(session, exitstatus):
     import sys
 
-    _wait_op_build(120)  # a session cut short: never leave a half-written extension (and its lock) behind
+    # a session cut short: the build finishes, or stops removing torch's lock (at once on Ctrl-C, which the build,
+    # in a session of its own, does not get)
+    _wait_op_build(0 if exitstatus == pytest.ExitCode.INTERRUPTED else 120)
 
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():

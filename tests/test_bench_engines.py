@@ -60,3 +60,51 @@ def test_plot_shows_each_phases_fraction_of_the_ceiling(tmp_path):
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert plot_run(str(metrics), str(tmp_path / "run.png")).endswith("run.png")
     assert (tmp_path / "run.png").stat().st_size > 0
+
+
+def _quickstart_rows(steps: int = 40) -> list[dict]:
+    """Metrics rows as the quickstart logs them: an evaluation before step 1 and every 10 steps, every phase's
+    time, the weight-sync share and each phase's fraction of the ceiling."""
+    from rlhf_sg.flops import FRACTIONS
+    from rlhf_sg.timing import PHASES
+
+    rows = [{"step": 0, "eval/pass@1": 0.2, "eval/greedy_accuracy": 0.2}]
+    for s in range(1, steps + 1):
+        row = {"step": s, "reward/mean": 0.3 + 0.01 * s, "kl": 0.001 * s, "time/step": 2.0, "time/other": 0.1,
+               "perf/weight_sync_share": 0.05, **{f"time/{p}": 0.2 for p in PHASES},
+               **{key: 0.01 * (s % 7 + 1) for key, _ in FRACTIONS}}
+        if s % 10 == 0:
+            row["eval/pass@1"] = 0.3 + 0.01 * s
+        rows.append(row)
+    return rows
+
+
+def test_every_text_of_the_quickstart_plot_lies_inside_the_figure(tmp_path, monkeypatch):
+    """Every title, label, tick label and legend entry drawn lies inside the figure (the right panel's title ran
+    past the figure's right edge)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    from rlhf_sg.plot import run_figure
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in _quickstart_rows()))
+    fig = run_figure(str(metrics), title="gae on single-digit addition, backend hf, sync rollout")
+    drawn = []  # the texts a draw renders (tick labels outside the axis' view are kept but not drawn)
+    draw = Text.draw
+
+    def recording_draw(self, renderer):
+        draw(self, renderer)
+        if self.get_visible() and self.get_text():
+            drawn.append((self.get_text(), self.get_window_extent(renderer)))
+
+    monkeypatch.setattr(Text, "draw", recording_draw)
+    try:
+        fig.canvas.draw()
+    finally:
+        plt.close(fig)
+    width, height = fig.bbox.width, fig.bbox.height
+    outside = [(text, box.bounds) for text, box in drawn
+               if box.x0 < 0 or box.y0 < 0 or box.x1 > width or box.y1 > height]
+    assert len(drawn) > 50 and not outside, (outside, (width, height))

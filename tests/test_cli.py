@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from rlhf_sg.cli import COMMANDS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(ROOT, "recipes")
 sys.path.insert(0, RECIPES)
@@ -53,3 +55,29 @@ def test_a_wrong_flag_stops_before_ray_with_its_name(tmp_path):
     assert result.returncode != 0
     assert "--train.actor_lr" in result.stderr and "'fast'" in result.stderr
     assert "Started a local Ray instance" not in result.stderr
+
+
+def _exit_code(argv: list[str]) -> int:
+    from rlhf_sg.cli import main
+
+    try:
+        main(argv)
+    except SystemExit as e:  # argparse's --help exits 0
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    return 0
+
+
+def test_the_top_level_help_names_every_command(capsys):
+    assert _exit_code(["--help"]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"rlhf-sg {command}" in printed for command in COMMANDS), printed
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_prints_its_help_and_exits_0(command, capsys):
+    """``rlhf-sg COMMAND --help`` prints that command's usage and exits 0 (``eval --help`` stopped on the missing
+    ``--data``; ``backends --help`` listed the backends)."""
+    code = _exit_code([command, "--help"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert printed.out.startswith("usage:") and command in printed.out.splitlines()[0], printed.out[:500]

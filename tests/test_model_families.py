@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 
 import pytest
 from torch import nn
@@ -332,3 +333,41 @@ def test_a_dynamic_ntk_rope_is_refused_on_a_batch_past_its_length():
                                          r"from the longest sequence \(20 tokens, over original_max_position_embeddings"
                                          r"=16\), which a sequence of 8 tokens alone would not use"):
         response_logprobs(model, sequences, mask, width)
+
+
+# ---- a family the masks cannot express --------------------------------------------------------------------
+
+
+@functools.cache
+def _tiny_llama4():
+    """A random-weight float32 Llama-4 text model: chunked attention (blocks of 4 tokens) in its first layer, full
+    attention in its second."""
+    import torch
+    import transformers
+
+    config = transformers.Llama4TextConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256, num_local_experts=1,
+        interleave_moe_layer_step=1, attention_chunk_size=4, no_rope_layers=[1, 0])
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("share_prompts", [False, True], ids=["packed", "shared"])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [0, 3], [2]], ids=["rows-pack", "one-per-row", "one-row"])
+def test_a_chunked_attention_model_is_refused_by_name_in_every_layout(rows, share_prompts):
+    """Whatever rows the batch packs into, log-probs and critic values of a chunked-attention model stop with its
+    class and layer type (the packed layout crashed with an IndexError where the batch packed one sequence per
+    row)."""
+    from rlhf_sg.bench.models import rollout_batch
+    from rlhf_sg.models import ValueHeadModel
+    from rlhf_sg.packing import critic_values, response_logprobs
+
+    model = _tiny_llama4()
+    sequences, mask, width = rollout_batch(model.config.vocab_size)
+    sequences, mask = sequences[rows], mask[rows]
+    refusal = "config.layer_types holds 'chunked_attention' layers (attention_chunk_size=4)"
+    with pytest.raises(ValueError, match=rf"^Llama4ForCausalLM: {re.escape(refusal)}"):
+        response_logprobs(model, sequences, mask, width, share_prompts=share_prompts)
+    with pytest.raises(ValueError, match=rf"^Llama4TextModel: {re.escape(refusal)}"):
+        critic_values(ValueHeadModel(model.model), sequences, mask, width, share_prompts=share_prompts)
