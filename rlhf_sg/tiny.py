@@ -265,16 +265,17 @@ def _family_configs() -> dict:
 FAMILIES = tuple(_family_configs())
 
 
-def tiny_family_model(family: str, attn_implementation: str | None = None, seed: int = 0):
+def tiny_family_model(family: str, attn_implementation: str | None = None, seed: int = 0, **overrides):
     """A random-weight float32 causal LM of ``family`` (one of :data:`FAMILIES`), built from its config class;
-    ``attn_implementation=None``: sdpa where the family has it, else eager (Bloom)."""
+    ``attn_implementation=None``: sdpa where the family has it, else eager (Bloom). ``overrides``: config fields
+    to change (``head_dim=32`` for an engine whose CPU kernels take no smaller head)."""
     import transformers
 
     configs = _family_configs()
     if family not in configs:
         raise ValueError(f"family {family!r} unknown; choose one of {sorted(configs)}")
     class_name, kwargs = configs[family]
-    config = getattr(transformers, class_name)(**kwargs)
+    config = getattr(transformers, class_name)(**{**kwargs, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation=attn_implementation, dtype=torch.float32
