@@ -14,6 +14,8 @@
 # Usage: SERVER_URLS="http://node1:30000 http://node2:30000" ROUTER_URL=http://node1:30100 \
 #   REWARD=my_task:score MODEL=/shared/hf_model PROMPT_DATA=/shared/prompts.jsonl bash recipes/gpu_grpo_sglang_servers.sh
 # MODEL must be the servers' model (the trainer starts from it; the backend checks manifests against it).
+# Sized for qwen2.5-7b on 8 GPUs of 80 GB: the trainer's node (the servers run on GPUs of their own; held to
+# that by tests/test_recipes.py with `bench memory`'s formulas).
 set -euo pipefail
 
 MODEL="${MODEL:?set MODEL to the Hugging Face model directory the servers serve}"
@@ -38,8 +40,9 @@ args=(
     --model.dtype bfloat16                  # trainer weights in bf16, as the servers'
     --train.device cuda                     # ZeRO-3 ranks on GPUs
     --train.actor_num_ranks 8               # ZeRO-3 actor ranks
+    --train.kl_coef 0                       # no reference model: the node's 8 GPUs hold the actor ranks
     --rollout.num_engines 1                 # one backend drives every server
-    --rollout.tensor_parallel_size "$((TP_PER_SERVER * ${#urls[@]}))"  # all servers' TP ranks: the engine's share of the weight group
+    --rollout.tensor_parallel_size "$((TP_PER_SERVER * ${#urls[@]}))"  # all servers' TP ranks: the engine's share of the weight group (their GPUs are the servers'; the engine actor takes none here)
     --rollout.weight_transport collective   # NCCL broadcast of flat buckets; every server receives each one
     --rollout.bucket_bytes 1073741824       # 1 GiB buckets
     --rollout.n_samples_per_prompt 8        # GRPO group size

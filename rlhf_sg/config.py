@@ -1012,9 +1012,56 @@ def _jit_toolchain_missing() -> list[str]:
     return missing
 
 
+#: DeepSpeed's op builder (``ops/op_builder/builder.py``, ``cuda_minor_mismatch_ok``): within each of these CUDA
+#: major versions an nvcc and a torch of two listed minor versions still build ops together; any other difference
+#: of major.minor raises ``CUDAMismatchException`` (unless DS_SKIP_CUDA_CHECK=1), so a CUDA 13 torch needs nvcc 13.x
+#: of exactly its minor version
+_DEEPSPEED_MIXABLE_CUDA = {
+    10: ("10.0", "10.1", "10.2"),
+    11: ("11.0", "11.1", "11.2", "11.3", "11.4", "11.5", "11.6", "11.7", "11.8"),
+    12: ("12.0", "12.1", "12.2", "12.3", "12.4", "12.5", "12.6", "12.8", "12.9"),
+}
+
+
+def cuda_toolkit_clash(nvcc_version: str, torch_cuda: str) -> str | None:
+    """Why DeepSpeed's JIT build of an op would refuse this nvcc for this torch, naming the toolkit to install;
+    None when it builds (or when ``nvcc_version`` names no release). ``nvcc_version``: what ``nvcc -V`` prints
+    ("... Cuda compilation tools, release 13.0, V13.0.88 ..."); ``torch_cuda``: ``torch.version.cuda`` ("13.0").
+    Compared as DeepSpeed compares them: major.minor, patch versions ignored."""
+    import re
+
+    found = re.search(r"\brelease (\d+)\.(\d+)", nvcc_version)
+    if found is None:
+        return None
+    nvcc = f"{found[1]}.{found[2]}"
+    torch_version = ".".join(torch_cuda.split(".")[:2])
+    mixable = _DEEPSPEED_MIXABLE_CUDA.get(int(found[1]), ())
+    if nvcc == torch_version or (nvcc in mixable and torch_version in mixable):
+        return None
+    return (f"nvcc is CUDA {nvcc} and torch was built with CUDA {torch_version}, which DeepSpeed refuses to build "
+            f"with (it lets minor versions differ only within CUDA 10, 11 and 12): install the CUDA "
+            f"{torch_version} toolkit and point CUDA_HOME at it")
+
+
+def _jit_cuda_versions() -> tuple[str, str | None]:
+    """What ``nvcc -V`` under torch's CUDA_HOME prints ("" when it cannot run) and ``torch.version.cuda``."""
+    import subprocess
+
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    try:
+        nvcc = subprocess.run([os.path.join(CUDA_HOME or "", "bin", "nvcc"), "-V"], capture_output=True, text=True,
+                              timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        nvcc = ""
+    return nvcc, torch.version.cuda
+
+
 def check_gpu_install(cfg: Config) -> None:
     """With ``--train.device cuda``, that what the run will load on GPU is installed on this machine:
-    flash-attn when asked for, and DeepSpeed's FusedAdam (prebuilt, or the toolchain its JIT build needs)."""
+    flash-attn when asked for, and DeepSpeed's FusedAdam (prebuilt, or the toolchain its JIT build needs, with
+    an nvcc of the CUDA version torch was built with)."""
     if cfg.train.device != "cuda":
         return
     if cfg.model.attn_implementation == "flash_attention_2":
@@ -1027,6 +1074,11 @@ def check_gpu_install(cfg: Config) -> None:
               f"--train.device cuda trains with DeepSpeed's FusedAdam, which is not prebuilt here and whose JIT "
               f"build needs {' and '.join(missing)}; install them, or reinstall DeepSpeed with "
               "DS_BUILD_FUSED_ADAM=1 (recipes/install/gpu.sh does)")
+        nvcc, torch_cuda = _jit_cuda_versions()
+        if torch_cuda and os.environ.get("DS_SKIP_CUDA_CHECK", "0") != "1":
+            clash = cuda_toolkit_clash(nvcc, torch_cuda)
+            _need(clash is None, f"--train.device cuda trains with DeepSpeed's FusedAdam, which is not prebuilt "
+                                 f"here and whose JIT build would fail: {clash}")
 
 
 def _validate_rollout_mode(cfg: Config) -> None:
@@ -1114,11 +1166,20 @@ def _validate_colocation(cfg: Config) -> None:
               "sense with --rollout.sleep_engines_while_training false and no colocate_all")
 
 
+def engines_on_servers(cfg: Config) -> bool:
+    """Whether the engines drive inference servers that run elsewhere (``--rollout.engine_kwargs`` with
+    ``server_urls``): an engine actor then only talks HTTP and holds no device of this cluster."""
+    return bool(cfg.rollout.engine_kwargs.get("server_urls"))
+
+
 def devices_needed(cfg: Config) -> tuple[int, str]:
     """Devices the run's groups take, and how they add up: one per model rank, tensor_parallel_size per engine;
-    a colocated set shares as many as its largest group has ranks (rank i of each on device i)."""
+    a colocated set shares as many as its largest group has ranks (rank i of each on device i); engines that
+    drive servers elsewhere (:func:`engines_on_servers`) none."""
     r, t = cfg.rollout, cfg.train
-    sizes = {"actor": t.actor_num_ranks, "engines": r.num_engines}
+    sizes = {"actor": t.actor_num_ranks}
+    if not engines_on_servers(cfg):
+        sizes["engines"] = r.num_engines
     if uses_critic_model(cfg):
         sizes["critic"] = t.critic_num_ranks
     if t.kl_coef > 0 and not ref_in_actor(cfg):
@@ -1178,7 +1239,7 @@ def check_devices(cfg: Config, visible: int | None = None) -> None:
             return
     _need(visible >= 1, "--train.device cuda: no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the "
                         "driver), or run on CPU with --train.device cpu")
-    tp = cfg.rollout.tensor_parallel_size
+    tp = 0 if engines_on_servers(cfg) else cfg.rollout.tensor_parallel_size
     _need(tp <= visible, f"--rollout.tensor_parallel_size {tp} is larger than the {visible} GPUs visible: an "
                          f"engine spreads over tensor_parallel_size devices; set it to {visible} or less")
     need, parts = devices_needed(cfg)

@@ -14,13 +14,16 @@ to real tensors at small sizes. Every count is per rank (one GPU), in bytes.
   size of the largest bucket (``bucket_bytes``, or the largest tensor where one is bigger).
 * ZeRO-3 shards: ``ceil(numel / world)`` elements of every parameter, and as many of gradients, in the model
   dtype; Adam's two moments in float32, and with a 16-bit model its float32 master copy too.
+* A model rank at its peak (:func:`training_rank_bytes`, :func:`forward_rank_bytes`): its shards, the activations a
+  micro-batch keeps for backward (every layer's, or with gradient checkpointing every layer's input and one layer
+  recomputed), one log-prob chunk's logits, a dense mask, ZeRO-3's gather and reduce buffers.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -63,6 +66,8 @@ class ModelShape:
 PRESETS = {
     "qwen2.5-7b": ModelShape(num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4, head_dim=128,
                              intermediate_size=18944, vocab_size=152064, dtype="bfloat16", qkv_bias=True),
+    "llama-3.1-70b": ModelShape(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
+                                intermediate_size=28672, vocab_size=128256, dtype="bfloat16"),
 }
 
 
@@ -155,3 +160,98 @@ def zero3_shard_bytes(shape: ModelShape, world_size: int) -> dict[str, int]:
     per_rank = sum(-(-n // world_size) for n in param_numels(shape))
     optimizer = per_rank * (8 if shape.dtype_bytes == 4 else 12)  # m, v (+ the float32 master of 16-bit weights)
     return {"params": per_rank * shape.dtype_bytes, "grads": per_rank * shape.dtype_bytes, "optimizer": optimizer}
+
+
+# ---- a training rank at its peak ---------------------------------------------------------------------------------
+# DeepSpeed's ZeRO-3 defaults the runs keep (rlhf_sg.distributed.zero3_config sets none of them), in elements.
+ZERO3_PREFETCH_ELEMENTS = 50_000_000  # stage3_prefetch_bucket_size: parameters gathered ahead of their module
+ZERO3_REDUCE_ELEMENTS = 500_000_000  # reduce_bucket_size: gradients reduced at once
+
+#: response positions whose logits exist at once (``rlhf_sg.packing.response_logprobs``' chunk_tokens)
+LOGPROB_CHUNK_TOKENS = 1024
+
+#: what :func:`training_rank_bytes` and :func:`forward_rank_bytes` hold for the whole step; the rest comes and goes
+RESIDENT = ("params", "grads", "optimizer")
+
+
+def _norm_bytes_per_token(shape: ModelShape) -> int:
+    """An RMSNorm under autograd: its float32 input and inverse RMS, its normed input in the model dtype (for the
+    weight's gradient) and its output (the next projection's input)."""
+    return 4 * shape.hidden_size + 4 + 2 * shape.dtype_bytes * shape.hidden_size
+
+
+def layer_activation_bytes_per_token(shape: ModelShape) -> int:
+    """What one decoder layer (Llama / Qwen2 layout) keeps for backward per token, nothing recomputed: two norms;
+    the rotated queries and keys, the values, the attention output (o_proj's input: the fused kernels write it
+    token-major, so the same storage) and its float32 log-sum-exp (sdpa's fused kernels and flash attention keep
+    no L x L scores; a dense mask is counted apart); the MLP's gate and up projections, the activated gate and
+    down_proj's input."""
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    attention = shape.dtype_bytes * (2 * q + 2 * kv) + 4 * shape.num_heads
+    return 2 * _norm_bytes_per_token(shape) + attention + 4 * shape.dtype_bytes * shape.intermediate_size
+
+
+def saved_activation_bytes(shape: ModelShape, tokens: int, gradient_checkpointing: bool) -> int:
+    """What a forward of ``tokens`` tokens leaves for its backward: every layer's activations, or with gradient
+    checkpointing only every layer's input; and the final norm's."""
+    per_layer = (shape.dtype_bytes * shape.hidden_size if gradient_checkpointing
+                 else layer_activation_bytes_per_token(shape))
+    return tokens * (shape.num_layers * per_layer + 4 * shape.hidden_size + 4 + shape.dtype_bytes * shape.hidden_size)
+
+
+def activation_bytes(shape: ModelShape, tokens: int, gradient_checkpointing: bool) -> int:
+    """Activations at the backward's peak: what the forward saved, and with gradient checkpointing the one layer
+    whose activations the backward recomputes."""
+    recomputed = tokens * layer_activation_bytes_per_token(shape) if gradient_checkpointing else 0
+    return saved_activation_bytes(shape, tokens, gradient_checkpointing) + recomputed
+
+
+def logits_chunk_bytes(shape: ModelShape, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> int:
+    """One chunk of response logits: in the model dtype, its float32 log-softmax and that one's gradient."""
+    return chunk_tokens * shape.vocab_size * (shape.dtype_bytes + 8)
+
+
+def zero3_buffer_bytes(shape: ModelShape, train: bool) -> int:
+    """ZeRO-3's gathers and reductions: the largest parameter gathered whole, a prefetch bucket, and (training)
+    one gradient reduce bucket, in the model dtype."""
+    buffers = largest_tensor_bytes(shape) + ZERO3_PREFETCH_ELEMENTS * shape.dtype_bytes
+    return buffers + (ZERO3_REDUCE_ELEMENTS * shape.dtype_bytes if train else 0)
+
+
+def _value_model(shape: ModelShape) -> ModelShape:
+    """A critic or reward model: the backbone with a scalar head, no lm_head."""
+    return replace(shape, tie_word_embeddings=True)
+
+
+def training_rank_bytes(shape: ModelShape, world_size: int, tokens: int, gradient_checkpointing: bool,
+                        dense_mask: bool, lm_head: bool = True) -> dict[str, int]:
+    """One rank of a trained ZeRO-3 group over ``world_size`` ranks in the backward of a ``tokens``-token
+    micro-batch: its shards (:func:`zero3_shard_bytes`, :data:`RESIDENT`), the activations, one log-prob chunk's
+    logits (``lm_head``; a critic has none), a packed row's dense mask as every layer keeps it (``dense_mask``:
+    sdpa or eager on packed rows; flash attention takes none) and ZeRO-3's buffers."""
+    if not lm_head:
+        shape = _value_model(shape)
+    return {
+        **zero3_shard_bytes(shape, world_size),
+        "activations": activation_bytes(shape, tokens, gradient_checkpointing),
+        "logits": logits_chunk_bytes(shape) if lm_head else 0,
+        "mask": dense_mask_bytes_before(shape, 1, tokens) if dense_mask else 0,
+        "buffers": zero3_buffer_bytes(shape, train=True),
+    }
+
+
+def forward_rank_bytes(shape: ModelShape, world_size: int, tokens: int, offload: bool, dense_mask: bool,
+                       lm_head: bool = True) -> dict[str, int]:
+    """One rank of a forward-only ZeRO-3 group (reference, reward model) scoring a ``tokens``-token micro-batch: its
+    parameter shard (none on the device with ``offload``), one layer's activations and mask at a time, one
+    log-prob chunk's logits and the gather buffers."""
+    if not lm_head:
+        shape = _value_model(shape)
+    params = 0 if offload else zero3_shard_bytes(shape, world_size)["params"]
+    return {
+        "params": params, "grads": 0, "optimizer": 0,
+        "activations": tokens * layer_activation_bytes_per_token(shape),
+        "logits": logits_chunk_bytes(shape) if lm_head else 0,
+        "mask": dense_mask_bytes_per_layer(1, tokens, shape.dtype_bytes) if dense_mask else 0,
+        "buffers": zero3_buffer_bytes(shape, train=False),
+    }

@@ -392,7 +392,11 @@ class ModelWorker:
         inner = getattr(optimizer, "optimizer", optimizer)
         moments = sum(t.nbytes for state in inner.state.values() for t in state.values() if torch.is_tensor(t)
                       and t.dim() > 0)
-        master = sum(t.nbytes for t in getattr(optimizer, "fp32_partitioned_groups_flat", []))
+        # float32 masters: ZeRO-3's partition, or ZeRO stage 1's (an unpartitioned bfloat16 rank); an unpartitioned
+        # float32 rank's torch optimizer steps the weights themselves and keeps none
+        masters = (getattr(optimizer, "fp32_partitioned_groups_flat", None)
+                   or getattr(optimizer, "single_partition_of_fp32_groups", []))
+        master = sum(t.nbytes for t in masters)
         trainable = sum(math.prod(p.ds_shape) if hasattr(p, "ds_shape") else p.numel()
                         for p in self.module.parameters() if p.requires_grad)
         return {"moments": int(moments), "master": int(master), "trainable": int(trainable)}

@@ -1,12 +1,67 @@
 """On real GPUs, through Ray: what only a device can show of placement (``pytest -m gpu``)."""
 
+import json
+import os
+import random
+import string
+
 import pytest
 import torch
+
+from rlhf_sg.config import Config
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
 
 TIMEOUT_S = 300.0
+#: prompt tokens (the character tokenizer: one a character) of the long-rollout run's two prompts; unequal, so the
+#: ranks' micro-batches hold unequal shares of response tokens
+LONG_PROMPTS = (1000, 700)
+
+
+def _endless_model(path: str) -> str:
+    """A tiny random qwen2 that never samples EOS, so every response runs to max_new_tokens: hidden dimension 0
+    holds the same positive value at every position (the embeddings set it, no layer writes it), and the lm_head
+    row of EOS reads only that dimension, negatively (its logit about -60 against others near 0)."""
+    from rlhf_sg.tiny import EOS_ID, build_tiny_model, save_tiny_model
+
+    model = build_tiny_model("qwen2", "tiny", seed=0)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 0.05
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        model.lm_head.weight[EOS_ID] = 0.0
+        model.lm_head.weight[EOS_ID, 0] = -50.0
+    return save_tiny_model(path, model=model)
+
+
+def digit_share(prompts: list[str], completions: list[str], labels: list) -> list[float]:
+    """The share of a completion's characters that are digits: scores that differ within every group."""
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+
+
+def long_rollout_config(root: str) -> Config:
+    """GRPO at real lengths on CUDA: 2 ZeRO-3 actor ranks in bf16, one SGLang engine (bf16, as ``validate`` requires
+    of SGLang on CUDA) fed by the collective transport, two prompts of :data:`LONG_PROMPTS` tokens with 8 responses
+    of 1024 tokens each (several 1024-token log-prob chunks on every rank), no reference group."""
+    rng = random.Random(0)
+    prompts = os.path.join(root, "long_prompts.jsonl")
+    with open(prompts, "w") as f:
+        for n in LONG_PROMPTS:
+            f.write(json.dumps({"prompt": "".join(rng.choices(string.ascii_letters + string.digits, k=n))}) + "\n")
+    cfg = Config()
+    cfg.model.pretrain, cfg.model.dtype = _endless_model(os.path.join(root, "endless")), "bfloat16"
+    cfg.data.prompt_data, cfg.data.max_prompt_len = prompts, 1024
+    cfg.reward.function = "test_gpu_placement:digit_share"
+    cfg.rollout.backend, cfg.rollout.weight_transport = "sglang", "collective"
+    cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt = 2, 8
+    cfg.rollout.max_new_tokens, cfg.rollout.max_model_len = 1024, 2048
+    cfg.train.device, cfg.train.advantage_estimator, cfg.train.kl_coef = "cuda", "grpo", 0.0
+    cfg.train.actor_num_ranks, cfg.train.max_steps, cfg.train.max_tokens_per_microbatch = 2, 2, 8192
+    cfg.log.output_dir = os.path.join(root, "run")
+    cfg.log.progress_bar = cfg.log.tensorboard = cfg.log.export_hf = False
+    return cfg
 
 
 def test_a_two_rank_zero3_group_forms_over_nccl_with_one_gpu_per_rank(ray_cluster, tmp_path):
@@ -31,25 +86,22 @@ def test_a_two_rank_zero3_group_forms_over_nccl_with_one_gpu_per_rank(ray_cluste
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 CUDA devices")
-def test_sglang_collective_sync_from_two_zero3_ranks(ray_cluster, task, tmp_path):
+def test_sglang_collective_sync_from_two_zero3_ranks_at_real_lengths(ray_cluster, tmp_path):
     """Proves defect 2 fixed on hardware: with 2 actor ranks DeepSpeed binds the default NCCL group to a device,
     and torch then builds later NCCL groups by splitting that communicator; the weight-sync side group with the
     SGLang scheduler (joined through the TCP store) must be built outside the split, or the scheduler is never
-    in it and the first sync hangs. Two GRPO steps on CUDA (actor ranks on GPUs 0 and 1, the SGLang engine on a
-    third) with the collective transport: both syncs land, and the engine's log-probs track the trainer's."""
+    in it and the first sync hangs. Two GRPO steps on CUDA in bf16 (actor ranks on GPUs 0 and 1, the SGLang engine
+    on a third) at real lengths: 1k-token prompts, 8 responses of 1024 tokens each, so every rank computes several
+    log-prob chunks in its forwards and backward (ZeRO-3 gathers the lm_head at each). Both syncs land, every
+    response is full length, and the engine's log-probs track the trainer's."""
     import importlib.util
 
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("sglang not installed (bash recipes/install/gpu.sh sglang)")
-    import arith_task
-    from quickstart_cpu import make_config
-
     from rlhf_sg.trainer import train
 
-    cfg = make_config(*task, str(tmp_path / "run"), 2, "grpo", "sglang")
-    cfg.train.device, cfg.train.actor_num_ranks, cfg.train.kl_coef = "cuda", 2, 0.0  # no reference group
-    cfg.rollout.weight_transport = "collective"
-    cfg.log.progress_bar = cfg.log.tensorboard = cfg.log.export_hf = False
-    history = train(cfg, reward_fn=arith_task.addition_reward)
+    cfg = long_rollout_config(str(tmp_path))
+    history = train(cfg, reward_fn=digit_share)
     assert [h["weight_version"] for h in history] == [1, 2]
+    assert all(h["rollout/truncated_frac"] == 1.0 for h in history)  # every response ran to max_new_tokens
     assert max(h["rollout/logp_gap_engine_vs_trainer"] for h in history) < 0.05

@@ -94,3 +94,32 @@ def test_the_unpartitioned_deepspeed_config():
         zero3_config(stage=0, offload=True)
     with pytest.raises(ValueError, match="stage must be 0 or 3"):
         zero3_config(stage=2)
+
+
+def test_an_engine_driving_servers_elsewhere_asks_ray_for_no_gpu(monkeypatch):
+    """The engines' Ray actors ask for tensor_parallel_size GPUs each on CUDA, and for none when they drive SGLang
+    servers running elsewhere: the HTTP client holds no GPU, and under RAY_ADDRESS (where the device check is
+    skipped) an actor asking for the servers' GPU count would never be scheduled. What the cluster hands
+    ``start_engine_actors`` is bound to its real signature."""
+    import inspect
+
+    from rlhf_sg import engine_actor
+    from rlhf_sg.config import check_devices
+    from rlhf_sg.trainer.cluster import Cluster
+
+    real = inspect.signature(engine_actor.start_engine_actors)
+    asked = []
+    monkeypatch.setattr(engine_actor, "start_engine_actors",
+                        lambda *a, **kw: asked.append(real.bind(*a, **kw).arguments["num_gpus"]) or [])
+
+    def cfg(**engine_kwargs):
+        config = _cfg(actor=8, device="cuda")
+        config.rollout.backend, config.rollout.tensor_parallel_size = "sglang", 16
+        config.rollout.engine_kwargs = engine_kwargs
+        return config
+
+    on_servers = cfg(server_urls=["http://node1:30000", "http://node2:30000"])
+    Cluster(on_servers)._start_engines()
+    Cluster(cfg())._start_engines()
+    assert asked == [0.0, 16.0]
+    check_devices(on_servers, visible=8)  # the trainer's 8 ranks are all this cluster's GPUs hold

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from rlhf_sg import memory
 from rlhf_sg.tiny import build_tiny_model, save_tiny_model, tiny_config
@@ -74,6 +75,80 @@ def test_parameter_formula_equals_the_model(arch):
     assert shards["optimizer"] == 2 * shards["params"]  # fp32 weights: Adam's m and v only
 
 
+def _layered_config(arch: str, layers: int, **kw):
+    """:func:`tiny_config` with ``layers`` decoder layers (a config built at 2 keeps its 2 layer types)."""
+    config = tiny_config(arch, **kw)
+    return type(config)(**{**config.to_dict(), "num_hidden_layers": layers, "layer_types": None})
+
+
+def _saved_activation_bytes(model, tokens: int) -> int:
+    """Bytes of the tensors a training forward of ``tokens`` tokens through ``model``'s backbone keeps for its
+    backward (distinct storages, the parameters left out)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(3, 90, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model(input_ids=ids)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["all-layers", "checkpointed"])
+def test_activation_formula_against_what_a_training_forward_saves(arch, checkpointing):
+    """A bf16 model of 6 layers under sdpa keeps for its backward what ``memory.saved_activation_bytes`` counts
+    (norms, attention, MLP per layer; with gradient checkpointing each layer's input), within 2 %: the figure
+    behind the activations of a training rank."""
+    config = _layered_config(arch, 6)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    shape = memory.ModelShape.from_hf_config({**config.to_dict(), "model_type": arch}, dtype="bfloat16")
+    measured = _saved_activation_bytes(model, 256)
+    assert measured == pytest.approx(memory.saved_activation_bytes(shape, 256, checkpointing), rel=0.02)
+
+
+def _optimizer_state_after_a_step(model_path: str, zero_stage: int, dtype: str) -> dict:
+    """One actor rank (world size 1) at ``zero_stage`` in ``dtype`` after an optimizer step: what it reports of its
+    optimizer state (the figure the trainer logs)."""
+    import torch.distributed as dist
+    from zero3_rank import PLAIN_UPDATE, actor_rank, one_step
+
+    worker, batch, plan = actor_rank(model_path, zero_stage=zero_stage, dtype=dtype)
+    try:
+        batch.old_logp = worker.forward(batch, plan)[1]
+        worker.train_actor(batch, one_step(plan, batch), PLAIN_UPDATE)
+        return worker.optimizer_state_bytes()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("zero_stage", "dtype"), [(3, "bfloat16"), (0, "bfloat16"), (0, "float32")],
+                         ids=["zero3-bf16", "unpartitioned-bf16", "unpartitioned-fp32"])
+def test_a_ranks_optimizer_state_is_what_the_shard_formula_counts(tmp_path, zero_stage, dtype):
+    """A trained rank's optimizer state is ``zero3_shard_bytes``' optimizer figure for one rank: Adam's two float32
+    moments, and with a bf16 model float32 master weights, which ZeRO-3 keeps in its partitioned flat groups and
+    the ZeRO stage-1 optimizer of an unpartitioned bf16 rank (``--train.single_rank_zero3 false``) in its single
+    partition; an unpartitioned float32 rank's torch optimizer steps the weights themselves and keeps no copy."""
+    from zero3_rank import in_fresh_process
+
+    path = save_tiny_model(str(tmp_path / "m"))
+    state = in_fresh_process(_optimizer_state_after_a_step, path, zero_stage, dtype)
+    shape = _shape(dtype=dtype)
+    assert state["trainable"] == memory.param_count(shape)
+    assert state["master"] == (4 * state["trainable"] if dtype == "bfloat16" else 0)
+    assert state["moments"] + state["master"] == memory.zero3_shard_bytes(shape, 1)["optimizer"]
+
+
 def test_kv_formula_equals_the_embedded_engine_buffers(tmp_path, monkeypatch):
     """The engine's bytes a token (its probe's measure) and the storages of a real decode batch's buffers equal the
     formula for the model's shape."""
@@ -133,8 +208,7 @@ def _shared_prompt_backward_peak(layers: int, rows: int, prompt: int, response: 
     from rlhf_sg.packing import response_logprobs
 
     segment = prompt + rows * response
-    config = tiny_config("qwen2", max_len=segment + 16)
-    config.num_hidden_layers = layers
+    config = _layered_config("qwen2", layers, max_len=segment + 16)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).train()

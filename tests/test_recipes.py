@@ -8,14 +8,17 @@ its arguments, which then go through :func:`rlhf_sg.config.parse_args`, the CLI'
 import glob
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
 
 import pytest
 
-from rlhf_sg.config import parse_args
+from rlhf_sg import memory
+from rlhf_sg.config import check_devices, engines_on_servers, offload_states, parse_args, sleep_engines
 from rlhf_sg.tiny import save_tiny_model
+from rlhf_sg.trainer.layout import Layout
 
 RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
 GPU_RECIPES = sorted(glob.glob(os.path.join(RECIPES, "gpu_*.sh")))
@@ -83,3 +86,78 @@ def test_engine_twins_run_one_layout_config_and_differ_only_in_the_backend(recip
     config = sglang[sglang.index("--config") + 1]
     assert os.path.dirname(config) == os.path.join(RECIPES, "gpu")
     assert parse_args(sglang[1:]).rollout.backend == "sglang" and parse_args(vllm[1:]).rollout.backend == "vllm"
+
+
+#: each GPU recipe (or the layout config it passes) states what it is sized for; without "of M GB", 80 GB
+SIZED_FOR = re.compile(r"^# Sized for (?P<model>\S+) on (?P<gpus>\d+) GPUs(?: of (?P<gb>\d+) GB)?", re.MULTILINE)
+#: what an engine takes of its device when --rollout.memory_fraction is unset (SGLang's and the embedded engine's)
+ENGINE_DEFAULT_FRACTION = 0.9
+
+
+def _sized_for(recipe: str, argv: list[str]) -> tuple[str, int, int]:
+    """The model (a ``bench memory`` preset), GPU count and bytes a GPU the recipe states it is sized for: in the
+    script, else in the layout config it passes. A GPU of "80 GB" is 80e9 bytes: an H100's 79.6 GiB less about 5 GiB
+    of CUDA context, NCCL buffers and allocator slack."""
+    paths = [recipe] + ([argv[argv.index("--config") + 1]] if "--config" in argv else [])
+    for path in paths:
+        with open(path) as f:
+            found = SIZED_FOR.search(f.read())
+        if found:
+            return found["model"], int(found["gpus"]), int(found["gb"] or 80) * 10**9
+    pytest.fail(f"{os.path.basename(recipe)}: no '# Sized for MODEL on N GPUs of M GB' line in it or its --config "
+                f"(MODEL: a preset of rlhf_sg.memory.PRESETS)")
+
+
+def _peak_per_device(cfg, shape: memory.ModelShape, device_bytes: int) -> dict[str, tuple[int, str]]:
+    """The peak bytes on a device of each set of groups that share devices (or of each group alone), from
+    ``bench memory``'s per-rank formulas, and how they add up. Groups sharing a device keep their shards there all
+    step and take turns with the rest (one phase at a time); colocated engines that sleep while the trainer
+    trains, beside training states that leave while they generate, take turns with the trainer too."""
+    t, r = cfg.train, cfg.rollout
+    layout = Layout(cfg)
+    sizes, tokens = layout.group_sizes(), t.max_tokens_per_microbatch
+    dense_mask = cfg.model.attn_implementation != "flash_attention_2"
+
+    def rank(role: str) -> dict[str, int]:
+        if role in ("actor", "critic"):
+            return memory.training_rank_bytes(shape, sizes[role], tokens, t.gradient_checkpointing, dense_mask,
+                                              lm_head=role == "actor")
+        return memory.forward_rank_bytes(shape, sizes[role], tokens, role == "ref" and t.ref_offload, dense_mask,
+                                         lm_head=role == "ref")
+
+    fraction = r.memory_fraction or ENGINE_DEFAULT_FRACTION
+    shared = layout.colocation()
+    sets = shared + [[g] for g in sizes if not any(g in s for s in shared)]
+    peaks = {}
+    for names in sets:
+        models = {g: rank(g) for g in names if g != "engines"}
+        if not models and engines_on_servers(cfg):
+            continue  # engines that drive servers elsewhere hold no device here
+        resident = sum(b[k] for b in models.values() for k in memory.RESIDENT)
+        transient = max((sum(v for k, v in b.items() if k not in memory.RESIDENT) for b in models.values()), default=0)
+        trainer = resident + transient
+        parts = [f"{g} {sum(b.values()) / 1e9:.1f} GB" for g, b in models.items()]
+        if "engines" in names and not engines_on_servers(cfg):
+            engine = int(fraction * device_bytes)
+            weights = memory.weight_bytes(shape) // r.tensor_parallel_size
+            assert weights < engine, (f"an engine's weights ({weights / 1e9:.1f} GB a GPU) exceed its share of the "
+                                      f"GPU ({engine / 1e9:.1f} GB)")
+            takes_turns = models and sleep_engines(cfg) and offload_states(cfg)
+            parts.append(f"engine {engine / 1e9:.1f} GB" + (", taking turns with the trainer" if takes_turns else ""))
+            trainer = max(trainer, engine) if takes_turns else trainer + engine
+        peaks["+".join(names)] = (trainer, ", ".join(parts))
+    return peaks
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=os.path.basename)
+def test_every_gpu_recipe_fits_the_node_it_is_sized_for(recipe_env, recipe):
+    """A recipe that could not start on its node fails here: its layout against the node's GPU count by the
+    trainer's own device check (which a run joining a Ray cluster skips), and each device's peak, from ``bench
+    memory``'s formulas for the model it is sized for, against the GPU's memory."""
+    argv = _recorded(recipe_env, recipe)
+    cfg = parse_args(argv[1:])
+    model, gpus, device_bytes = _sized_for(recipe, argv)
+    check_devices(cfg, visible=gpus)
+    for devices, (peak, parts) in _peak_per_device(cfg, memory.load_shape(model), device_bytes).items():
+        assert peak <= device_bytes, (f"{os.path.basename(recipe)}: a GPU of {devices} needs {peak / 1e9:.1f} GB "
+                                      f"({parts}) of the {device_bytes / 1e9:.0f} GB it is sized for")

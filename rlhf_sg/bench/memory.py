@@ -1,14 +1,17 @@
 """Device memory per rank for a model shape and a sequence length, from :mod:`rlhf_sg.memory`'s formulas.
 
 ``python -m rlhf_sg.bench memory --model-config qwen2.5-7b --seq-len 16384 [--rows 1] [--world-size 8]
-[--device-gib 80] [--memory-fraction 0.9] [--bucket-bytes 536870912]``
+[--device-gib 80] [--memory-fraction 0.9] [--bucket-bytes 536870912] [--gradient-checkpointing]
+[--attn-implementation sdpa]``
 
 ``--model-config``: a preset (``qwen2.5-7b``), a model directory or a ``config.json``. Prints, for one rank:
 the dense attention mask of ``--rows`` rows of ``--seq-len`` tokens before (a boolean mask every layer converts
 and keeps its own copy of) and after (one shared copy in the model dtype) and their ratio; the embedded engine's
 KV budget at ``--memory-fraction`` of a ``--device-gib`` device and the rows of ``--seq-len`` tokens it holds;
-the weight-sync buffers of a sending rank; and the ZeRO-3 shards over ``--world-size`` ranks. Nothing is
-allocated: the figures are the formulas ``tests/test_memory.py`` holds to real tensors.
+the weight-sync buffers of a sending rank; the ZeRO-3 shards over ``--world-size`` ranks; and a training rank at
+its backward's peak, a micro-batch of ``--rows`` x ``--seq-len`` tokens (``--train.max_tokens_per_microbatch``):
+shards, activations, logits, mask and ZeRO-3's buffers, against the device. Nothing is allocated: the figures
+are the formulas ``tests/test_memory.py`` holds to real tensors.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ def _size(nbytes: int) -> str:
 
 
 def report(shape: memory.ModelShape, name: str, seq_len: int, rows: int, world_size: int, device_bytes: int,
-           memory_fraction: float, bucket_bytes: int) -> list[str]:
+           memory_fraction: float, bucket_bytes: int, gradient_checkpointing: bool = False,
+           attn_implementation: str = "sdpa") -> list[str]:
     """The lines the bench prints."""
     per_layer = memory.dense_mask_bytes_per_layer(rows, seq_len, shape.dtype_bytes)
     before = memory.dense_mask_bytes_before(shape, rows, seq_len)
@@ -33,6 +37,9 @@ def report(shape: memory.ModelShape, name: str, seq_len: int, rows: int, world_s
     kv_rows = max(0, budget) // row_bytes
     sync = memory.sync_bytes(shape, bucket_bytes)
     shards = memory.zero3_shard_bytes(shape, world_size)
+    tokens = rows * seq_len
+    rank = memory.training_rank_bytes(shape, world_size, tokens, gradient_checkpointing,
+                                      dense_mask=attn_implementation != "flash_attention_2")
     return [
         f"model {name}: {shape.num_layers} layers, hidden {shape.hidden_size}, {shape.num_heads} heads / "
         f"{shape.num_kv_heads} KV heads of {shape.head_dim}, intermediate {shape.intermediate_size}, vocab "
@@ -53,6 +60,11 @@ def report(shape: memory.ModelShape, name: str, seq_len: int, rows: int, world_s
         f"{memory.largest_tensor_bytes(shape)}))",
         f"  ZeRO-3 shards over {world_size} ranks: params {_size(shards['params'])}, grads {_size(shards['grads'])}, "
         f"optimizer {_size(shards['optimizer'])}, total {_size(sum(shards.values()))}",
+        f"  a training rank at its backward's peak ({tokens} tokens a micro-batch, gradient checkpointing "
+        f"{'on' if gradient_checkpointing else 'off'}, {attn_implementation}): shards "
+        f"{_size(sum(rank[k] for k in memory.RESIDENT))} + activations {_size(rank['activations'])} + logits "
+        f"{_size(rank['logits'])} + mask {_size(rank['mask'])} + ZeRO-3 buffers {_size(rank['buffers'])} = "
+        f"{_size(sum(rank.values()))} of the device's {_size(device_bytes)}",
     ]
 
 
@@ -68,13 +80,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device-gib", type=float, default=80.0, help="device memory, GiB")
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="--rollout.memory_fraction")
     parser.add_argument("--bucket-bytes", type=int, default=RolloutConfig().bucket_bytes, help="--rollout.bucket_bytes")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="--train.gradient_checkpointing true")
+    parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"],
+                        help="--model.attn_implementation (flash attention keeps no dense mask)")
     args = parser.parse_args(argv)
     try:
         shape = memory.load_shape(args.model_config)
     except ValueError as exc:
         parser.error(str(exc))
     for line in report(shape, args.model_config, args.seq_len, args.rows, args.world_size,
-                       int(args.device_gib * 2**30), args.memory_fraction, args.bucket_bytes):
+                       int(args.device_gib * 2**30), args.memory_fraction, args.bucket_bytes,
+                       args.gradient_checkpointing, args.attn_implementation):
         print(line)
 
 

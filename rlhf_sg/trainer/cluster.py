@@ -176,7 +176,7 @@ class Cluster:
         r, t = self.cfg.rollout, self.cfg.train
         return start_engine_actors(
             r.backend, self.layout.engine_config(), r.num_engines, num_cpus=1.0,
-            num_gpus=float(r.tensor_parallel_size) if t.device == "cuda" else 0.0, start_timeout_s=t.timeout_s,
+            num_gpus=self.layout.engine_gpus, start_timeout_s=t.timeout_s,
             shared=self._engine_bundles, only=only, abortable=self.abortable_engines,
         )
 

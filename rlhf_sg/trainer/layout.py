@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from rlhf_sg.config import (
     Config,
+    engines_on_servers,
     lr_warmup_steps,
     optimizer_steps,
     ref_in_actor,
@@ -43,6 +44,15 @@ class Layout:
     @property
     def uses_reward_model(self) -> bool:
         return self.cfg.reward.kind == "model"
+
+    @property
+    def engine_gpus(self) -> float:
+        """GPUs Ray gives each engine actor: tensor_parallel_size on CUDA; none on CPU, nor for an engine that
+        drives inference servers running elsewhere (it only talks HTTP, and a GPU asked for here would leave it
+        unscheduled, or hold GPUs of the trainer's cluster idle)."""
+        if self.cfg.train.device != "cuda" or engines_on_servers(self.cfg):
+            return 0.0
+        return float(self.cfg.rollout.tensor_parallel_size)
 
     def group_sizes(self) -> dict[str, int]:
         """Ranks of every group this run starts (engines included)."""
