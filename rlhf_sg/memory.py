@@ -49,17 +49,35 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config: dict, dtype: str | None = None) -> ModelShape:
-        """From a Hugging Face ``config.json`` (as a dict); ``dtype`` overrides its ``torch_dtype``."""
-        heads = config["num_attention_heads"]
+        """From a Hugging Face ``config.json`` (as a dict); ``dtype`` overrides its ``torch_dtype``.
+
+        Read through the family's own config class, so each family's key names count (GPT-2's and Bloom's
+        ``n_head`` / ``n_layer`` through ``attribute_map``), and a multimodal config's text part is the one read.
+        Without an intermediate size (GPT-2's ``n_inner`` unset, Bloom) the MLP is 4 x hidden."""
+        text = _text_config(config)
+        hidden = int(text.hidden_size)
+        heads = int(text.num_attention_heads)
+        intermediate = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
         return cls(
-            num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"], num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+            num_layers=int(text.num_hidden_layers), hidden_size=hidden, num_heads=heads,
+            num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+            intermediate_size=int(intermediate), vocab_size=int(text.vocab_size),
             dtype=dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16",
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)),
+            qkv_bias=text.model_type == "qwen2" or bool(getattr(text, "attention_bias", False)),
         )
+
+
+def _text_config(config: dict):
+    """The transformers config object of a ``config.json`` dict (its text part for a multimodal model); a dict with
+    no ``model_type`` is read as Llama-style keys."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    kwargs = {k: v for k, v in config.items() if k != "model_type"}
+    built = (AutoConfig.for_model(config["model_type"], **kwargs) if config.get("model_type")
+             else PretrainedConfig(**kwargs))
+    return built.get_text_config()
 
 
 #: model shapes by name, for ``--model-config`` (no download: the sizes of the published config.json)

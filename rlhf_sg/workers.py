@@ -335,7 +335,10 @@ class ModelWorker:
         config = AutoConfig.from_pretrained(self.spec.model_path)
         if self.spec.disable_dropout:
             without_dropout(config)
-        kwargs = dict(config=config, dtype=dtype, attn_implementation=self.spec.attn_implementation)
+        from rlhf_sg.models import attention_implementation
+
+        attn = attention_implementation(config, self.spec.attn_implementation)
+        kwargs = dict(config=config, dtype=dtype, attn_implementation=attn)
         if self.spec.role in ("actor", "ref"):
             from transformers import AutoModelForCausalLM
 

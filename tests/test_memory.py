@@ -239,3 +239,19 @@ def test_a_16k_token_shared_prompt_backward_holds_one_mask_on_cuda():
     assert six - two < per_layer, f"4 more layers took {six - two} bytes; one layer's mask copy is {per_layer}"
     budget = 2 * memory.shared_mask_bytes(1, seq_len, 2) + 2**30
     assert six <= budget, f"peak {six} bytes over the budget of {budget}"
+
+
+@pytest.mark.parametrize("family", ["gpt-2", "bloom", "qwen3-moe", "gemma-3"])
+def test_model_shapes_read_each_familys_own_config_keys(family, tmp_path):
+    """GPT-2 and Bloom name their head and layer counts ``n_head`` / ``n_layer`` (transformers' ``attribute_map``);
+    reading Llama's keys failed the run at start-up with ``KeyError: 'num_attention_heads'``."""
+    from rlhf_sg.memory import load_shape
+    from rlhf_sg.tiny import tiny_family_model
+
+    model = tiny_family_model(family)
+    model.config.save_pretrained(str(tmp_path))
+    shape = load_shape(str(tmp_path))
+    text = model.config.get_text_config()
+    assert (shape.num_layers, shape.num_heads, shape.hidden_size, shape.vocab_size) == (
+        text.num_hidden_layers, text.num_attention_heads, text.hidden_size, text.vocab_size)
+    assert shape.head_dim == getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads

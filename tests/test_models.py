@@ -94,3 +94,23 @@ def test_bad_checkpoints_are_named(tmp_path, causal_lm_dir):
     save_file({"value_head.weight": torch.zeros(1, 3)}, str(tmp_path / "ckpt" / VALUE_HEAD_FILE))
     with pytest.raises(ValueError, match=r"value head of shape \(1, 3\), expected \(1, 64\)"):
         ValueHeadModel.from_pretrained(str(tmp_path / "ckpt"))
+
+
+def test_a_family_without_sdpa_loads_with_eager_attention(caplog):
+    """transformers refuses sdpa for GPT-OSS (its attention sinks) and Bloom; a run asking for the default sdpa
+    loads them with eager, and says so, where the load failed at start-up before."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_sg.models import attention_implementation
+    from rlhf_sg.tiny import tiny_family_model
+
+    for family, want in (("gpt-oss", "eager"), ("bloom", "eager"), ("qwen2", "sdpa"), ("gemma-3", "sdpa")):
+        config = tiny_family_model(family).config
+        with caplog.at_level(logging.WARNING, logger="rlhf_sg.models"):
+            got = attention_implementation(config, "sdpa")
+        assert got == want, family
+        AutoModelForCausalLM.from_config(config, attn_implementation=got)  # loads
+        assert attention_implementation(config, "flash_attention_2") == "flash_attention_2"
+    assert sum("no sdpa attention" in r.getMessage() for r in caplog.records) == 2
