@@ -118,6 +118,10 @@ _EXTRA_KEYS = {
 }
 # head sizes vLLM 0.32's CPU attention kernels take (vllm/v1/attention/backends/cpu_attn.py)
 _CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+#: config keys that count a mixture-of-experts model's experts (Qwen-MoE / Qwen3-Next, Mixtral / GPT-OSS, DeepSeek)
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+#: the vLLM release the CPU refusals below were measured on
+_VLLM_PIN = "0.32.0"
 _EXTENSION = "backends.vllm_worker.WeightSyncExtension"
 _SEED_MASK = (1 << 63) - 1
 #: the longest abort_generation waits for the running generate to return (one engine step)
@@ -739,6 +743,14 @@ def _check_config(config: BackendConfig) -> None:
             raise BackendError(
                 f"model {config.model_path!r} has attention head size {head_dim}; vLLM's CPU attention takes only "
                 f"{list(_CPU_HEAD_SIZES)}. Use a model with one of those head sizes (hidden_size / num_attention_heads)"
+            )
+        experts = next((getattr(text, k) for k in _EXPERT_KEYS if getattr(text, k, None)), None)
+        if experts:
+            raise BackendError(
+                f"model {config.model_path!r} ({text.model_type}) is a mixture of experts ({experts} experts): vLLM "
+                f"{_VLLM_PIN}'s CPU build packs expert weights into its kernel's layout at load only, and a weight "
+                "update leaves them in the checkpoint's (the engine's log-probs then drift from the trainer's after "
+                "the first sync). On CPU use --rollout.backend sglang or hf for mixture-of-experts models"
             )
 
 

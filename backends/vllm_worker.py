@@ -232,6 +232,8 @@ class WeightSyncExtension:
         model = self.model_runner.get_model()
         targets = []
         for name, tensor in named:
+            if self._rlhf_is_expert_weight(name):
+                continue  # vLLM's expert loader places it; its name and shape were checked against the checkpoint
             resolved = self._rlhf_resolve(name)
             part = self._rlhf_local_part(name, read=False)
             if resolved is None or part is None:
@@ -264,6 +266,19 @@ class WeightSyncExtension:
             return None
         _, tensor, shard_dim, shard_index = part
         return {"tensor": tensor, "shard_dim": shard_dim, "shard_index": shard_index}
+
+    def _rlhf_is_expert_weight(self, name: str) -> bool:
+        """Whether ``name`` is one expert's checkpoint tensor (``...mlp.experts.3.gate_proj.weight``) of a layer whose
+        experts vLLM keeps fused: its ``load_weights`` maps such names through the model's expert mapping (which
+        expert, which half of the fused gate/up), which this worker does not repeat."""
+        prefix, sep, rest = name.partition(".experts.")
+        if not sep or not rest.split(".", 1)[0].isdigit():
+            return False
+        try:
+            experts = self.model_runner.get_model().get_submodule(prefix + ".experts")
+        except AttributeError:
+            return False
+        return not hasattr(experts, rest.split(".", 1)[0])  # not a ModuleList of per-expert modules
 
     def _rlhf_resolve(self, name: str):
         """(module, its path, parameter name, packed shard index or None) holding HF tensor ``name``,

