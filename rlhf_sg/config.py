@@ -106,7 +106,7 @@ class TrainConfig:
     #: take one sequence per row instead, see the README's model families). Needs an attention that takes a mask
     #: (sdpa, eager); with flash_attention_2 (varlen, no tree mask) every row computes its own prompt. On sdpa the
     #: ranks compute the segments block by block (each response over its prompt and itself, not the mask's square;
-    #: packing.SharedPromptBlocks), a group per segment up to 4096 tokens
+    #: packing.SharedPromptBlocks), a group one segment however long (its prompt computed once, no [L, L] mask built)
     share_prompts: bool = True
     #: at model load, every actor / critic / reference / reward rank runs three short sequences through the
     #: layouts its forwards use (packed two to a row; shared prompts) and alone: a difference beyond float

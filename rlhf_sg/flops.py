@@ -188,8 +188,8 @@ def microbatch_segments(sequences: torch.Tensor, attention_mask: torch.Tensor, r
                         plan: Sequence[Sequence[int]], share_prompts: bool, segment_tokens: int) -> list[Segment]:
     """The segments the micro-batches of ``plan`` (lists of row indices) compute: each row alone, or with
     ``share_prompts`` the rows of one prompt within a micro-batch cut as the shared-prompt packing cuts them
-    (``segment_tokens``: its segment size, the model's hidden size by default, as
-    :func:`rlhf_sg.packing.default_segment_tokens`)."""
+    (``segment_tokens``: its segment size, as :func:`rlhf_sg.packing.default_segment_tokens` gives it: the hidden
+    size on the tree mask, :data:`rlhf_sg.packing.UNCAPPED_SEGMENT_TOKENS` on the blocks)."""
     from rlhf_sg.packing import prompt_groups, shared_prompt_segments
 
     prompt_len, response_len = row_lengths(attention_mask, response_width)

@@ -14,6 +14,8 @@ to real tensors at small sizes. Every count is per rank (one GPU), in bytes.
   size of the largest bucket (``bucket_bytes``, or the largest tensor where one is bigger).
 * ZeRO-3 shards: ``ceil(numel / world)`` elements of every parameter, and as many of gradients, in the model
   dtype; Adam's two moments in float32, and with a 16-bit model its float32 master copy too.
+* Shared-prompt blocks (:func:`shared_prompt_block_bytes`): what their sdpa calls keep for backward per layer (the
+  gathered queries, keys and values, the outputs and log-sum-exp), and their slot indices once for all layers.
 * A model rank at its peak (:func:`training_rank_bytes`, :func:`forward_rank_bytes`): its shards, the activations a
   micro-batch keeps for backward (every layer's, or with gradient checkpointing every layer's input and one layer
   recomputed), one log-prob chunk's logits, a dense mask, ZeRO-3's gather and reduce buffers.
@@ -273,3 +275,36 @@ def forward_rank_bytes(shape: ModelShape, world_size: int, tokens: int, offload:
         "mask": dense_mask_bytes_per_layer(1, tokens, shape.dtype_bytes) if dense_mask else 0,
         "buffers": zero3_buffer_bytes(shape, train=False),
     }
+
+
+# ---- shared-prompt blocks ------------------------------------------------------------------------------------------
+
+
+def block_kv_heads(shape: ModelShape) -> int:
+    """The key / value heads the shared-prompt blocks hand sdpa on CUDA: the model's own in 16 bits, which the flash
+    kernel takes grouped (``rlhf_sg.packing._takes_grouped_heads``); in float32 (no flash kernel) the query heads,
+    repeated."""
+    return shape.num_kv_heads if shape.dtype_bytes == 2 else shape.num_heads
+
+
+def shared_prompt_block_bytes(shape: ModelShape, prompt_len: int, group_size: int, response_len: int,
+                              segments: int = 1, kv_heads: int | None = None) -> dict[str, int]:
+    """What the shared-prompt blocks (``rlhf_sg.packing.SharedPromptBlocks``) keep for backward on one group: a prompt
+    of ``prompt_len`` tokens and ``group_size`` responses of ``response_len``, in ``segments`` segments (1: the group
+    whole, as on the blocks; ``group_size``: a segment a response, each with the prompt).
+
+    ``layer``: what one layer's sdpa calls keep: for each segment's prompt (causal) and each response (over the keys
+    of its prompt and itself), the gathered queries, keys and values and the output in the model dtype, and the
+    float32 log-sum-exp; ``kv_heads`` key / value heads (:func:`block_kv_heads` by default). ``indices``: the int64
+    slots they gather at (prompts, each response's queries and keys) and put back by, one storage for all layers.
+    Without gradient checkpointing a micro-batch keeps ``layers x layer + indices``; with it one layer's at a time."""
+    kv = kv_heads or block_kv_heads(shape)
+    b, d = shape.dtype_bytes, shape.head_dim
+
+    def call(queries: int, keys: int) -> int:  # one block of the batch sdpa is handed
+        return queries * shape.num_heads * (2 * d * b + 4) + 2 * keys * kv * d * b
+
+    layer = segments * call(prompt_len, prompt_len) + group_size * call(response_len, prompt_len + response_len)
+    slots = segments * prompt_len + group_size * response_len
+    indices = 8 * (segments * prompt_len + group_size * (2 * response_len + prompt_len) + slots)
+    return {"layer": layer, "indices": indices}

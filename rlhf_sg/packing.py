@@ -50,6 +50,7 @@ import functools
 import heapq
 import logging
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,7 +291,8 @@ class SharedPromptRows:
     continue from the prompt's length, so every token sees exactly what it saw in its own padded row and the
     results are those of :func:`pack` up to float rounding. A group too long for one segment
     (``segment_tokens``) is split, each part with its own copy of the prompt. Segments are bin-packed
-    (first-fit decreasing) into rows as long as the longest segment.
+    (first-fit decreasing) into rows as long as the longest segment; with :data:`UNCAPPED_SEGMENT_TOKENS` (a model
+    on the blocks) each group is one segment and every segment lies in one row (:func:`shared_prompt_segments`).
 
     Packed rows (model input):
         input_ids, position_ids: [R, L] long; pad slots hold 0.
@@ -360,7 +362,27 @@ def shared_prompt_segments(
 ) -> list[list[int]]:
     """The segments :func:`pack_shared_prompts` packs: each prompt group as few segments of at most ``capacity``
     tokens (prompt once + responses) as fit, each with about the same response tokens, row indices in group
-    order. ``prompt_len`` / ``response_len``: real tokens per row."""
+    order. ``prompt_len`` / ``response_len``: real tokens per row.
+
+    ``capacity`` :data:`UNCAPPED_SEGMENT_TOKENS` (a model on the blocks, whose response costs its prompt and itself
+    whatever the segment holds): each group whole, its prompt once however long its responses, every segment in one
+    row; but where the blocks would cost more than the tree mask on that row (:meth:`SharedPromptBlocks.pays`: they
+    would gather more than twice its rows, one long response among short ones), cut at
+    :data:`MAX_DEFAULT_SEGMENT_TOKENS` for the tree mask, whose [L, L] square must stay bounded."""
+    return _cut_segments(groups, prompt_len, response_len, capacity)[0]
+
+
+def _cut_segments(
+    groups: list[list[int]], prompt_len: list[int], response_len: list[int], capacity: int
+) -> tuple[list[list[int]], bool]:
+    """:func:`shared_prompt_segments`, and whether they are the whole groups of an uncapped cut (laid in one row)."""
+    if capacity >= UNCAPPED_SEGMENT_TOKENS:
+        slots = sum(prompt_len[g[0]] + sum(response_len[b] for b in g) for g in groups)
+        prompts = [prompt_len[g[0]] for g in groups]
+        responses = [(prompt_len[b], response_len[b]) for g in groups for b in g if response_len[b]]
+        if _BLOCKS_ALWAYS or _blocks_pay(prompts, responses, slots, slots):  # what pays() finds on the one row
+            return [list(g) for g in groups], True
+        capacity = max([MAX_DEFAULT_SEGMENT_TOKENS] + [prompt_len[b] + response_len[b] for g in groups for b in g])
     segments: list[list[int]] = []
     for members in groups:
         p, total = prompt_len[members[0]], sum(response_len[b] for b in members)
@@ -374,7 +396,7 @@ def shared_prompt_segments(
             current.append(b)
             load += n
         segments.append(current)
-    return segments
+    return segments, False
 
 
 def pack_shared_prompts(
@@ -383,7 +405,8 @@ def pack_shared_prompts(
 ) -> SharedPromptRows:
     """Pack a rollout batch (the layout of :func:`response_logprobs`) with each distinct prompt computed once
     per segment (:class:`SharedPromptRows`). ``segment_tokens``: a segment's most tokens (a longer group is
-    split; never below the longest single sequence, which always fits alone). ``groups``: the batch's
+    split; never below the longest single sequence, which always fits alone; :data:`UNCAPPED_SEGMENT_TOKENS`: a
+    group whole, all segments in one row, as :func:`shared_prompt_segments` says). ``groups``: the batch's
     :func:`prompt_groups` when the caller has them already."""
     if segment_tokens < 1:
         raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
@@ -397,9 +420,10 @@ def pack_shared_prompts(
     capacity = max(segment_tokens, max(p + r for p, r in zip(prompt_len, response_len)))
 
     groups = groups if groups is not None else prompt_groups(sequences, attention_mask, response_width)
-    segments = shared_prompt_segments(groups, prompt_len, response_len, capacity)
+    segments, one_row = _cut_segments(groups, prompt_len, response_len, capacity)
     lengths = [prompt_len[s[0]] + sum(response_len[b] for b in s) for s in segments]
-    rows = _first_fit_decreasing(lengths, max(lengths))
+    # on the blocks a row's length costs nothing (each branch is computed alone) and its padding would
+    rows = [list(range(len(segments)))] if one_row else _first_fit_decreasing(lengths, max(lengths))
     row_len = max(sum(lengths[i] for i in row) for row in rows)
 
     num_slots = len(rows) * row_len
@@ -452,8 +476,9 @@ def pack_shared_prompts(
 
 def _shared_forward(model: nn.Module, rows: SharedPromptRows, impl: str, **forward_kwargs):
     """Call ``model`` on shared-prompt rows with their tree mask (additive, in the model's dtype); a model switched
-    to :data:`SHARED_PROMPT_ATTENTION` also gets the rows' :class:`SharedPromptBlocks`, which its full-attention
-    layers compute instead of the mask's whole square."""
+    to :data:`SHARED_PROMPT_ATTENTION` gets the rows' :class:`SharedPromptBlocks` instead, which its full-attention
+    layers compute in place of the mask's whole square, and for the unwindowed mask a stand-in
+    (:class:`_TreeMaskStandIn`) that builds the tree mask only if something reads it."""
     if impl not in _MASKED_IMPLEMENTATIONS:
         raise ValueError(
             f"shared prompts need an attention that takes a mask ({_MASKED_IMPLEMENTATIONS}); {impl} (varlen) "
@@ -461,11 +486,14 @@ def _shared_forward(model: nn.Module, rows: SharedPromptRows, impl: str, **forwa
         )
     module = _unwrap(model)
     dtype = _model_dtype(module)
-    mask = _dense_mask(module, lambda window: rows.attention_mask(dtype, window))
-    unwindowed = mask if isinstance(mask, torch.Tensor) else mask.get("full_attention")
     switched = getattr(getattr(module, "config", None), "_attn_implementation", None) == SHARED_PROMPT_ATTENTION
-    if switched and unwindowed is not None and (_BLOCKS_ALWAYS or SharedPromptBlocks.pays(rows)):
-        forward_kwargs[SHARED_PROMPT_BLOCKS_KWARG] = SharedPromptBlocks.build(rows, unwindowed)
+    blocks = None
+    if (switched and None in _mask_windows(module).values()
+            and (_BLOCKS_ALWAYS or SharedPromptBlocks.pays(rows))):
+        blocks = SharedPromptBlocks.build(rows, _TreeMaskStandIn(module, rows, dtype))
+        forward_kwargs[SHARED_PROMPT_BLOCKS_KWARG] = blocks
+    mask = _dense_mask(module, lambda window: blocks.mask if blocks is not None and window is None
+                       else rows.attention_mask(dtype, window))
     return model(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=mask, use_cache=False,
                  **forward_kwargs)
 
@@ -484,100 +512,193 @@ SPECIAL_ATTENTION_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks", "posi
 
 @dataclass
 class SharedPromptBlocks:
-    """The attention of shared-prompt rows as two batches of small blocks, in place of the tree mask's [L, L]
-    square per row (which the masked kernels compute whole: a segment of a prompt of p and n responses of r
-    tokens costs (p + n r)^2 pairs where the tree needs about p^2/2 + n r (p + r/2)).
+    """The attention of shared-prompt rows as small blocks, in place of the tree mask's [L, L] square per row (which
+    the masked kernels compute whole: a segment of a prompt of p and n responses of r tokens costs (p + n r)^2 pairs
+    where the tree needs about p^2/2 + n r (p + r/2)).
 
     - **prompts**: each segment's prompt, its slots padded to the longest prompt at the end: causal attention
       (a pad query sees real keys only before it, and no real query sees a pad).
-    - **responses**: each response's queries, padded to the longest response; its keys are its segment's prompt
-      (padded to the longest prompt, the padding masked) then its own slots (causal).
+    - **responses**, one batch per prompt length p: each response's queries, padded at the end to the batch's
+      longest response (Q), over the keys of its prompt then its own slots (p + Q): causal attention aligned at the
+      lower right (query i sees keys up to p + i), so no mask at all: a real query sees its whole prompt and itself
+      up to i, never a pad (pads come after). CUDA's flash kernel takes such a call with grouped key / value heads as
+      they are (:func:`_takes_grouped_heads`), where a mask would send grouped heads to the math kernel.
 
-    The index tensors are flat slots ``r * L + c`` of the rows; ``out_slots`` / ``out_index`` put the real
-    queries' outputs back into their slots (every other slot, a row's padding, gets 0: no real slot attends to
-    it). ``mask`` is the dense mask these blocks stand in for: the attention function takes the blocks only when a
-    layer is handed that very tensor, so a layer whose mask differs (a sliding window, a bias the model adds)
-    computes its own (:func:`counting_block_layers` counts the layers that took the blocks).
+    The index tensors are flat slots ``r * L + c`` of the rows; ``slot_index`` takes each slot's output from the
+    blocks' outputs laid end to end, a gather (whose backward keeps only the index, where a scatter's keeps what it
+    scatters), every slot that is no real query (a row's padding) from a zero row after them: no real slot attends to
+    it. ``mask`` is the tree mask these blocks stand in for (a :class:`_TreeMaskStandIn` from
+    :func:`_shared_forward`, built only if read): the attention function takes the blocks only when a layer is
+    handed that very tensor, so a layer whose mask differs (a sliding window, a bias the model adds) computes its
+    own (:func:`counting_block_layers` counts the layers that took the blocks).
     """
 
     mask: torch.Tensor
     num_slots: int
     prompt_slots: torch.Tensor  # [S, P]
-    query_slots: torch.Tensor  # [G, Q]
-    key_slots: torch.Tensor  # [G, P + Q]
-    response_mask: torch.Tensor  # [G, 1, Q, P + Q] additive, in the mask's dtype
-    out_index: torch.Tensor  # [n] into the concatenated [S * P + G * Q] outputs
-    out_slots: torch.Tensor  # [n] their slots
+    responses: list[tuple[torch.Tensor, torch.Tensor]]  # per prompt length p: query slots [G, Q], keys [G, p + Q]
+    slot_index: torch.Tensor  # [R * L] into the [S * P + sum G * Q] outputs and a zero row
 
     @staticmethod
     def pays(rows: SharedPromptRows) -> bool:
         """Whether the blocks cost less than the tree mask on these rows. Their queries and keys are padded to the
-        batch's longest prompt and response, so one long response among short ones can make them dearer: they are
-        taken only when their query-key pairs are fewer than the rows' R L^2 and the query, key and value rows they
-        gather (which sdpa keeps for the backward) at most twice the 3 R L the tree mask's sdpa keeps."""
-        prompts, responses, prompt_width, prefix, query = _branch_widths(rows)
-        pairs = len(prompts) * prompt_width**2 + len(responses) * query * (prefix + query)
-        gathered = 3 * len(prompts) * prompt_width + len(responses) * (query + 2 * (prefix + query))
-        return pairs < rows.num_slots * rows.input_ids.shape[1] and gathered <= 2 * 3 * rows.num_slots
+        longest prompt and to each prompt length's longest response, so one long response among short ones can make
+        them dearer: they are taken only when their query-key pairs are fewer than the rows' R L^2 and the query, key
+        and value rows they gather (which sdpa keeps for the backward) at most twice the 3 R L the tree mask's sdpa
+        keeps (:func:`_blocks_pay`)."""
+        branches = rows.branches
+        prompts = branches[branches[:, 1] == 0][:, 3].tolist()
+        responses = [tuple(b) for b in branches[branches[:, 1] > 0][:, [1, 3]].tolist()]
+        return _blocks_pay(prompts, responses, rows.num_slots, rows.input_ids.shape[1])
 
     @classmethod
     def build(cls, rows: SharedPromptRows, mask: torch.Tensor) -> SharedPromptBlocks:
-        prompts, responses, prompt_width, prefix_width, query_width = _branch_widths(rows)
+        branches = rows.branches
+        prompts, responses = branches[branches[:, 1] == 0], branches[branches[:, 1] > 0]
 
-        def runs(start: torch.Tensor, length: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-            """[k, width] slots start + j, padded by repeating each run's last slot; and where j is real."""
-            column = torch.arange(width)[None, :]
+        def runs(start: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """[k, w] slots start + j (w the longest run), padded by repeating each run's last slot; and where j is
+            real."""
+            column = torch.arange(int(length.max()))[None, :]
             real = column < length[:, None]
             return start[:, None] + torch.minimum(column, length[:, None] - 1), real
 
-        prompt_slots, prompt_real = runs(prompts[:, 2], prompts[:, 3], prompt_width)
-        prefix_slots, prefix_real = runs(responses[:, 0], responses[:, 1], prefix_width)
-        query_slots, query_real = runs(responses[:, 2], responses[:, 3], query_width)
-        causal = torch.ones(query_width, query_width, dtype=torch.bool).tril()
-        allowed = torch.cat([prefix_real[:, None, :].expand(-1, query_width, -1),
-                             causal[None].expand(len(responses), -1, -1)], dim=2)
-        out_real = torch.cat([prompt_real.reshape(-1), query_real.reshape(-1)])
+        prompt_slots, prompt_real = runs(prompts[:, 2], prompts[:, 3])
+        blocks, outs, reals = [], [prompt_slots.reshape(-1)], [prompt_real.reshape(-1)]
+        for p in sorted(set(responses[:, 1].tolist())):
+            batch = responses[responses[:, 1] == p]
+            query_slots, query_real = runs(batch[:, 2], batch[:, 3])
+            prefix_slots = batch[:, :1] + torch.arange(p)[None, :]
+            blocks.append((query_slots, torch.cat([prefix_slots, query_slots], dim=1)))
+            outs.append(query_slots.reshape(-1))
+            reals.append(query_real.reshape(-1))
+        out_real = torch.cat(reals)
+        slot_index = torch.full((rows.num_slots,), len(out_real), dtype=torch.long)
+        slot_index[torch.cat(outs)[out_real]] = out_real.nonzero()[:, 0]
         device = mask.device
-        return cls(
-            mask=mask, num_slots=rows.num_slots, prompt_slots=prompt_slots.to(device),
-            query_slots=query_slots.to(device), key_slots=torch.cat([prefix_slots, query_slots], dim=1).to(device),
-            response_mask=_finish_mask(allowed.to(device), rows.position_ids, mask.dtype, None),
-            out_index=out_real.nonzero()[:, 0].to(device),
-            out_slots=torch.cat([prompt_slots.reshape(-1), query_slots.reshape(-1)])[out_real].to(device),
-        )
+        return cls(mask=mask, num_slots=rows.num_slots, prompt_slots=prompt_slots.to(device),
+                   responses=[(q.to(device), k.to(device)) for q, k in blocks], slot_index=slot_index.to(device))
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
                ) -> torch.Tensor:
         """query [R, H, L, D], key / value [R, H_kv, L, D] of the rows -> the attention output [R, L, H, D] (the
         layout transformers' attention functions return)."""
+        from torch.nn.attention.bias import causal_lower_right
+
         rows, heads, length, dim = query.shape
         kv_heads = key.shape[1]
         if heads % kv_heads:
             raise ValueError(f"shared-prompt blocks: {heads} query heads over {kv_heads} key/value heads")
-        # torch's CPU kernels take grouped heads with a mask; CUDA's fall back to the math kernel (transformers'
-        # use_gqa_in_sdpa), so there the key / value heads are repeated as transformers' sdpa path repeats them
-        grouped = heads != kv_heads and query.device.type == "cpu"
-        if heads != kv_heads and not grouped:
-            key = key.repeat_interleave(heads // kv_heads, dim=1)
-            value = value.repeat_interleave(heads // kv_heads, dim=1)
+        # token-major [R * L, h, d] once, each block a gather of its slots
+        flat_query, flat_key, flat_value = (x.transpose(1, 2).reshape(rows * length, x.shape[1], x.shape[3])
+                                            for x in (query, key, value))
 
-        def gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # [R, h, L, d] -> [k, h, w, d]
-            flat = x.transpose(1, 2).reshape(rows * length, x.shape[1], x.shape[3])
-            return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, x.shape[1], x.shape[3]).transpose(1, 2)
+        def gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # -> [k, h, w, d]
+            return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *flat.shape[1:]).transpose(1, 2)
 
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        outputs = [sdpa(gather(query, self.prompt_slots), gather(key, self.prompt_slots),
-                        gather(value, self.prompt_slots), is_causal=True, scale=scaling, enable_gqa=grouped)]
-        if self.query_slots.numel():
-            outputs.append(sdpa(gather(query, self.query_slots), gather(key, self.key_slots),
-                                gather(value, self.key_slots), attn_mask=self.response_mask, scale=scaling,
-                                enable_gqa=grouped))
-        flat = torch.cat([o.transpose(1, 2).reshape(-1, heads, value.shape[3]) for o in outputs])
-        out = flat.new_zeros(rows * length, heads, value.shape[3])
-        out = out.index_copy(0, self.out_slots, flat.index_select(0, self.out_index))
+        def sdpa(query_slots: torch.Tensor, key_slots: torch.Tensor, **causal) -> torch.Tensor:
+            q, k, v = gather(flat_query, query_slots), gather(flat_key, key_slots), gather(flat_value, key_slots)
+            grouped = heads == kv_heads or _takes_grouped_heads(q, k, v, "is_causal" in causal)
+            if not grouped:  # repeated as transformers' sdpa path repeats them, after the gather: only what is used
+                k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, scale=scaling, enable_gqa=grouped and heads != kv_heads, **causal)
+
+        outputs = [sdpa(self.prompt_slots, self.prompt_slots, is_causal=True)]
+        for query_slots, key_slots in self.responses:
+            outputs.append(sdpa(query_slots, key_slots,
+                                attn_mask=causal_lower_right(query_slots.shape[1], key_slots.shape[1])))
+        flat = [o.transpose(1, 2).reshape(-1, heads, value.shape[3]) for o in outputs]
+        out = torch.cat([*flat, flat[0].new_zeros(1, heads, value.shape[3])]).index_select(0, self.slot_index)
         for counter in _BLOCK_COUNTERS:
             counter[0] += 1
         return out.view(rows, length, heads, value.shape[3])
+
+
+def _takes_grouped_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool) -> bool:
+    """Whether sdpa computes this unmasked call with the key / value heads as they are (fewer than the query's):
+    torch's CPU kernels do; on CUDA only the flash kernel does (the memory-efficient one takes no grouped heads, the
+    math one would keep the [Q, K] weights), so elsewhere the heads are repeated."""
+    if query.device.type == "cpu":
+        return True
+    if query.device.type != "cuda":
+        return False
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return can_use_flash_attention(SDPAParams(query, key, value, None, 0.0, is_causal, True))
+
+
+def _blocks_pay(prompts: list[int], responses: list[tuple[int, int]], slots: int, row_tokens: int) -> bool:
+    """Whether :class:`SharedPromptBlocks` cost less than the tree mask on rows of ``slots`` slots ``row_tokens``
+    long: ``prompts``, each segment's prompt length; ``responses``, each response's (prompt length, length). Their
+    query-key pairs (the prompts padded to the longest, each response to the longest of its prompt length) must be
+    fewer than the tree mask's ``slots x row_tokens``, and the query, key and value rows they gather at most twice
+    the ``3 x slots`` the tree mask's sdpa keeps."""
+    width = max(prompts)
+    longest: dict[int, int] = {}
+    count: dict[int, int] = {}
+    for p, r in responses:
+        longest[p] = max(longest.get(p, 0), r)
+        count[p] = count.get(p, 0) + 1
+    pairs = len(prompts) * width**2 + sum(count[p] * q * (p + q) for p, q in longest.items())
+    gathered = 3 * len(prompts) * width + sum(count[p] * (q + 2 * (p + q)) for p, q in longest.items())
+    return pairs < slots * row_tokens and gathered <= 2 * 3 * slots
+
+
+class _TreeMaskStandIn(torch.Tensor):
+    """What a forward on the blocks passes as the tree mask: an [R, 1, L, L] tensor with no storage of its own (one
+    NaN, expanded), so a long segment's mask is never built where every layer takes the blocks. Its shape, dtype and
+    device read as the mask's; any other use (a layer that does not take the blocks computing with it, a copy or a
+    change the model makes to it) gets the tree mask itself, built once on first use, with a warning naming its
+    bytes (once per model), and its later segments are capped at :data:`MAX_DEFAULT_SEGMENT_TOKENS`
+    (:func:`default_segment_tokens`). Anything that read the stand-in's own value would read NaN, never a mask
+    that lets a query see another response."""
+
+    _METADATA = frozenset({torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.untyped_storage,
+                           torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__,
+                           torch.Tensor.device.__get__, torch.Tensor.requires_grad.__get__,
+                           torch.Tensor.is_cuda.__get__, torch.Tensor.layout.__get__})
+
+    @staticmethod
+    def __new__(cls, module: nn.Module, rows: SharedPromptRows, dtype: torch.dtype):
+        num_rows, length = rows.input_ids.shape
+        nan = torch.full((1, 1, 1, 1), float("nan"), dtype=dtype, device=rows.input_ids.device)
+        stand_in = torch.Tensor._make_subclass(cls, nan.expand(num_rows, 1, length, length))
+        stand_in._module, stand_in._rows, stand_in._tree = module, rows, None
+        return stand_in
+
+    def tree_mask(self) -> torch.Tensor:
+        if self._tree is None:
+            module, (num_rows, length) = self._module, self._rows.input_ids.shape
+            keys = -(-length // _MASK_KEY_ALIGNMENT) * _MASK_KEY_ALIGNMENT
+            nbytes = num_rows * length * keys * self.dtype.itemsize
+            # once per model; the start-up probe's tiny forwards find such a layer themselves
+            if not getattr(module, _TREE_MASK_NEEDED_ATTRIBUTE, False) and not _BLOCKS_ALWAYS:
+                logger.warning(
+                    "%s: a layer did not take the shared-prompt blocks (a window, softcap, sinks or dropout, or a mask "
+                    "the model copied or changed), so the [%d, 1, %d, %d] tree mask is built for it (%.1f MiB); its "
+                    "segments are capped at %d tokens from now on", type(module).__name__, num_rows, length, length,
+                    nbytes / 2**20, MAX_DEFAULT_SEGMENT_TOKENS)
+            setattr(module, _TREE_MASK_NEEDED_ATTRIBUTE, True)
+            self._tree = self._rows.attention_mask(self.dtype)
+        return self._tree
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in cls._METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        from torch.utils._pytree import tree_map
+
+        def real(x):
+            return x.tree_mask() if isinstance(x, _TreeMaskStandIn) else x
+
+        return func(*tree_map(real, args), **tree_map(real, kwargs))
+
+
+#: set on a model one of whose layers needed the tree mask on the blocks (:class:`_TreeMaskStandIn`)
+_TREE_MASK_NEEDED_ATTRIBUTE = "_rlhf_sg_tree_mask_needed"
 
 
 _BLOCK_COUNTERS: list[list[int]] = []
@@ -605,16 +726,6 @@ def counting_block_layers():
         yield counter
     finally:
         _BLOCK_COUNTERS.remove(counter)
-
-
-def _branch_widths(rows: SharedPromptRows) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
-    """The rows' prompt branches and response branches ([k, 4] each, as :attr:`SharedPromptRows.branches`), and the
-    widths the blocks pad to: the longest prompt, the longest response's prefix, the longest response."""
-    branches = rows.branches
-    prompts, responses = branches[branches[:, 1] == 0], branches[branches[:, 1] > 0]
-    prefix = int(responses[:, 1].max()) if len(responses) else 0
-    query = int(responses[:, 3].max()) if len(responses) else 0
-    return prompts, responses, int(prompts[:, 3].max()), prefix, query
 
 
 def shared_prompt_attention(module, query, key, value, attention_mask, shared_prompt_blocks=None, **kwargs):
@@ -662,8 +773,12 @@ def _backbone(module: nn.Module) -> nn.Module:
     return module.model if hasattr(module, "value_head") else module
 
 
-#: the largest default shared-prompt segment: a row of 4096 slots has a 32 MiB bf16 mask, one storage for all layers
+#: the largest default shared-prompt segment on the tree mask: a row of 4096 slots has a 32 MiB bf16 mask, one
+#: storage for all layers
 MAX_DEFAULT_SEGMENT_TOKENS = 4096
+#: the segment size of a model on the blocks: no cap, a group is one segment (its prompt computed once) however
+#: long its responses (:func:`shared_prompt_segments`)
+UNCAPPED_SEGMENT_TOKENS = sys.maxsize
 
 
 def default_segment_tokens(module: nn.Module) -> int:
@@ -672,12 +787,19 @@ def default_segment_tokens(module: nn.Module) -> int:
     On the tree mask, the model's hidden size d (2048 without one): the masked kernels compute every pair of a row,
     so a token in a row of L costs about 4 L d FLOPs of attention against about 24 d^2 of projections and MLP (a
     layer's 12 d^2 weights, forward): at L = d attention adds ~1/6, while a longer segment saves only the prompt
-    copies it merges. On :data:`SHARED_PROMPT_ATTENTION` a response's attention costs its prompt and itself whatever
-    the segment holds, so the segment is :data:`MAX_DEFAULT_SEGMENT_TOKENS`, which keeps a group of that many tokens
-    whole (its prompt computed once). Either way at most that: the tree mask of a row holds L^2 entries in the
-    model's dtype (a wide model's d would make it large)."""
+    copies it merges; and at most :data:`MAX_DEFAULT_SEGMENT_TOKENS`: the tree mask of a row holds L^2 entries in the
+    model's dtype (a wide model's d would make it large).
+
+    On :data:`SHARED_PROMPT_ATTENTION` a response's attention costs its prompt and itself whatever the segment holds,
+    so a model whose every layer can take the blocks (one unwindowed mask, none of its layers has needed the tree
+    mask: :class:`_TreeMaskStandIn`) gets :data:`UNCAPPED_SEGMENT_TOKENS`, a group's prompt computed once however
+    long its responses, and no [L, L] mask is built. One with windowed layers, which need their mask, stays at
+    :data:`MAX_DEFAULT_SEGMENT_TOKENS`."""
     config = getattr(module, "config", None)
     if getattr(config, "_attn_implementation", None) == SHARED_PROMPT_ATTENTION:
+        every_layer = set(_mask_windows(module).values()) == {None}
+        if every_layer and not getattr(module, _TREE_MASK_NEEDED_ATTRIBUTE, False):
+            return UNCAPPED_SEGMENT_TOKENS
         return MAX_DEFAULT_SEGMENT_TOKENS
     hidden = getattr(config, "hidden_size", None)
     return min(int(hidden), MAX_DEFAULT_SEGMENT_TOKENS) if isinstance(hidden, int) and hidden > 0 else 2048
@@ -1170,7 +1292,8 @@ def response_logprobs(
 
     ``share_prompts``: where rows repeat a prompt, compute it once per segment of ``segment_tokens``
     (:func:`pack_shared_prompts`; masked attention only); the results equal the unshared ones up to rounding.
-    ``segment_tokens=None``: the model's hidden size (see :func:`default_segment_tokens`).
+    ``segment_tokens=None``: the model's default (:func:`default_segment_tokens`: its hidden size on the tree mask,
+    uncapped on the blocks).
     ``router``: a :class:`rlhf_sg.moe.RouterLoad` that records the forward's router logits and gets each packed
     slot's weight (how many sequences hold its token), for the MoE load-balancing loss over the real tokens.
     """

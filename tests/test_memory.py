@@ -255,3 +255,81 @@ def test_model_shapes_read_each_familys_own_config_keys(family, tmp_path):
     assert (shape.num_layers, shape.num_heads, shape.hidden_size, shape.vocab_size) == (
         text.num_hidden_layers, text.num_attention_heads, text.hidden_size, text.vocab_size)
     assert shape.head_dim == getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def _blocks_saved_per_layer(model, ids, response_width: int, segment_tokens: int | None) -> list[dict[int, tuple]]:
+    """A shared-prompt forward of ``ids`` (one group) through ``model`` on the blocks: per layer, the storages its
+    blocks keep for backward, data pointer -> (bytes, shape, dtype)."""
+    from rlhf_sg import packing
+
+    layers: list[dict[int, tuple]] = []
+    attend = packing.SharedPromptBlocks.attend
+
+    def measured(self, *args):
+        saved: dict[int, tuple] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), tuple(t.shape), t.dtype)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = attend(self, *args)
+        layers.append(saved)
+        return out
+
+    packing.SharedPromptBlocks.attend = measured
+    try:
+        packing.response_logprobs(model, ids, torch.ones_like(ids), response_width, share_prompts=True,
+                                  segment_tokens=segment_tokens)
+    finally:
+        packing.SharedPromptBlocks.attend = attend
+    return layers
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-heads", "repeated-heads"])
+@pytest.mark.parametrize("segments", [1, 3], ids=["one-segment", "a-segment-a-response"])
+def test_shared_prompt_block_formula_against_what_the_blocks_save(monkeypatch, grouped, segments):
+    """A bf16 model of 2 layers (4 query heads over 2 key / value heads of 16) on the blocks: a prompt of 6 tokens and
+    3 responses of 5, as one segment (the blocks' default) or a segment a response (the old 11-token cap). Each layer
+    keeps what ``memory.shared_prompt_block_bytes`` counts a layer, with the key / value heads as the kernel takes
+    them (grouped, as CPU and CUDA's flash kernel take them; repeated, as elsewhere), apart from the [5, 11] mask CPU's
+    kernel builds for the lower-right causal call (CUDA's kernels need none); the indices are one storage all layers
+    share."""
+    from rlhf_sg import packing
+    from rlhf_sg.packing import use_shared_prompt_attention
+
+    if not grouped:
+        monkeypatch.setattr(packing, "_takes_grouped_heads", lambda *a: False)
+    config = tiny_config("qwen2")
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
+    assert use_shared_prompt_attention(model)
+    prompt, group, response = 6, 3, 5
+    ids = torch.randint(3, 90, (group, prompt + response), generator=torch.Generator().manual_seed(0))
+    ids[:, :prompt] = ids[0, :prompt]
+    layers = _blocks_saved_per_layer(model, ids, response, None if segments == 1 else prompt + response)
+    assert len(layers) == config.num_hidden_layers
+    shared = set(layers[0]) & set(layers[1])
+    shape = _shape()
+    formula = memory.shared_prompt_block_bytes(shape, prompt, group, response, segments,
+                                               kv_heads=shape.num_kv_heads if grouped else shape.num_heads)
+    assert sum(layers[0][p][0] for p in shared) == formula["indices"]
+    for saved in layers:
+        own = {p: v for p, v in saved.items() if p not in shared}
+        cpu_masks = [v for v in own.values() if len(v[1]) == 2]
+        assert [v[1] for v in cpu_masks] == [(response, prompt + response)]
+        assert sum(v[0] for v in own.values()) - sum(v[0] for v in cpu_masks) == formula["layer"]
+
+
+def test_bench_memory_prints_the_shared_prompt_blocks(capsys):
+    """The Qwen2.5-7B shape, a 1024-token prompt and 8 responses of 4096 (one 33,792-token segment): 547.6 MiB a layer
+    kept for backward (the 4 key / value heads as flash takes them), 14.97 GiB over 28 layers; cut a segment a
+    response with the heads repeated, 1.21 GiB a layer and 33.81 GiB."""
+    from rlhf_sg.bench.memory import main
+
+    main(["--model-config", "qwen2.5-7b", "--seq-len", "16384"])
+    out = capsys.readouterr().out
+    assert "(one segment of 33792 tokens, 4 key / value heads to sdpa): kept for backward 547.6 MiB a layer, " \
+           "14.97 GiB a micro-batch over 28 layers" in out
+    assert "the 28 heads repeated: 1.21 GiB a layer, 33.81 GiB a micro-batch; that / one segment: 2.26x" in out

@@ -40,7 +40,8 @@ def test_an_exact_model_passes_and_keeps_packing(share_prompts):
 
 def test_wrong_blocks_are_caught_by_the_probe_and_the_model_falls_back(monkeypatch, caplog):
     """The shared-prompt blocks are what the probe's shared layout runs on a switched model: blocks that let a
-    response see its sibling (every branch's keys widened to the whole row) are found, and the model falls back."""
+    response see its sibling (each response's prefix moved onto the slots just before it) are found, and the model
+    falls back."""
     model = tiny_family_model("qwen2")
     assert packing.use_shared_prompt_attention(model)
     assert check_packing(model, share_prompts=True)["shared"] <= 1e-5
@@ -48,7 +49,9 @@ def test_wrong_blocks_are_caught_by_the_probe_and_the_model_falls_back(monkeypat
 
     def leaky(cls, rows, mask):
         blocks = build(cls, rows, mask)
-        blocks.response_mask = torch.zeros_like(blocks.response_mask)  # prefix padding and later own slots visible
+        # each response's prefix the slots just before it: a second response sees its sibling's, not its prompt
+        blocks.responses = [(q, torch.cat([q[:, :1] - k.shape[1] + q.shape[1] + torch.arange(k.shape[1] - q.shape[1]),
+                                           q], dim=1)) for q, k in blocks.responses]
         return blocks
 
     monkeypatch.setattr(packing.SharedPromptBlocks, "build", classmethod(leaky))

@@ -100,14 +100,17 @@ def test_a_group_longer_than_a_segment_is_split_evenly_each_part_with_its_prompt
         pack_shared_prompts(ids, torch.ones_like(ids), 3, segment_tokens=0)
 
 
-def test_the_default_segment_is_the_hidden_size_on_the_tree_mask_and_the_cap_on_the_blocks():
-    from rlhf_sg.packing import MAX_DEFAULT_SEGMENT_TOKENS, stop_shared_prompt_attention
+def test_the_default_segment_is_the_hidden_size_on_the_tree_mask_and_uncapped_on_the_blocks():
+    from rlhf_sg.packing import MAX_DEFAULT_SEGMENT_TOKENS, UNCAPPED_SEGMENT_TOKENS, stop_shared_prompt_attention
+    from rlhf_sg.tiny import tiny_family_model
 
     model = build_tiny_model("qwen2", "tiny", seed=0)
     model.config._attn_implementation = "sdpa"
     assert default_segment_tokens(model) == model.config.hidden_size
     assert use_shared_prompt_attention(model)
-    assert default_segment_tokens(model) == MAX_DEFAULT_SEGMENT_TOKENS  # a response's cost is its prompt and itself
+    assert default_segment_tokens(model) == UNCAPPED_SEGMENT_TOKENS  # a response's cost is its prompt and itself
+    windowed = tiny_family_model("gemma-3")  # its sliding layers need their mask: the cap keeps it bounded
+    assert use_shared_prompt_attention(windowed) and default_segment_tokens(windowed) == MAX_DEFAULT_SEGMENT_TOKENS
     stop_shared_prompt_attention(model)
     assert model.config._attn_implementation == "sdpa" and default_segment_tokens(model) == model.config.hidden_size
     assert default_segment_tokens(torch.nn.Linear(2, 2)) == 2048
@@ -447,8 +450,9 @@ def test_the_model_is_asked_for_no_logits_of_its_own_on_shared_rows():
 def test_on_cuda_shared_log_probs_and_gradients_are_each_rows_own(dtype, blocks):
     """On a GPU, sdpa takes the tree mask through its memory-efficient kernel (CPU runs its flash kernel with a
     mask): the shared log-probs and gradients must still be each row's own, in fp32 and bf16, with the rows
-    built, masked and gathered on the device. ``blocks``: the shared-prompt attention's blocks on CUDA, whose
-    grouped key / value heads are repeated there (CUDA's kernels take no grouped heads with a mask), in every layer."""
+    built, masked and gathered on the device. ``blocks``: the shared-prompt attention's blocks on CUDA in every layer,
+    unmasked (a response's causal attention aligned at the lower right): the flash kernel takes the grouped key /
+    value heads as they are in bf16; in fp32 they are repeated for the memory-efficient kernel."""
     model = build_tiny_model("qwen2", "tiny", seed=0).to("cuda", dtype)
     model.config._attn_implementation = "sdpa"
     if blocks:
@@ -494,9 +498,7 @@ def test_the_blocks_compute_what_the_tree_mask_computes_and_hand_every_other_cal
         got, _ = shared_prompt_attention(Layer(), q, k, v, tree, shared_prompt_blocks=blocks, scaling=0.3)
         assert counted[0] == 1
     assert got.shape == want.shape == (R, L, 4, 8)
-    real = torch.zeros(R * L, dtype=torch.bool)
-    real[blocks.out_slots] = True
-    real = real.view(R, L)
+    real = rows.holders > 0  # the slots of real tokens
     assert torch.allclose(got[real], want[real], atol=1e-6)
     assert (got[~real] == 0).all()
     weights = torch.randn(want[real].shape, generator=gen)
@@ -551,21 +553,25 @@ def test_only_an_sdpa_model_is_switched_and_its_saved_config_does_not_name_the_s
 
 
 def test_the_blocks_of_a_long_group_hold_a_fraction_of_the_tree_masks_bytes():
-    """Memory at a real size: a 1024-token prompt and 8 responses of 2048 (one 17,408-token segment, the default
-    cap lifted), bf16. The tree mask of that row is 17,408^2 x 2 bytes (578 MiB, built for the layers that cannot
-    take the blocks); the blocks add their own mask and indices, which must stay under a quarter of it."""
+    """Memory at a real size: a 1024-token prompt and 8 responses of 2048 (one 17,408-token segment), bf16. The tree
+    mask of that row would be 17,408^2 x 2 bytes (578 MiB); the blocks hold their indices and no mask (a response's
+    causal attention over its prompt and itself is aligned at the lower right), and what stands in for the tree mask
+    holds one element."""
+    from rlhf_sg.packing import _TreeMaskStandIn
+
     prompt, responses, n = 1024, 2048, 8
     ids = torch.ones(n, prompt + responses, dtype=torch.long)
     rows = pack_shared_prompts(ids, torch.ones_like(ids), responses, segment_tokens=prompt + n * responses)
     assert rows.input_ids.shape == (1, prompt + n * responses)
-    stand_in = torch.zeros(1, dtype=torch.bfloat16)  # the tree mask's dtype and device; not built at this size
+    stand_in = _TreeMaskStandIn(torch.nn.Linear(1, 1), rows, torch.bfloat16)
+    assert stand_in.shape == (1, 1, rows.num_slots, rows.num_slots) and stand_in.dtype == torch.bfloat16
     blocks = SharedPromptBlocks.build(rows, stand_in)
-    tensors = (blocks.prompt_slots, blocks.query_slots, blocks.key_slots, blocks.response_mask, blocks.out_index,
-               blocks.out_slots)
+    tensors = (blocks.prompt_slots, *(t for pair in blocks.responses for t in pair), blocks.slot_index, blocks.mask)
     held = sum(t.untyped_storage().nbytes() for t in tensors)
     tree = rows.num_slots**2 * 2
-    assert blocks.response_mask.shape[:3] == (n, 1, responses) and blocks.response_mask.dtype == torch.bfloat16
-    assert held < tree / 4, (held, tree)
+    assert stand_in.untyped_storage().nbytes() == 2 and stand_in._tree is None  # never built
+    assert [k.shape for _, k in blocks.responses] == [(n, prompt + responses)]
+    assert held < tree / 50, (held, tree)
 
 
 def test_a_checkpointed_backward_recomputes_on_the_blocks_and_gives_the_same_gradients():
@@ -631,3 +637,109 @@ def test_blocks_that_would_cost_more_than_the_tree_mask_are_not_taken_unless_the
     with blocks_whatever_they_cost(), counting_block_layers() as counted:
         logp = response_logprobs(model, ids, mask, width, share_prompts=True)
     assert counted[0] == model.config.num_hidden_layers and torch.allclose(logp, reference, atol=TOL)
+
+
+def _long_groups_batch(vocab: int):
+    """Two groups, each longer than a segment cap of 8 tokens: a prompt of 5 with 4 responses of 2 to 6, and a prompt
+    of 3 with 3 responses of 4 to 6. Each row alone fits the cap."""
+    gen = torch.Generator().manual_seed(7)
+    width, prompt_width = 6, 5
+    ids = torch.zeros(7, prompt_width + width, dtype=torch.long)
+    for members, p, lengths in (((0, 1, 2, 3), 5, (6, 2, 4, 5)), ((4, 5, 6), 3, (4, 6, 5))):
+        prompt = torch.randint(1, vocab, (p,), generator=gen)
+        for b, r in zip(members, lengths):
+            ids[b, prompt_width - p : prompt_width] = prompt
+            ids[b, prompt_width : prompt_width + r] = torch.randint(1, vocab, (r,), generator=gen)
+    return ids, (ids != 0).long(), width
+
+
+@pytest.mark.parametrize("heads", ["grouped", "repeated"])
+def test_a_group_longer_than_the_cap_is_one_segment_on_the_blocks_its_prompt_computed_once(monkeypatch, heads):
+    """On a model whose every layer takes the blocks, a group is one segment however long its responses: with the cap
+    lowered to 8 tokens, groups of 5 + 17 and 3 + 15 tokens each compute their prompt once (the model is handed
+    exactly the batch's 40 distinct real tokens, no copy of a prompt, no padding), no [L, L] tree mask is built, and
+    log-probs, entropy and gradients are each row's own, with the key / value heads handed to sdpa grouped (CPU, and
+    CUDA's flash kernel) or repeated (where no kernel takes them grouped)."""
+    import rlhf_sg.packing as packing
+
+    monkeypatch.setattr(packing, "MAX_DEFAULT_SEGMENT_TOKENS", 8)
+    if heads == "repeated":
+        monkeypatch.setattr(packing, "_takes_grouped_heads", lambda *a: False)
+    model = build_tiny_model("qwen2", "tiny", seed=0)
+    model.config._attn_implementation = "sdpa"
+    ids, mask, width = _long_groups_batch(model.config.vocab_size)
+    weights = torch.linspace(-1.0, 1.0, width)
+    action = mask[:, -width:].bool()
+    ref_logp, ref_entropy = _reference_logprobs(model, ids, mask, width)
+    model.zero_grad()
+    ((ref_logp * weights)[action]).sum().backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+
+    assert use_shared_prompt_attention(model)
+    handed, built = [], []
+    model.model.embed_tokens.register_forward_pre_hook(lambda _m, args: handed.append(args[0].shape))
+    tree = packing.SharedPromptRows.attention_mask
+    monkeypatch.setattr(packing.SharedPromptRows, "attention_mask", lambda *a, **k: built.append(1) or tree(*a, **k))
+    model.zero_grad()
+    with counting_block_layers() as counted:
+        logp, entropy = response_logprobs(model, ids, mask, width, with_entropy=True, share_prompts=True)
+    ((logp * weights)[action]).sum().backward()
+    assert handed == [(1, 5 + 17 + 3 + 15)]  # one row: each prompt once, every response, nothing else
+    assert built == [] and counted[0] == model.config.num_hidden_layers
+    assert torch.allclose(logp.detach(), ref_logp.detach(), atol=TOL)
+    assert torch.allclose(entropy.detach(), ref_entropy.detach(), atol=TOL)
+    for got, want in zip((p.grad for p in model.parameters()), ref_grads):
+        assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_segments_of_the_blocks_are_whole_groups_unless_the_blocks_cost_more(monkeypatch):
+    """``shared_prompt_segments`` at the blocks' size (what the ranks and the FLOP accounting cut): each group whole
+    past the cap; one long response among short ones of its prompt (every response's block padded to it, more than
+    twice the rows the tree mask keeps) is cut at the cap for the tree mask, as the ranks then run it."""
+    import rlhf_sg.packing as packing
+    from rlhf_sg.packing import UNCAPPED_SEGMENT_TOKENS, shared_prompt_segments
+
+    monkeypatch.setattr(packing, "MAX_DEFAULT_SEGMENT_TOKENS", 8)
+    groups = [[0, 1, 2, 3], [4, 5, 6]]
+    prompts, responses = [5] * 4 + [3] * 3, [6, 2, 4, 5, 4, 6, 5]
+    assert shared_prompt_segments(groups, prompts, responses, UNCAPPED_SEGMENT_TOKENS) == groups
+    assert shared_prompt_segments(groups, prompts, responses, 8) == [[0], [1], [2], [3], [4], [5], [6]]
+    long_tail = [40] + [1] * 7
+    cut = shared_prompt_segments([list(range(8))], [2] * 8, long_tail, UNCAPPED_SEGMENT_TOKENS)
+    assert cut == shared_prompt_segments([list(range(8))], [2] * 8, long_tail, 42) == [[0], list(range(1, 8))]
+    # the rows the ranks pack: the whole groups in one row; the long tail cut, in rows of the longest segment
+    ids, mask, width = _long_groups_batch(100)
+    rows = pack_shared_prompts(ids, mask, width, UNCAPPED_SEGMENT_TOKENS)
+    assert rows.num_segments == 2 and rows.input_ids.shape == (1, 40)
+    ids = torch.zeros(8, 42, dtype=torch.long)
+    ids[:, :2] = 5
+    for b, n in enumerate(long_tail):
+        ids[b, 2 : 2 + n] = 7
+    rows = pack_shared_prompts(ids, (ids != 0).long(), 40, UNCAPPED_SEGMENT_TOKENS)
+    assert rows.num_segments == 2 and rows.input_ids.shape == (2, 42)
+
+
+def test_a_layer_that_does_not_take_the_blocks_gets_the_tree_mask_built_on_use(caplog):
+    """The stand-in for the tree mask holds no mask; a layer handed a copy of it (as DeepSpeed's ZeRO-3 hooks copy a
+    module's positional inputs) computes with the real tree mask, built then, with a warning that names it, and the
+    model's later segments are capped again; the log-probs stay each row's own."""
+    import logging
+
+    from rlhf_sg.packing import MAX_DEFAULT_SEGMENT_TOKENS, UNCAPPED_SEGMENT_TOKENS
+
+    model = build_tiny_model("qwen2", "tiny", seed=0)
+    model.config._attn_implementation = "sdpa"
+    ids, mask, width = _long_groups_batch(model.config.vocab_size)
+    reference, _ = _reference_logprobs(model, ids, mask, width)
+    assert use_shared_prompt_attention(model) and default_segment_tokens(model) == UNCAPPED_SEGMENT_TOKENS
+
+    def copy_mask(_layer, args, kwargs):
+        return args, {**kwargs, "attention_mask": kwargs["attention_mask"].detach()}
+
+    model.model.layers[0].register_forward_pre_hook(copy_mask, with_kwargs=True)
+    with caplog.at_level(logging.WARNING, logger="rlhf_sg.packing"), counting_block_layers() as counted:
+        logp = response_logprobs(model, ids, mask, width, share_prompts=True)
+    assert counted[0] == model.config.num_hidden_layers - 1
+    assert torch.allclose(logp, reference, atol=TOL)
+    assert "a layer did not take the shared-prompt blocks" in caplog.text and "[1, 1, 40, 40] tree mask" in caplog.text
+    assert default_segment_tokens(model) == MAX_DEFAULT_SEGMENT_TOKENS

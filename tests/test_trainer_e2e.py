@@ -67,7 +67,7 @@ def test_generation_delay_is_charged_to_generation(ray_cluster, task, tmp_path):
 
     from rlhf_sg import flops
     from rlhf_sg.memory import load_shape
-    from rlhf_sg.packing import MAX_DEFAULT_SEGMENT_TOKENS
+    from rlhf_sg.packing import UNCAPPED_SEGMENT_TOKENS
     from rlhf_sg.trainer import PPOTrainer, train
     from rlhf_sg.trainer.ppo import microbatch_plans
 
@@ -88,12 +88,12 @@ def test_generation_delay_is_charged_to_generation(ray_cluster, task, tmp_path):
         assert h["time/actor_logprob"] < h["time/generate"]
     shape = dataclasses.replace(load_shape(cfg.model.pretrain), dtype=cfg.model.dtype)
     # the actor's ranks compute shared prompts block by block, so they keep each group whole: the accounting asked
-    assert segment_sizes == [{"actor": MAX_DEFAULT_SEGMENT_TOKENS}] * len(history)
+    assert segment_sizes == [{"actor": UNCAPPED_SEGMENT_TOKENS}] * len(history)
     for h, exp in zip(history, experiences):
         # one epoch, one minibatch: each rank's update plan is the scoring plan of every row
         plans = microbatch_plans(exp, 2, cfg.train.max_tokens_per_microbatch, share_prompts=True)
         segments = [s for plan in plans for s in flops.microbatch_segments(
-            exp.sequences, exp.attention_mask, exp.response_width, plan, True, MAX_DEFAULT_SEGMENT_TOKENS)]
+            exp.sequences, exp.attention_mask, exp.response_width, plan, True, UNCAPPED_SEGMENT_TOKENS)]
         assert sum(s.tokens for s in segments) < int(exp.attention_mask.sum())  # prompts counted once
         assert h["perf/train_TFLOP"] == pytest.approx(flops.train_flops(shape, segments) / 1e12, rel=1e-9)
         assert h["perf/train_TFLOPs"] == pytest.approx(h["perf/train_TFLOP"] / h["time/train"], rel=1e-9)

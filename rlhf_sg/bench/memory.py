@@ -12,6 +12,11 @@ the weight-sync buffers of a sending rank; the ZeRO-3 shards over ``--world-size
 its backward's peak, a micro-batch of ``--rows`` x ``--seq-len`` tokens (``--train.max_tokens_per_microbatch``):
 shards, activations, logits, mask and ZeRO-3's buffers, against the device. Nothing is allocated: the figures
 are the formulas ``tests/test_memory.py`` holds to real tensors.
+
+``[--prompt-len 1024] [--group-size 8] [--response-len 4096]``: the shared-prompt blocks on a group of that many
+responses after one prompt, one segment as the ranks compute it on the blocks: what they keep for backward a layer
+and a micro-batch, against the same group cut a segment a response with the key / value heads repeated (what the
+blocks kept before a group was one segment however long).
 """
 
 from __future__ import annotations
@@ -68,6 +73,25 @@ def report(shape: memory.ModelShape, name: str, seq_len: int, rows: int, world_s
     ]
 
 
+def shared_prompt_lines(shape: memory.ModelShape, prompt_len: int, group_size: int, response_len: int) -> list[str]:
+    """The lines on the shared-prompt blocks: one group as one segment, against a segment a response with the key /
+    value heads repeated."""
+    blocks = memory.shared_prompt_block_bytes(shape, prompt_len, group_size, response_len)
+    cut = memory.shared_prompt_block_bytes(shape, prompt_len, group_size, response_len, segments=group_size,
+                                           kv_heads=shape.num_heads)
+    layers = shape.num_layers
+    total, cut_total = (layers * b["layer"] + b["indices"] for b in (blocks, cut))
+    return [
+        f"  shared-prompt blocks, a prompt of {prompt_len} and {group_size} responses of {response_len} (one segment "
+        f"of {prompt_len + group_size * response_len} tokens, {memory.block_kv_heads(shape)} key / value heads to "
+        f"sdpa): kept for backward {_size(blocks['layer'])} a layer, {_size(total)} a micro-batch over {layers} "
+        f"layers (with gradient checkpointing one layer's at a time), indices {_size(blocks['indices'])} of it",
+        f"  the same group a segment a response (the prompt in each), the {shape.num_heads} heads repeated: "
+        f"{_size(cut['layer'])} a layer, {_size(cut_total)} a micro-batch; that / one segment: "
+        f"{cut_total / total:.2f}x",
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     from rlhf_sg.config import RolloutConfig
 
@@ -76,6 +100,9 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"a preset ({', '.join(sorted(memory.PRESETS))}), a model directory or a config.json")
     parser.add_argument("--seq-len", type=int, default=16384, help="tokens of a packed row / shared-prompt segment")
     parser.add_argument("--rows", type=int, default=1, help="rows in one forward (microbatch)")
+    parser.add_argument("--prompt-len", type=int, default=1024, help="shared-prompt blocks: the group's prompt")
+    parser.add_argument("--group-size", type=int, default=8, help="shared-prompt blocks: responses after the prompt")
+    parser.add_argument("--response-len", type=int, default=4096, help="shared-prompt blocks: tokens a response")
     parser.add_argument("--world-size", type=int, default=8, help="ZeRO-3 ranks of the model")
     parser.add_argument("--device-gib", type=float, default=80.0, help="device memory, GiB")
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="--rollout.memory_fraction")
@@ -91,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     for line in report(shape, args.model_config, args.seq_len, args.rows, args.world_size,
                        int(args.device_gib * 2**30), args.memory_fraction, args.bucket_bytes,
                        args.gradient_checkpointing, args.attn_implementation):
+        print(line)
+    for line in shared_prompt_lines(shape, args.prompt_len, args.group_size, args.response_len):
         print(line)
 
 
