@@ -24,12 +24,19 @@ __all__ = [
     "FixedKLController",
     "GROUP_KINDS",
     "KL_KINDS",
+    "LOSS_CLIP_DEFAULTS",
+    "LOSS_RATIO_LEVELS",
+    "POLICY_LOSSES",
+    "RATIO_LEVELS",
     "actor_loss",
     "approx_kl",
     "approx_kl_straight_through",
+    "cispo_loss",
     "discounted_returns",
     "gae",
+    "gmpo_loss",
     "group_advantages",
+    "log_importance_ratio",
     "masked_aggregate",
     "masked_mean",
     "masked_whiten",
@@ -37,6 +44,7 @@ __all__ = [
     "overlong_penalty",
     "policy_loss",
     "reinforce_baseline_advantages",
+    "sapo_loss",
     "shape_rewards",
     "value_loss",
 ]
@@ -54,6 +62,23 @@ ADVANTAGE_NORMS = ("whiten", "center", "none")
 #: truncated importance sampling: truncate clamps the weight into [low, cap]; mask zeroes the tokens whose
 #: weight falls outside (ICEPOP)
 TIS_MODES = ("truncate", "mask")
+#: the policy losses: ppo (PPO's clipped surrogate), gspo (that clip on the sequence ratio), cispo (the clipped ratio
+#: as a stop-gradient weight on log pi), sapo (a soft gate instead of the clip), gmpo (the geometric mean of the
+#: token ratios, clipped in log space); :func:`actor_loss` picks one
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "gmpo")
+#: the importance ratio pi / pi_old of each token, or of its whole sequence (:func:`log_importance_ratio`)
+RATIO_LEVELS = ("token", "sequence")
+#: the ratio levels each loss takes, its own first: gspo and gmpo are sequence losses by definition, and PPO's
+#: clip on a sequence ratio is gspo (whose clip range fits one)
+LOSS_RATIO_LEVELS = {"ppo": ("token",), "gspo": ("sequence",), "cispo": ("token", "sequence"),
+                     "sapo": ("token", "sequence"), "gmpo": ("sequence",)}
+#: each loss's own (clip_low, clip_high): PPO's 0.2; GSPO's paper 3e-4 / 4e-4 (a sequence ratio moves two orders
+#: less than a token's); CISPO without a lower bound (clip_low 1: the weight's floor is 0) and an upper bound of 6
+#: (NeMo-RL's clamp [0, 6]); GMPO's paper (e^-0.4, e^0.4), bounds of the log-ratio. SAPO has no clip
+LOSS_CLIP_DEFAULTS = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 5.0), "gmpo": (0.4, 0.4)}
+#: SAPO's gate temperatures for positive and negative advantages (verl's compute_policy_loss_sapo)
+SAPO_TAU_POS = 1.0
+SAPO_TAU_NEG = 1.05
 
 _KL_CLAMP = 10.0
 #: the cap of the straight-through KL's importance weight pi_theta / pi_old (OpenRLHF's KL_IS_WEIGHT_CLIP)
@@ -439,6 +464,105 @@ def _check_normalizer(fn: str, normalizer: float | None) -> None:
         raise ValueError(f"{fn}: normalizer must be > 0 or None, got {normalizer}")
 
 
+def log_importance_ratio(
+    logp: torch.Tensor, old_logp: torch.Tensor, action_mask: torch.Tensor, level: str = "token"
+) -> torch.Tensor:
+    """log(pi_theta / pi_old) at every action token, [B, T] float32, 0 where masked out.
+
+    logp: [B, T] current policy (carries the gradient); old_logp, action_mask: [B, T]. A token's log-ratio is
+    clamped to +-20.
+      token     log r_t = logp_t - old_logp_t
+      sequence  GSPO's (Zheng et al. 2025, arXiv 2507.18071; the GSPO-token form): log s_i = the mean of
+                log r_t over sequence i's own action tokens (row i of the response block: one sample's tokens,
+                wherever packing or a shared prompt put them), standing at each of them as
+                  log s_{i,t} = sg(log s_i) + logp_t - sg(logp_t)
+                Its value is log s_i; the gradient of s_{i,t} is s_i * grad log pi_t, so the sequence's token mean
+                of s_{i,t} * A_i has the gradient of s_i * A_i, GSPO's sequence objective.
+    """
+    fn = "log_importance_ratio"
+    _check_2d(fn, "logp", logp)
+    _check_same_shape(fn, logp=logp, old_logp=old_logp, action_mask=action_mask)
+    _check_kind(fn, "level", level, RATIO_LEVELS)
+    m = _as_bool_mask(fn, action_mask)
+    _check_rows_nonempty(fn, m)
+    return _log_ratio(logp, old_logp, m, level)[0]
+
+
+def _token_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    return torch.where(m, logp.float() - old_logp.float(), zero).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+
+
+def _sequence_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> [B, 1]: each row's mean over its own action tokens (a row of the response block is one sample)."""
+    return masked_mean(x, m, dim=1)[:, None]
+
+
+def _log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, m: torch.Tensor,
+               level: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the log-ratio at ``level``, the token log-ratio), both [B, T] and 0 where masked out."""
+    token = _token_log_ratio(logp, old_logp, m)
+    if level == "token":
+        return token, token
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    live = logp.float() - logp.float().detach()
+    return torch.where(m, _sequence_mean(token, m).detach() + live, zero), token
+
+
+def _check_tis(fn: str, rollout_logp: torch.Tensor | None, tis_cap: float | None, tis_low: float | None,
+               tis_mode: str) -> None:
+    if (rollout_logp is None) != (tis_cap is None):
+        raise ValueError(f"{fn}: rollout_logp and tis_cap go together; pass both for truncated IS or neither")
+    if tis_cap is not None and tis_cap <= 0:
+        raise ValueError(f"{fn}: tis_cap must be > 0, got {tis_cap}")
+    if tis_low is not None and (tis_cap is None or not 0 <= tis_low < tis_cap):
+        raise ValueError(f"{fn}: tis_low needs tis_cap and 0 <= tis_low < tis_cap, got {tis_low}, {tis_cap}")
+    _check_kind(fn, "tis_mode", tis_mode, TIS_MODES)
+
+
+def _check_surrogate_inputs(fn: str, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                            action_mask: torch.Tensor, rollout_logp: torch.Tensor | None) -> None:
+    _check_2d(fn, "logp", logp)
+    _check_same_shape(
+        fn, logp=logp, old_logp=old_logp, advantages=advantages, action_mask=action_mask, rollout_logp=rollout_logp
+    )
+
+
+def _surrogate_mask(fn: str, action_mask: torch.Tensor, normalizer: float | None) -> torch.Tensor:
+    _check_normalizer(fn, normalizer)
+    m = _as_bool_mask(fn, action_mask)
+    _check_rows_nonempty(fn, m)
+    return m
+
+
+def _finish_surrogate(
+    fn: str, loss_tok: torch.Tensor, m: torch.Tensor, token_log_ratio: torch.Tensor, ratio: torch.Tensor,
+    clipped: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor | None, tis_cap: float | None,
+    tis_low: float | None, tis_mode: str, aggregation: str, normalizer: float | None, token_budget: int | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """What every policy loss does after its per-token loss: the TIS weight, the reduction, the metrics."""
+    metrics: dict[str, torch.Tensor] = {}
+    if rollout_logp is not None:
+        zero = torch.zeros((), dtype=torch.float32, device=loss_tok.device)
+        is_log = torch.where(m, old_logp.float() - rollout_logp.float(), zero)
+        is_log = is_log.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        raw = torch.exp(is_log).detach()
+        if tis_mode == "truncate":
+            weight = raw.clamp(min=tis_low, max=tis_cap)
+        else:
+            inside = (raw <= tis_cap) & (raw >= (tis_low if tis_low is not None else 0.0))
+            weight = torch.where(inside, raw, zero)
+            metrics["tis_masked_frac"] = masked_mean((~inside).float(), m).detach()
+        loss_tok = loss_tok * weight
+        metrics["tis_weight_mean"] = masked_mean(weight, m).detach()
+    loss = _aggregate(fn, loss_tok, m, aggregation, normalizer, token_budget)
+    with torch.no_grad():
+        metrics["clip_frac"] = masked_mean(clipped.float(), m)
+        metrics["ppo_kl"] = masked_mean(-token_log_ratio, m)
+        metrics["ratio_mean"] = masked_mean(ratio, m)
+    return loss, metrics
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -454,13 +578,18 @@ def policy_loss(
     tis_low: float | None = None,
     tis_mode: str = "truncate",
     token_budget: int | None = None,
+    ratio_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped PPO surrogate, with clip-higher, dual clip and truncated importance sampling.
+    """The clipped PPO surrogate, with clip-higher, dual clip and truncated importance sampling; on the sequence
+    ratio, GSPO.
 
     logp: [B, T] current policy (carries the gradient); old_logp: [B, T] the policy that the
     advantages belong to (the trainer's recomputation at rollout time); advantages, action_mask: [B, T].
     ratio = exp(logp - old_logp) (log-ratio clamped to +-20), per token
       loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
+    ratio_level sequence: ratio is the sequence's, s_i (:func:`log_importance_ratio`), and the loss GSPO's
+    (Zheng et al. 2025, arXiv 2507.18071: -min(s_i A, clip(s_i, 1 - clip_low, 1 + clip_high) A), a sequence
+    mean with aggregation seq_mean; its clip range is 3e-4 / 4e-4, not 0.2).
     dual_clip = c > 1: for A < 0 the loss is also capped at -c * A (Ye et al. 2020).
     rollout_logp + tis_cap: multiply each token's loss by w = exp(old_logp - rollout_logp), detached, to
     correct for the engine sampling from slightly different numerics (or older weights) than the trainer:
@@ -473,29 +602,19 @@ def policy_loss(
     and tis_weight_mean when TIS is on).
     """
     fn = "policy_loss"
-    _check_2d(fn, "logp", logp)
-    _check_same_shape(
-        fn, logp=logp, old_logp=old_logp, advantages=advantages, action_mask=action_mask, rollout_logp=rollout_logp
-    )
+    _check_surrogate_inputs(fn, logp, old_logp, advantages, action_mask, rollout_logp)
     if clip_low < 0 or clip_low >= 1 or clip_high < 0:
         raise ValueError(
             f"{fn}: need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}"
         )
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"{fn}: dual_clip must be > 1 (or None), got {dual_clip}")
-    if (rollout_logp is None) != (tis_cap is None):
-        raise ValueError(f"{fn}: rollout_logp and tis_cap go together; pass both for truncated IS or neither")
-    if tis_cap is not None and tis_cap <= 0:
-        raise ValueError(f"{fn}: tis_cap must be > 0, got {tis_cap}")
-    if tis_low is not None and (tis_cap is None or not 0 <= tis_low < tis_cap):
-        raise ValueError(f"{fn}: tis_low needs tis_cap and 0 <= tis_low < tis_cap, got {tis_low}, {tis_cap}")
-    _check_kind(fn, "tis_mode", tis_mode, TIS_MODES)
-    _check_normalizer(fn, normalizer)
-    m = _as_bool_mask(fn, action_mask)
-    _check_rows_nonempty(fn, m)
+    _check_tis(fn, rollout_logp, tis_cap, tis_low, tis_mode)
+    _check_kind(fn, "ratio_level", ratio_level, RATIO_LEVELS)
+    m = _surrogate_mask(fn, action_mask, normalizer)
 
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
-    log_ratio = torch.where(m, logp.float() - old_logp.float(), zero).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_ratio, token_log_ratio = _log_ratio(logp, old_logp, m, ratio_level)
     ratio = torch.exp(log_ratio)
     adv = torch.where(m, advantages.float(), zero)
     surr1 = ratio * adv
@@ -506,26 +625,143 @@ def policy_loss(
         cap = -dual_clip * adv
         dual_active = (adv < 0) & (loss_tok > cap)
         loss_tok = torch.where(dual_active, cap, loss_tok)
-    metrics: dict[str, torch.Tensor] = {}
-    if rollout_logp is not None:
-        is_log = torch.where(m, old_logp.float() - rollout_logp.float(), zero)
-        is_log = is_log.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-        raw = torch.exp(is_log).detach()
-        if tis_mode == "truncate":
-            weight = raw.clamp(min=tis_low, max=tis_cap)
-        else:
-            inside = (raw <= tis_cap) & (raw >= (tis_low if tis_low is not None else 0.0))
-            weight = torch.where(inside, raw, zero)
-            metrics["tis_masked_frac"] = masked_mean((~inside).float(), m).detach()
-        loss_tok = loss_tok * weight
-        metrics["tis_weight_mean"] = masked_mean(weight, m).detach()
-    loss = _aggregate(fn, loss_tok, m, aggregation, normalizer, token_budget)
-    with torch.no_grad():
-        metrics["clip_frac"] = masked_mean((surr2 < surr1).float(), m)
-        metrics["dual_clip_frac"] = masked_mean(dual_active.float(), m)
-        metrics["ppo_kl"] = masked_mean(-log_ratio, m)
-        metrics["ratio_mean"] = masked_mean(ratio, m)
+    loss, metrics = _finish_surrogate(fn, loss_tok, m, token_log_ratio, ratio, surr2 < surr1, old_logp, rollout_logp,
+                                      tis_cap, tis_low, tis_mode, aggregation, normalizer, token_budget)
+    metrics["dual_clip_frac"] = masked_mean(dual_active.float(), m).detach()
     return loss, metrics
+
+
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    clip_low: float = LOSS_CLIP_DEFAULTS["cispo"][0],
+    clip_high: float = LOSS_CLIP_DEFAULTS["cispo"][1],
+    *,
+    ratio_level: str = "token",
+    rollout_logp: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    tis_low: float | None = None,
+    tis_mode: str = "truncate",
+    aggregation: str = "token_mean",
+    normalizer: float | None = None,
+    token_budget: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): the clip moves from the update onto its weight, per token
+      loss = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi_theta
+    so every token keeps a gradient, -w * A * grad log pi with w the clipped ratio (PPO's clip zeroes it outside
+    the trust region, and with it the rare "fork" tokens); only the weight is bounded. clip_low 1 (the default)
+    puts no lower bound on it; clip_high 5 bounds it at 6. r is the token's ratio, or with ratio_level sequence
+    its sequence's (:func:`log_importance_ratio`). Tensors, TIS and aggregation as in :func:`policy_loss`.
+    Returns (loss, metrics: clip_frac (tokens whose weight was clipped), ppo_kl, ratio_mean, and TIS's).
+    """
+    fn = "cispo_loss"
+    _check_surrogate_inputs(fn, logp, old_logp, advantages, action_mask, rollout_logp)
+    if not 0 <= clip_low <= 1 or clip_high < 0:
+        raise ValueError(f"{fn}: need 0 <= clip_low <= 1 (1: no lower bound) and clip_high >= 0, got "
+                         f"clip_low={clip_low}, clip_high={clip_high}")
+    _check_tis(fn, rollout_logp, tis_cap, tis_low, tis_mode)
+    _check_kind(fn, "ratio_level", ratio_level, RATIO_LEVELS)
+    m = _surrogate_mask(fn, action_mask, normalizer)
+
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    log_ratio, token_log_ratio = _log_ratio(logp, old_logp, m, ratio_level)
+    ratio = torch.exp(log_ratio).detach()
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    adv = torch.where(m, advantages.float(), zero)
+    loss_tok = -weight * adv * torch.where(m, logp.float(), zero)
+    return _finish_surrogate(fn, loss_tok, m, token_log_ratio, ratio, weight != ratio, old_logp, rollout_logp,
+                             tis_cap, tis_low, tis_mode, aggregation, normalizer, token_budget)
+
+
+def sapo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    tau_pos: float = SAPO_TAU_POS,
+    tau_neg: float = SAPO_TAU_NEG,
+    *,
+    ratio_level: str = "token",
+    rollout_logp: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    tis_low: float | None = None,
+    tis_mode: str = "truncate",
+    aggregation: str = "token_mean",
+    normalizer: float | None = None,
+    token_budget: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO (arXiv 2511.20347): a soft gate instead of PPO's hard clip, per token
+      loss = -f(r) * A,   f(r) = sigmoid(tau * (r - 1)) * 4 / tau,   tau = tau_pos where A > 0, else tau_neg
+    The gate's slope df/dr = 4 sigmoid (1 - sigmoid) is 1 on policy (r = 1: PPO's gradient there) and fades
+    smoothly as r leaves 1, the faster the larger tau; nothing is cut off, so clip_frac is 0. r is the token's
+    ratio, or with ratio_level sequence its sequence's (:func:`log_importance_ratio`). Tensors, TIS and
+    aggregation as in :func:`policy_loss`. Returns (loss, metrics: clip_frac, ppo_kl, ratio_mean, and TIS's).
+    """
+    fn = "sapo_loss"
+    _check_surrogate_inputs(fn, logp, old_logp, advantages, action_mask, rollout_logp)
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"{fn}: the gate's temperatures must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
+    _check_tis(fn, rollout_logp, tis_cap, tis_low, tis_mode)
+    _check_kind(fn, "ratio_level", ratio_level, RATIO_LEVELS)
+    m = _surrogate_mask(fn, action_mask, normalizer)
+
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    log_ratio, token_log_ratio = _log_ratio(logp, old_logp, m, ratio_level)
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(m, advantages.float(), zero)
+    tau = torch.where(adv > 0, tau_pos, tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+    return _finish_surrogate(fn, -gate * adv, m, token_log_ratio, ratio, torch.zeros_like(m), old_logp, rollout_logp,
+                             tis_cap, tis_low, tis_mode, aggregation, normalizer, token_budget)
+
+
+def gmpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    clip_low: float = LOSS_CLIP_DEFAULTS["gmpo"][0],
+    clip_high: float = LOSS_CLIP_DEFAULTS["gmpo"][1],
+    *,
+    rollout_logp: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    tis_low: float | None = None,
+    tis_mode: str = "truncate",
+    aggregation: str = "token_mean",
+    normalizer: float | None = None,
+    token_budget: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO (Zhao et al. 2025, arXiv 2507.20673): the geometric mean of each sequence's token ratios, each
+    clipped in log space on the side that the sign of the sequence's advantage makes pessimistic:
+      A_i    = the mean advantage over sequence i's action tokens (GMPO takes one advantage per sequence)
+      l_t    = sgn(A_i) * min(sgn(A_i) * log r_t, sgn(A_i) * clip(log r_t, -clip_low, clip_high))
+      R_i    = exp(mean of l_t over sequence i's own action tokens)
+      loss_i = -A_i * R_i
+    For A > 0 log r is capped at clip_high, for A < 0 floored at -clip_low (the paper's range (e^-0.4, e^0.4));
+    a clipped token has no gradient. loss_i stands at each of the sequence's tokens, so aggregation seq_mean is the
+    sequences' mean, the paper's (token_mean weighs each sequence by its length); a TIS weight is per token.
+    Tensors and TIS as in :func:`policy_loss`. Returns (loss, metrics: clip_frac (tokens whose log-ratio was
+    clipped), ppo_kl, ratio_mean (of R_i, over tokens), and TIS's).
+    """
+    fn = "gmpo_loss"
+    _check_surrogate_inputs(fn, logp, old_logp, advantages, action_mask, rollout_logp)
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"{fn}: the log-space bounds must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    _check_tis(fn, rollout_logp, tis_cap, tis_low, tis_mode)
+    m = _surrogate_mask(fn, action_mask, normalizer)
+
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    token_log_ratio = _token_log_ratio(logp, old_logp, m)
+    adv = _sequence_mean(torch.where(m, advantages.float(), zero), m)
+    sign = torch.sign(adv)
+    clipped_log = token_log_ratio.clamp(-clip_low, clip_high)
+    pessimistic = sign * torch.minimum(sign * token_log_ratio, sign * clipped_log)
+    ratio = torch.exp(_sequence_mean(pessimistic, m)).expand_as(token_log_ratio)
+    loss_tok = -adv * ratio
+    return _finish_surrogate(fn, loss_tok, m, token_log_ratio, ratio, pessimistic != token_log_ratio, old_logp,
+                             rollout_logp, tis_cap, tis_low, tis_mode, aggregation, normalizer, token_budget)
 
 
 def value_loss(
@@ -578,9 +814,15 @@ class ActorLossConfig:
     kl_coef is the coefficient of the KL term *in the loss* (0 when the KL penalty goes into the rewards).
     """
 
-    clip_low: float = 0.2
-    clip_high: float = 0.2
+    #: the surrogate (:data:`POLICY_LOSSES`) and its ratio level (None: the loss's own, :data:`LOSS_RATIO_LEVELS`)
+    policy_loss: str = "ppo"
+    ratio_level: str | None = None
+    #: None: the loss's own (:data:`LOSS_CLIP_DEFAULTS`); sapo has no clip, its gate's temperatures are sapo_tau_*
+    clip_low: float | None = None
+    clip_high: float | None = None
     dual_clip: float | None = None
+    sapo_tau_pos: float = SAPO_TAU_POS
+    sapo_tau_neg: float = SAPO_TAU_NEG
     tis_cap: float | None = None
     tis_low: float | None = None
     tis_mode: str = "truncate"
@@ -605,8 +847,9 @@ def actor_loss(
     rollout_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One micro-batch's share of the actor loss: the PPO surrogate, plus ``kl_coef`` x KL(policy || ref),
-    minus ``entropy_coef`` x entropy, every term reduced by :func:`masked_aggregate` with the step's
+    """One micro-batch's share of the actor loss: the surrogate ``cfg.policy_loss`` (PPO's clip, GSPO, CISPO, SAPO
+    or GMPO: :func:`policy_loss`, :func:`cispo_loss`, :func:`sapo_loss`, :func:`gmpo_loss`), plus ``kl_coef`` x
+    KL(policy || ref), minus ``entropy_coef`` x entropy, every term reduced by :func:`masked_aggregate` with the step's
     ``normalizer``, so that the micro-batches of one optimizer step add up to the same loss (and gradient)
     whatever the split.
 
@@ -618,12 +861,7 @@ def actor_loss(
     if cfg.kl_coef > 0 and ref_logp is None:
         raise ValueError(f"{fn}: kl_coef > 0 puts a KL term in the loss; pass ref_logp")
     m = _as_bool_mask(fn, action_mask)
-    loss, metrics = policy_loss(
-        logp, old_logp, advantages, m, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
-        rollout_logp=rollout_logp if cfg.tis_cap is not None else None, tis_cap=cfg.tis_cap,
-        aggregation=cfg.aggregation, normalizer=normalizer, tis_low=cfg.tis_low, tis_mode=cfg.tis_mode,
-        token_budget=cfg.token_budget,
-    )
+    loss, metrics = _surrogate(logp, old_logp, advantages, m, cfg, normalizer, rollout_logp)
     if cfg.kl_coef > 0:
         if cfg.kl_straight_through:
             kl = approx_kl_straight_through(logp, ref_logp, cfg.kl_estimator, old_logp)
@@ -635,6 +873,38 @@ def actor_loss(
         loss = loss - cfg.entropy_coef * masked_aggregate(entropy, m, cfg.aggregation, normalizer, cfg.token_budget)
     metrics["entropy"] = masked_mean(entropy.detach(), m)
     return loss, metrics
+
+
+def _surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, m: torch.Tensor,
+               cfg: ActorLossConfig, normalizer: float,
+               rollout_logp: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy loss that ``cfg`` names, with its own ratio level and clip range where ``cfg`` leaves them None."""
+    fn = "actor_loss"
+    kind = cfg.policy_loss
+    _check_kind(fn, "policy_loss", kind, POLICY_LOSSES)
+    level = cfg.ratio_level or LOSS_RATIO_LEVELS[kind][0]
+    if level not in LOSS_RATIO_LEVELS[kind]:
+        raise ValueError(f"{fn}: policy_loss {kind!r} takes ratio_level {list(LOSS_RATIO_LEVELS[kind])}, "
+                         f"got {level!r}")
+    if cfg.dual_clip is not None and kind != "ppo":
+        raise ValueError(f"{fn}: dual_clip caps PPO's token loss; policy_loss {kind!r} has none")
+    if kind == "sapo" and (cfg.clip_low, cfg.clip_high) != (None, None):
+        raise ValueError(f"{fn}: policy_loss 'sapo' has no clip (its gate's temperatures are sapo_tau_pos and "
+                         f"sapo_tau_neg); got clip_low={cfg.clip_low}, clip_high={cfg.clip_high}")
+    low, high = LOSS_CLIP_DEFAULTS.get(kind, (None, None))
+    low = low if cfg.clip_low is None else cfg.clip_low
+    high = high if cfg.clip_high is None else cfg.clip_high
+    common = dict(rollout_logp=rollout_logp if cfg.tis_cap is not None else None, tis_cap=cfg.tis_cap,
+                  tis_low=cfg.tis_low, tis_mode=cfg.tis_mode, aggregation=cfg.aggregation, normalizer=normalizer,
+                  token_budget=cfg.token_budget)
+    if kind in ("ppo", "gspo"):
+        return policy_loss(logp, old_logp, advantages, m, low, high, cfg.dual_clip, ratio_level=level, **common)
+    if kind == "cispo":
+        return cispo_loss(logp, old_logp, advantages, m, low, high, ratio_level=level, **common)
+    if kind == "sapo":
+        return sapo_loss(logp, old_logp, advantages, m, cfg.sapo_tau_pos, cfg.sapo_tau_neg, ratio_level=level,
+                         **common)
+    return gmpo_loss(logp, old_logp, advantages, m, low, high, **common)
 
 
 # ---- KL coefficient controllers ------------------------------------------------------------------------

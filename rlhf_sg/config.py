@@ -18,7 +18,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_sg.advantages import advantage_estimator, advantage_estimators
-from rlhf_sg.algorithms import ADVANTAGE_NORMS, AGGREGATIONS, KL_KINDS, TIS_MODES
+from rlhf_sg.algorithms import (
+    ADVANTAGE_NORMS,
+    AGGREGATIONS,
+    KL_KINDS,
+    LOSS_CLIP_DEFAULTS,
+    LOSS_RATIO_LEVELS,
+    POLICY_LOSSES,
+    RATIO_LEVELS,
+    TIS_MODES,
+)
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 #: --data.overlong_prompts: what happens to a prompt over --data.max_prompt_len (rlhf_sg.data.load_prompts)
@@ -137,9 +146,23 @@ class TrainConfig:
     lr_warmup_ratio: float = 0.0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    clip_low: float = 0.2
-    clip_high: float = 0.2
+    #: the policy loss: ppo (PPO's clipped surrogate on each token's ratio), gspo (that clip on the sequence ratio,
+    #: GSPO), cispo (the clipped ratio as a stop-gradient weight on log pi, CISPO), sapo (a soft gate instead of the
+    #: clip, SAPO), gmpo (the geometric mean of a sequence's token ratios, clipped in log space, GMPO)
+    policy_loss: str = "ppo"
+    #: the importance ratio pi / pi_old of each token, or of its sequence (exp of the mean log-ratio over the
+    #: sequence's own tokens); none: the loss's own (sequence for gspo and gmpo, token for the others); cispo and
+    #: sapo take either
+    ratio_level: str | None = None
+    #: the clip range; none: the loss's own: ppo 0.2 / 0.2, gspo 3e-4 / 4e-4, cispo 1 / 5 (clip_low 1: no lower
+    #: bound), gmpo 0.4 / 0.4 (bounds of the log-ratio); sapo has no clip
+    clip_low: float | None = None
+    clip_high: float | None = None
+    #: PPO's dual clip (ppo only)
     dual_clip: float | None = None
+    #: SAPO's gate temperatures where the advantage is positive / not (sapo only)
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
     value_clip: float | None = 0.5
     gamma: float = 1.0
     lam: float = 0.95
@@ -163,8 +186,9 @@ class TrainConfig:
     router_aux_loss_coef: float | None = None
     #: how every loss term is reduced: token_mean, seq_mean (each row's token mean, then the rows' mean),
     #: seq_mean_token_sum (verl: each row's token sum, then the rows' mean), seq_mean_token_sum_norm (Dr.GRPO:
-    #: that over the constant --rollout.max_new_tokens)
-    loss_aggregation: str = "token_mean"
+    #: that over the constant --rollout.max_new_tokens); none: the policy loss's own (seq_mean for the sequence
+    #: losses gspo and gmpo, token_mean for the others)
+    loss_aggregation: str | None = None
     #: how gae / reinforce / reinforce_baseline normalise their advantages over the batch's tokens: whiten,
     #: center (subtract the mean only: OpenRLHF's no_std_norm) or none (the group estimators never whiten)
     advantage_norm: str = "whiten"
@@ -708,7 +732,7 @@ def validate(cfg: Config) -> Config:
           "--train.kl_straight_through shapes the gradient of the KL term of the loss: it needs "
           "--train.kl_mode loss (in the rewards the KL has no gradient)")
     _need(t.kl_coef >= 0, f"--train.kl_coef must be >= 0, got {t.kl_coef}")
-    _need(t.loss_aggregation in AGGREGATIONS,
+    _need(t.loss_aggregation is None or t.loss_aggregation in AGGREGATIONS,
           f"--train.loss_aggregation must be one of {list(AGGREGATIONS)}, got {t.loss_aggregation!r}")
     _need(t.advantage_norm in ADVANTAGE_NORMS,
           f"--train.advantage_norm must be one of {list(ADVANTAGE_NORMS)}, got {t.advantage_norm!r}")
@@ -746,6 +770,8 @@ def validate(cfg: Config) -> Config:
         ("--train.gamma", t.gamma, 0 <= t.gamma <= 1, "in [0, 1]"),
         ("--train.lam", t.lam, 0 <= t.lam <= 1, "in [0, 1]"),
         ("--train.entropy_coef", t.entropy_coef, t.entropy_coef >= 0, ">= 0"),
+        ("--train.sapo_tau_pos", t.sapo_tau_pos, t.sapo_tau_pos > 0 and math.isfinite(t.sapo_tau_pos), "> 0"),
+        ("--train.sapo_tau_neg", t.sapo_tau_neg, t.sapo_tau_neg > 0 and math.isfinite(t.sapo_tau_neg), "> 0"),
         ("--train.router_aux_loss_coef", t.router_aux_loss_coef,
          t.router_aux_loss_coef is None or (t.router_aux_loss_coef >= 0 and math.isfinite(t.router_aux_loss_coef)),
          ">= 0 (or none: the model's own)"),
@@ -777,9 +803,7 @@ def validate(cfg: Config) -> Config:
         _need(not used or samples >= ranks,
               f"{flag} {ranks}: a step has {samples} samples (prompts_per_step x n_samples_per_prompt), fewer than "
               "the ranks that must each score one; lower it or raise --rollout.prompts_per_step")
-    _need(t.clip_low >= 0 and t.clip_low < 1 and t.clip_high >= 0,
-          f"--train.clip_low must be in [0, 1) and --train.clip_high >= 0 (got {t.clip_low}, {t.clip_high})")
-    _need(t.dual_clip is None or t.dual_clip > 1, f"--train.dual_clip must be > 1 (got {t.dual_clip})")
+    _check_policy_loss(cfg)
     _need(t.tis_cap is None or t.tis_cap > 0, f"--train.tis_cap must be > 0 (got {t.tis_cap})")
     _need(r.weight_transport in ("collective", "tensor", "disk"),
           f"--rollout.weight_transport must be collective, tensor or disk, got {r.weight_transport!r}")
@@ -1113,6 +1137,76 @@ def shares_prompts(cfg: Config) -> bool:
     """Whether the trainer's forwards share prompts (``--train.share_prompts``): only with an attention that
     takes the tree mask (``sdpa``, ``eager``); flash-attn varlen kernels cannot keep sibling responses apart."""
     return cfg.train.share_prompts and cfg.model.attn_implementation in ("sdpa", "eager")
+
+
+#: what a ratio level that a policy loss refuses would be instead
+_RATIO_LEVEL_HINTS = {
+    ("ppo", "sequence"): "PPO's clip on the sequence ratio is GSPO: set --train.policy_loss gspo (its clip range, "
+                         "3e-4 / 4e-4, fits a sequence ratio; PPO's 0.2 would almost never bind)",
+    ("gspo", "token"): "GSPO's clip on each token's ratio is PPO's: set --train.policy_loss ppo",
+    ("gmpo", "token"): "GMPO's ratio is a geometric mean over each sequence by definition: leave --train.ratio_level "
+                       "unset",
+}
+#: the estimators that give every token its own advantage (whitened over the batch's tokens)
+_TOKEN_ADVANTAGES = ("gae", "reinforce", "reinforce_baseline")
+
+
+def _check_policy_loss(cfg: Config) -> None:
+    """The policy loss's rules: its ratio level, its clip range (each loss reads the bounds its own way) and the
+    options only one loss has."""
+    t = cfg.train
+    _need(t.policy_loss in POLICY_LOSSES,
+          f"--train.policy_loss must be one of {list(POLICY_LOSSES)}, got {t.policy_loss!r}")
+    _need(t.ratio_level is None or t.ratio_level in RATIO_LEVELS,
+          f"--train.ratio_level must be one of {list(RATIO_LEVELS)} (or none: the loss's own), got {t.ratio_level!r}")
+    level = ratio_level(cfg)
+    _need(level in LOSS_RATIO_LEVELS[t.policy_loss],
+          f"--train.ratio_level {level} with --train.policy_loss {t.policy_loss}: "
+          f"{_RATIO_LEVEL_HINTS.get((t.policy_loss, level))}")
+    low, high = clip_range(cfg)
+    if t.policy_loss == "sapo":
+        _need(low is None and high is None,
+              f"--train.clip_low / --train.clip_high ({low}, {high}): --train.policy_loss sapo has no clip (its soft "
+              "gate's temperatures are --train.sapo_tau_pos and --train.sapo_tau_neg); unset them")
+    elif t.policy_loss == "cispo":
+        _need(0 <= low <= 1 and high >= 0,
+              f"--train.clip_low must be in [0, 1] (1: no lower bound, cispo's own) and --train.clip_high >= 0 with "
+              f"--train.policy_loss cispo (got {low}, {high})")
+    elif t.policy_loss == "gmpo":
+        _need(low >= 0 and high >= 0,
+              f"--train.clip_low and --train.clip_high bound the log-ratio with --train.policy_loss gmpo (its own "
+              f"0.4: ratios in (e^-0.4, e^0.4)); both must be >= 0 (got {low}, {high})")
+    else:
+        _need(0 <= low < 1 and high >= 0,
+              f"--train.clip_low must be in [0, 1) and --train.clip_high >= 0 (got {low}, {high})")
+    _need(t.dual_clip is None or t.dual_clip > 1, f"--train.dual_clip must be > 1 (got {t.dual_clip})")
+    _need(t.dual_clip is None or t.policy_loss == "ppo",
+          f"--train.dual_clip caps PPO's token loss where the advantage is negative: it needs --train.policy_loss ppo "
+          f"(got {t.policy_loss}); unset it")
+    _need(t.policy_loss != "gmpo" or t.advantage_estimator not in _TOKEN_ADVANTAGES,
+          f"--train.policy_loss gmpo weighs each sequence by one advantage, but --train.advantage_estimator "
+          f"{t.advantage_estimator} gives every token its own; use a group estimator (grpo, dr_grpo or rloo)")
+
+
+def ratio_level(cfg: Config) -> str:
+    """The ratio level in force: ``--train.ratio_level``, or the policy loss's own (sequence for gspo and gmpo)."""
+    return cfg.train.ratio_level or LOSS_RATIO_LEVELS[cfg.train.policy_loss][0]
+
+
+def clip_range(cfg: Config) -> tuple[float | None, float | None]:
+    """(clip_low, clip_high) in force: ``--train.clip_low`` / ``--train.clip_high``, each else the policy loss's own
+    (:data:`rlhf_sg.algorithms.LOSS_CLIP_DEFAULTS`; sapo has none: (None, None))."""
+    low, high = LOSS_CLIP_DEFAULTS.get(cfg.train.policy_loss, (None, None))
+    t = cfg.train
+    return (low if t.clip_low is None else t.clip_low), (high if t.clip_high is None else t.clip_high)
+
+
+def loss_aggregation(cfg: Config) -> str:
+    """The loss aggregation in force: ``--train.loss_aggregation``, or the policy loss's own: seq_mean for the
+    sequence losses (gspo, gmpo: the papers' mean over sequences), token_mean for the others."""
+    if cfg.train.loss_aggregation is not None:
+        return cfg.train.loss_aggregation
+    return "seq_mean" if cfg.train.policy_loss in ("gspo", "gmpo") else "token_mean"
 
 
 def kl_estimator(cfg: Config) -> str:

@@ -137,6 +137,37 @@ RULES = [
      '--train.clip_low must be in [0, 1) and --train.clip_high >= 0 (got 0.2, -0.1)'),
     ({'train.dual_clip': 1.0},
      '--train.dual_clip must be > 1 (got 1.0)'),
+    ({'train.policy_loss': 'grpo'},
+     "--train.policy_loss must be one of ['ppo', 'gspo', 'cispo', 'sapo', 'gmpo'], got 'grpo'"),
+    ({'train.ratio_level': 'row'},
+     "--train.ratio_level must be one of ['token', 'sequence'] (or none: the loss's own), got 'row'"),
+    ({'train.ratio_level': 'sequence'},
+     "--train.ratio_level sequence with --train.policy_loss ppo: PPO's clip on the sequence ratio is GSPO: set "
+     "--train.policy_loss gspo (its clip range, 3e-4 / 4e-4, fits a sequence ratio; PPO's 0.2 would almost never "
+     "bind)"),
+    ({'train.policy_loss': 'gspo', 'train.ratio_level': 'token'},
+     "--train.ratio_level token with --train.policy_loss gspo: GSPO's clip on each token's ratio is PPO's: set "
+     "--train.policy_loss ppo"),
+    ({'train.policy_loss': 'gmpo', 'train.ratio_level': 'token'},
+     "--train.ratio_level token with --train.policy_loss gmpo: GMPO's ratio is a geometric mean over each sequence "
+     "by definition: leave --train.ratio_level unset"),
+    ({'train.policy_loss': 'gspo', 'train.clip_high': -0.1},
+     '--train.clip_low must be in [0, 1) and --train.clip_high >= 0 (got 0.0003, -0.1)'),
+    ({'train.policy_loss': 'cispo', 'train.clip_low': 1.5},
+     "--train.clip_low must be in [0, 1] (1: no lower bound, cispo's own) and --train.clip_high >= 0 with "
+     "--train.policy_loss cispo (got 1.5, 5.0)"),
+    ({'train.policy_loss': 'gmpo', 'train.clip_low': -0.1},
+     "--train.clip_low and --train.clip_high bound the log-ratio with --train.policy_loss gmpo (its own 0.4: ratios "
+     "in (e^-0.4, e^0.4)); both must be >= 0 (got -0.1, 0.4)"),
+    ({'train.policy_loss': 'sapo', 'train.clip_high': 0.2},
+     "--train.clip_low / --train.clip_high (None, 0.2): --train.policy_loss sapo has no clip (its soft gate's "
+     "temperatures are --train.sapo_tau_pos and --train.sapo_tau_neg); unset them"),
+    ({'train.policy_loss': 'gspo', 'train.dual_clip': 3.0},
+     "--train.dual_clip caps PPO's token loss where the advantage is negative: it needs --train.policy_loss ppo "
+     "(got gspo); unset it"),
+    ({'train.policy_loss': 'gmpo'},
+     "--train.policy_loss gmpo weighs each sequence by one advantage, but --train.advantage_estimator gae gives "
+     "every token its own; use a group estimator (grpo, dr_grpo or rloo)"),
     ({'train.tis_cap': 0},
      '--train.tis_cap must be > 0 (got 0)'),
     ({'rollout.weight_transport': 'pigeon'},
@@ -273,6 +304,13 @@ PASSING_BOUNDARIES = [
     {"train.clip_low": 0.0, "train.clip_high": 0.0},
     {"train.clip_low": 0.99},
     {"train.dual_clip": 1.01},
+    {"train.policy_loss": "gspo"},
+    {"train.policy_loss": "gspo", "train.loss_aggregation": "token_mean", "train.clip_low": 0.0},
+    {"train.policy_loss": "cispo", "train.clip_low": 1.0, "train.clip_high": 0.0},
+    {"train.policy_loss": "cispo", "train.ratio_level": "sequence", "train.tis_cap": 2.0},
+    {"train.policy_loss": "sapo", "train.ratio_level": "sequence"},
+    {"train.policy_loss": "gmpo", "train.advantage_estimator": "grpo", "rollout.n_samples_per_prompt": 2,
+     "train.clip_low": 0.0, "train.clip_high": 0.0},
     {"train.tis_cap": 0.01},
     {"rollout.weight_transport": "tensor"},
     {"rollout.weight_transport": "disk"},
@@ -333,6 +371,8 @@ RANGES = [  # (setting, a value that breaks it, the rule, values that pass)
     ("train.lam", 1.01, "in [0, 1]", [0.0, 1.0]),
     ("train.lam", -0.01, "in [0, 1]", []),
     ("train.entropy_coef", -0.01, ">= 0", [0.0]),
+    ("train.sapo_tau_pos", 0.0, "> 0", [0.01]),
+    ("train.sapo_tau_neg", float("inf"), "> 0", [0.01]),
     ("train.value_clip", 0.0, "> 0 (or none)", [None, 0.01]),
     ("train.kl_target", 0.0, "> 0 (or none)", [None, 0.01]),
     ("train.critic_warmup_steps", -1, ">= 0", [0]),
@@ -451,7 +491,7 @@ def test_help_names_every_setting_with_its_default():
             "(--section.key value); a YAML file (--config) fills the same keys; flags win over the file.") in flat
     assert ("--config CONFIG YAML file with sections model, rollout, train, data, reward, log, eval, agent, lora, "
             "perf") in flat
-    assert "--train.clip_high V (default: 0.2)" in flat and "--rollout.backend V (default: 'hf')" in flat
+    assert "--train.value_clip V (default: 0.5)" in flat and "--rollout.backend V (default: 'hf')" in flat
     assert "--backend ROLLOUT.BACKEND alias of --rollout.backend" in flat
     ns = parser.parse_args(["--train.max_steps", "3", "--algo", "rloo"])
     assert vars(ns) == {"config": None, "train.max_steps": "3", "train.advantage_estimator": "rloo"}
@@ -621,7 +661,7 @@ def test_sleep_and_offload_follow_colocate_all_unless_set(base, setting, colocat
 def test_to_dict_is_every_section():
     d = Config().to_dict()
     assert list(d) == ["model", "rollout", "train", "data", "reward", "log", "eval", "agent", "lora", "perf"]
-    assert d["train"]["clip_low"] == 0.2 and d["rollout"]["stop_token_ids"] == []
+    assert d["train"]["value_clip"] == 0.5 and d["rollout"]["stop_token_ids"] == []
 
 
 # ---- more rules with their exact messages and boundaries; reading flags, files and model directories --------

@@ -206,6 +206,36 @@ def test_the_actor_loss_counts_only_the_loss_rows_and_a_rank_with_none_keeps_its
     assert zero.item() == 0 and set(none_metrics) == set(metrics) and loss_tokens(batch).item() == 0
 
 
+@pytest.mark.parametrize("train, expected", [
+    ({}, dict(policy_loss="ppo", ratio_level="token", clip_low=0.2, clip_high=0.2, aggregation="token_mean")),
+    ({"policy_loss": "gspo"},
+     dict(policy_loss="gspo", ratio_level="sequence", clip_low=3e-4, clip_high=4e-4, aggregation="seq_mean")),
+    ({"policy_loss": "cispo"},
+     dict(policy_loss="cispo", ratio_level="token", clip_low=1.0, clip_high=5.0, aggregation="token_mean")),
+    ({"policy_loss": "sapo", "sapo_tau_neg": 2.0}, dict(policy_loss="sapo", ratio_level="token", clip_low=None,
+                                                        clip_high=None, sapo_tau_pos=1.0, sapo_tau_neg=2.0)),
+    ({"policy_loss": "gmpo"},
+     dict(policy_loss="gmpo", ratio_level="sequence", clip_low=0.4, clip_high=0.4, aggregation="seq_mean")),
+    ({"policy_loss": "gspo", "clip_high": 1e-3, "loss_aggregation": "token_mean"},
+     dict(ratio_level="sequence", clip_low=3e-4, clip_high=1e-3, aggregation="token_mean")),
+    ({"policy_loss": "cispo", "ratio_level": "sequence", "clip_low": 0.5},
+     dict(ratio_level="sequence", clip_low=0.5, clip_high=5.0)),
+])
+def test_the_policy_loss_flags_reach_the_workers_loss_configuration(tmp_path, train, expected):
+    """What the actor workers get (the frozen ActorUpdate.loss): the loss, and its own ratio level, clip range and
+    aggregation where the flags leave them unset; and the step's normaliser counts rows with a sequence mean."""
+    from rlhf_sg.trainer.ppo import update_plans
+
+    trainer = _trainer(tmp_path, **train)
+    loss = trainer.actor_update().loss
+    assert {k: getattr(loss, k) for k in expected} == expected
+    batch = build_rollout_batch([[5], [5], [6], [6]], [[8, 9], [9], [1, 2, 3], [4]], [[0.0] * 2, [0.0], [0.0] * 3,
+                                [0.0]], 0)
+    (step,), = update_plans(batch, 1, trainer.cfg.train, trainer.rng,
+                            normalize_rows=loss.aggregation != "token_mean")
+    assert step.normalizer == (4 if loss.aggregation == "seq_mean" else 7)
+
+
 def dataclasses_replace(experience: Experience, **changes) -> Experience:
     import dataclasses
 

@@ -33,8 +33,11 @@ from rlhf_sg.config import (
     TrainConfig,
     check_devices,
     check_gpu_install,
+    clip_range,
     kl_estimator,
+    loss_aggregation,
     offload_states,
+    ratio_level,
     rollout_is_async,
     shares_prompts,
     tis_cap,
@@ -438,11 +441,14 @@ class PPOTrainer:
         """This step's policy-update settings (the KL coefficient is the controller's current value)."""
         t = self.cfg.train
         kl_in_loss = self.uses_ref and t.kl_mode == "loss"
+        clip_low, clip_high = clip_range(self.cfg)
         return ActorUpdate(
             loss=algo.ActorLossConfig(
-                clip_low=t.clip_low, clip_high=t.clip_high, dual_clip=t.dual_clip, tis_cap=tis_cap(self.cfg),
-                tis_low=t.tis_low, tis_mode=t.tis_mode, token_budget=self.cfg.rollout.max_new_tokens,
-                aggregation=t.loss_aggregation, kl_coef=self.kl_ctl.value if kl_in_loss else 0.0,
+                policy_loss=t.policy_loss, ratio_level=ratio_level(self.cfg), clip_low=clip_low, clip_high=clip_high,
+                dual_clip=t.dual_clip, sapo_tau_pos=t.sapo_tau_pos, sapo_tau_neg=t.sapo_tau_neg,
+                tis_cap=tis_cap(self.cfg), tis_low=t.tis_low, tis_mode=t.tis_mode,
+                token_budget=self.cfg.rollout.max_new_tokens, aggregation=loss_aggregation(self.cfg),
+                kl_coef=self.kl_ctl.value if kl_in_loss else 0.0,
                 kl_estimator=kl_estimator(self.cfg), kl_straight_through=t.kl_straight_through,
                 entropy_coef=t.entropy_coef,
             ),
@@ -464,9 +470,10 @@ class PPOTrainer:
             calls += [("critic", i, w.train_critic.remote(ref, steps[i], update))
                       for i, w in enumerate(cluster.critic.workers)]
         if not (self.uses_critic and self.step < t.critic_warmup_steps):
-            steps = update_plans(experience, t.actor_num_ranks, t, self.rng,
-                                 normalize_rows=t.loss_aggregation != "token_mean", share_prompts=self.share_prompts)
             update = self.actor_update()
+            steps = update_plans(experience, t.actor_num_ranks, t, self.rng,
+                                 normalize_rows=update.loss.aggregation != "token_mean",
+                                 share_prompts=self.share_prompts)
             self._count("train", "actor", experience, [[mb for s in rank for mb in s.plan] for rank in steps], True)
             calls += [("actor", i, w.train_actor.remote(ref, steps[i], update))
                       for i, w in enumerate(cluster.actor.workers)]
