@@ -152,6 +152,8 @@ __all__ = ["SGLangBackend", "open_weight_update_group", "sglang_engine_kwargs", 
 
 logger = logging.getLogger(__name__)
 
+#: how often a call waiting on the in-process engine checks that the engine's processes are alive, in seconds
+_LIVENESS_POLL_S = 2.0
 _DTYPES = ("float32", "bfloat16", "float16")
 _EXTRA_KEYS = {
     "engine_kwargs", "server_urls", "router_url", "request_timeout_s", "max_concurrency", "api_key_env",
@@ -444,11 +446,40 @@ class _EngineDriver:
             )
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         future = self._thread.submit(fn)
-        try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            self._stuck = what
-            raise BackendError(f"SGLang engine: {what} did not finish within {timeout_s} s") from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            # waited in short slices: a scheduler that died (an exception in a model's forward) leaves the call
+            # waiting for outputs that never come, so the engine's processes are checked between slices
+            try:
+                return future.result(timeout=max(0.0, min(_LIVENESS_POLL_S, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                pass
+            dead = self._dead_children()
+            if dead:
+                self._stuck = what
+                raise BackendError(
+                    f"SGLang engine: {what}: its process {dead} died while the call waited (a scheduler exits on an "
+                    "exception in the model's forward; its traceback is in this engine's log, the Ray worker's "
+                    "stderr); the engine is unusable, shut the backend down"
+                )
+            if time.monotonic() >= deadline:
+                self._stuck = what
+                raise BackendError(f"SGLang engine: {what} did not finish within {timeout_s} s") from None
+
+    def _dead_children(self) -> str | None:
+        """``pid (name)`` of a process the engine started that has exited, or None."""
+        import psutil
+
+        for pid in self._engine_children:
+            try:
+                proc = psutil.Process(pid)
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    continue
+                name = proc.name()
+            except psutil.NoSuchProcess:
+                name = "gone"
+            return f"{pid} ({name})"
+        return None
 
     def generate(self, input_ids: list[list[int]], sampling: list[dict], inflight: _InFlight) -> list[dict]:
         def generate():

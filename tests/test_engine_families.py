@@ -10,7 +10,7 @@ checkpoint's layout as if packed. Measured on a tiny Qwen3-MoE: reloading the ve
 buckets or from disk) moved its log-probs by 4e-3 from the model's, where a dense Qwen3 stays at 5e-7. So the vLLM
 backend refuses a mixture-of-experts model on CPU at start, naming it (the test below); on GPU it is not refused.
 
-The families are the matrix's tiny configs with 32-wide attention heads (vLLM's CPU attention takes no smaller).
+The families are the matrix's tiny configs (for vLLM with 32-wide attention heads, which its CPU attention needs).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_a_moe_family_trains_and_syncs_through_the_engine(ray_cluster, prompts, 
     from rlhf_sg.trainer import PPOTrainer, train
 
     model_path = str(tmp_path / family)
-    tiny_family_model(family, head_dim=32).save_pretrained(model_path)
+    tiny_family_model(family).save_pretrained(model_path)
     build_tokenizer().save_pretrained(model_path)
     cfg = family_config(family, model_path, prompts, str(tmp_path / "run"))
     cfg.rollout.backend = backend

@@ -459,3 +459,29 @@ def test_weight_syncer_reaches_sglang_engine_actors_without_a_group_hook(ray_clu
     finally:
         for actor in engines + ranks:  # the session's cluster stays up
             ray.kill(actor)
+
+
+def test_a_call_fails_soon_after_an_engine_process_dies_naming_it():
+    """A scheduler that hits an exception in the model's forward exits, and the in-process engine's generate then
+    waits for outputs that never come (a Mixtral whose head size SGLang's KV pool and attention read differently
+    waited so for 8 minutes). The driver checks the engine's processes between short waits: the call fails within a
+    few seconds, naming the dead process, and later calls are refused."""
+    import backends.sglang_backend as sb
+
+    driver = sb._EngineDriver.__new__(sb._EngineDriver)  # the waiting logic alone; no engine is started
+    driver._thread = sb.concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    driver._timeout_s, driver._stuck = 600.0, None
+    child = subprocess.Popen([sys.executable, "-c", "pass"])  # stands in for a scheduler that exits
+    driver._engine_children = [child.pid]
+    release = threading.Event()
+    start = time.monotonic()
+    try:
+        with pytest.raises(BackendError, match=rf"generate \(2 rows\): its process {child.pid} \(.*\) died"):
+            driver.run("generate (2 rows)", lambda: release.wait(120))
+        assert time.monotonic() - start < 30
+        with pytest.raises(BackendError, match="an earlier call .* overran its deadline|unusable"):
+            driver.run("generate (1 rows)", lambda: None)
+    finally:
+        release.set()
+        child.wait()
+        driver._thread.shutdown(wait=True)
