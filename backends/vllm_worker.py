@@ -268,11 +268,12 @@ class WeightSyncExtension:
         return {"tensor": tensor, "shard_dim": shard_dim, "shard_index": shard_index}
 
     def _rlhf_is_expert_weight(self, name: str) -> bool:
-        """Whether ``name`` is one expert's checkpoint tensor (``...mlp.experts.3.gate_proj.weight``) of a layer whose
-        experts vLLM keeps fused: its ``load_weights`` maps such names through the model's expert mapping (which
+        """Whether ``name`` is an expert tensor of the checkpoint (one expert's ``...mlp.experts.3.gate_proj.weight``,
+        or a fused one like GPT-OSS's ``...mlp.experts.gate_up_proj``) of a layer whose experts vLLM keeps in fused
+        parameters of its own: its ``load_weights`` maps such names through the model's expert mapping (which
         expert, which half of the fused gate/up), which this worker does not repeat."""
         prefix, sep, rest = name.partition(".experts.")
-        if not sep or not rest.split(".", 1)[0].isdigit():
+        if not sep:
             return False
         try:
             experts = self.model_runner.get_model().get_submodule(prefix + ".experts")

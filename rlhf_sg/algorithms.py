@@ -760,7 +760,8 @@ def gmpo_loss(
     pessimistic = sign * torch.minimum(sign * token_log_ratio, sign * clipped_log)
     ratio = torch.exp(_sequence_mean(pessimistic, m)).expand_as(token_log_ratio)
     loss_tok = -adv * ratio
-    return _finish_surrogate(fn, loss_tok, m, token_log_ratio, ratio, pessimistic != token_log_ratio, old_logp,
+    clipped = (pessimistic != token_log_ratio) & (sign != 0)  # a zero advantage has no side to clip on
+    return _finish_surrogate(fn, loss_tok, m, token_log_ratio, ratio, clipped, old_logp,
                              rollout_logp, tis_cap, tis_low, tis_mode, aggregation, normalizer, token_budget)
 
 

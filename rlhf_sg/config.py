@@ -881,6 +881,10 @@ def lora_target_modules(lora: LoraConfig) -> str | list[str]:
     return [m.strip() for m in lora.target_modules.split(",") if m.strip()]
 
 
+#: modules --lora.target_modules may not name: the output head and the embeddings (see _validate_lora)
+_LORA_REFUSED_TARGETS = ("lm_head", "embed_tokens", "wte", "word_embeddings")
+
+
 def _validate_lora(cfg: Config) -> None:
     lo = cfg.lora
     if lo.rank == 0:
@@ -891,6 +895,13 @@ def _validate_lora(cfg: Config) -> None:
     _need(0.0 <= lo.dropout < 1.0, f"--lora.dropout must be in [0, 1), got {lo.dropout}")
     _need(bool(lora_target_modules(lo)), "--lora.target_modules is empty: give all-linear or module names "
                                          "(q_proj,k_proj,v_proj,o_proj)")
+    embeddings = sorted(set(lora_target_modules(lo)) & set(_LORA_REFUSED_TARGETS)) if lo.target_modules.strip() != \
+        "all-linear" else []
+    _need(not embeddings,
+          f"--lora.target_modules names {embeddings}: the log-probs apply the lm_head once per call with the "
+          "chunked log-softmax inside, and a LoRA-wrapped head calls its own submodules per chunk, which under "
+          "ZeRO-3 gathers them as many times as a rank has chunks (ranks would wait on each other); adapt the "
+          "attention and MLP projections (all-linear leaves the head out)")
     _need(lo.sync_mode in LORA_SYNC_MODES,
           f"--lora.sync_mode must be one of {LORA_SYNC_MODES}, got {lo.sync_mode!r}")
     if lo.sync_mode == "adapter":

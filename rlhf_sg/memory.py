@@ -227,8 +227,9 @@ def activation_bytes(shape: ModelShape, tokens: int, gradient_checkpointing: boo
 
 
 def logits_chunk_bytes(shape: ModelShape, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> int:
-    """One chunk of response logits: in the model dtype, its float32 log-softmax and that one's gradient."""
-    return chunk_tokens * shape.vocab_size * (shape.dtype_bytes + 8)
+    """One chunk of response logits at its recomputation in the backward: in the model dtype, in float32, the softmax
+    the entropy takes (float32), and the gradients of those two (float32)."""
+    return chunk_tokens * shape.vocab_size * (shape.dtype_bytes + 16)
 
 
 def zero3_buffer_bytes(shape: ModelShape, train: bool) -> int:

@@ -422,7 +422,8 @@ def pack_shared_prompts(
     groups = groups if groups is not None else prompt_groups(sequences, attention_mask, response_width)
     segments, one_row = _cut_segments(groups, prompt_len, response_len, capacity)
     lengths = [prompt_len[s[0]] + sum(response_len[b] for b in s) for s in segments]
-    # on the blocks a row's length costs nothing (each branch is computed alone) and its padding would
+    # on the blocks a row's length costs nothing (each branch is computed alone), so every segment goes in one row
+    # and no row is padded
     rows = [list(range(len(segments)))] if one_row else _first_fit_decreasing(lengths, max(lengths))
     row_len = max(sum(lengths[i] for i in row) for row in rows)
 
@@ -781,6 +782,10 @@ MAX_DEFAULT_SEGMENT_TOKENS = 4096
 UNCAPPED_SEGMENT_TOKENS = sys.maxsize
 
 
+#: config keys of a model's attention-probability dropout (Llama / Qwen style, GPT-2, BERT style)
+_ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
 def default_segment_tokens(module: nn.Module) -> int:
     """A shared-prompt segment's default size.
 
@@ -794,11 +799,14 @@ def default_segment_tokens(module: nn.Module) -> int:
     so a model whose every layer can take the blocks (one unwindowed mask, none of its layers has needed the tree
     mask: :class:`_TreeMaskStandIn`) gets :data:`UNCAPPED_SEGMENT_TOKENS`, a group's prompt computed once however
     long its responses, and no [L, L] mask is built. One with windowed layers, which need their mask, stays at
-    :data:`MAX_DEFAULT_SEGMENT_TOKENS`."""
+    :data:`MAX_DEFAULT_SEGMENT_TOKENS`; so does one with attention dropout (``--train.disable_dropout false``): its
+    layers decline the blocks in training, which the start-up probe (in eval mode) does not see, and the first
+    training forward would build an uncapped segment's whole mask."""
     config = getattr(module, "config", None)
     if getattr(config, "_attn_implementation", None) == SHARED_PROMPT_ATTENTION:
         every_layer = set(_mask_windows(module).values()) == {None}
-        if every_layer and not getattr(module, _TREE_MASK_NEEDED_ATTRIBUTE, False):
+        dropout = max(float(getattr(config, key, 0.0) or 0.0) for key in _ATTENTION_DROPOUT_KEYS)
+        if every_layer and dropout == 0.0 and not getattr(module, _TREE_MASK_NEEDED_ATTRIBUTE, False):
             return UNCAPPED_SEGMENT_TOKENS
         return MAX_DEFAULT_SEGMENT_TOKENS
     hidden = getattr(config, "hidden_size", None)

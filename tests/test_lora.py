@@ -56,6 +56,16 @@ def test_lora_is_off_by_default_and_its_settings_are_validated(tmp_path):
         validate(cfg)
 
 
+def test_the_head_and_embeddings_are_refused_as_lora_targets(tmp_path):
+    """The log-probs call the lm_head once with the chunked log-softmax inside; a LoRA-wrapped head calls its own
+    submodules per chunk, which under ZeRO-3 would gather them as many times as each rank has chunks."""
+    validate(_cfg(tmp_path, rank=8, target_modules="all-linear"))
+    validate(_cfg(tmp_path, rank=8, target_modules="q_proj,v_proj"))
+    for targets in ("q_proj,lm_head", "embed_tokens", " lm_head "):
+        with pytest.raises(ConfigError, match=r"--lora.target_modules names \['(lm_head|embed_tokens)'\]"):
+            validate(_cfg(tmp_path, rank=8, target_modules=targets))
+
+
 @pytest.mark.parametrize("option", ["use_dora", "modules_to_save", "rank_pattern", "alpha_pattern"])
 def test_options_the_engines_cannot_serve_are_refused_by_name(tmp_path, option):
     with pytest.raises(ConfigError, match=f"--lora.{option}: .* not supported"):

@@ -158,6 +158,16 @@ def test_gmpo_is_the_geometric_mean_of_the_token_ratios_clipped_in_log_space_on_
     torch.testing.assert_close(logp.grad, T(expected), atol=1e-6, rtol=0)
 
 
+def test_gmpo_counts_no_clipped_token_in_a_sequence_without_advantage():
+    """A group whose samples all got one reward has advantage 0: no side to clip on, so none of its tokens counts as
+    clipped (sign 0 made every one of them differ from its own log-ratio)."""
+    mask = right_padded_mask([2, 3], 3)
+    log_ratio = T([[0.6, 0.1, 0.0], [0.2, -0.1, 0.3]])
+    adv = T([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    _, metrics = gmpo_loss(log_ratio, torch.zeros(2, 3), adv, mask, aggregation="seq_mean")
+    assert metrics["clip_frac"].item() == pytest.approx(1 / 5)  # the 0.6 of the first sequence only
+
+
 def test_gmpo_bounds_must_not_be_negative():
     x, m = torch.zeros(1, 2), torch.ones(1, 2)
     with raises_exactly("gmpo_loss: the log-space bounds must be >= 0, got clip_low=-0.1, clip_high=0.4"):

@@ -743,3 +743,18 @@ def test_a_layer_that_does_not_take_the_blocks_gets_the_tree_mask_built_on_use(c
     assert torch.allclose(logp, reference, atol=TOL)
     assert "a layer did not take the shared-prompt blocks" in caplog.text and "[1, 1, 40, 40] tree mask" in caplog.text
     assert default_segment_tokens(model) == MAX_DEFAULT_SEGMENT_TOKENS
+
+
+def test_a_model_with_attention_dropout_keeps_capped_segments_on_the_blocks():
+    """Layers decline the blocks in training when their attention has dropout (--train.disable_dropout false), which
+    the start-up probe, in eval mode, does not see; such a model keeps segments of MAX_DEFAULT_SEGMENT_TOKENS, so the
+    first training forward never builds an uncapped segment's whole tree mask."""
+    from rlhf_sg.packing import MAX_DEFAULT_SEGMENT_TOKENS, UNCAPPED_SEGMENT_TOKENS, default_segment_tokens
+    from rlhf_sg.packing import use_shared_prompt_attention as switch
+    from rlhf_sg.tiny import build_tiny_model
+
+    model = build_tiny_model("qwen2", "tiny")
+    switch(model)
+    assert default_segment_tokens(model) == UNCAPPED_SEGMENT_TOKENS
+    model.config.attention_dropout = 0.1
+    assert default_segment_tokens(model) == MAX_DEFAULT_SEGMENT_TOKENS
