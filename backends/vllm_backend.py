@@ -733,12 +733,16 @@ def _check_config(config: BackendConfig) -> None:
                 f"BackendConfig.tensor_parallel_size={tp} is larger than the {cores} CPU core(s) this process may "
                 "use (each CPU rank needs its own); lower it"
             )
-        from transformers import AutoConfig
+        from transformers import AutoConfig, PretrainedConfig
 
+        with open(config_json) as f:
+            raw = json.load(f)
         # through the family's config class: GPT-2 and Bloom name the head count n_head (attribute_map)
-        text = AutoConfig.from_pretrained(os.path.dirname(config_json)).get_text_config()
-        heads = getattr(text, "num_attention_heads", None)
-        head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+        kwargs = {k: v for k, v in raw.items() if k != "model_type"}
+        text = (AutoConfig.for_model(raw["model_type"], **kwargs) if raw.get("model_type")
+                else PretrainedConfig(**kwargs)).get_text_config()
+        heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
+        head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads and hidden else None)
         if head_dim is not None and head_dim not in _CPU_HEAD_SIZES:
             raise BackendError(
                 f"model {config.model_path!r} has attention head size {head_dim}; vLLM's CPU attention takes only "
@@ -747,10 +751,10 @@ def _check_config(config: BackendConfig) -> None:
         experts = next((getattr(text, k) for k in _EXPERT_KEYS if getattr(text, k, None)), None)
         if experts:
             raise BackendError(
-                f"model {config.model_path!r} ({text.model_type}) is a mixture of experts ({experts} experts): vLLM "
-                f"{_VLLM_PIN}'s CPU build packs expert weights into its kernel's layout at load only, and a weight "
-                "update leaves them in the checkpoint's (the engine's log-probs then drift from the trainer's after "
-                "the first sync). On CPU use --rollout.backend sglang or hf for mixture-of-experts models"
+                f"model {config.model_path!r} ({raw.get('model_type')}) is a mixture of experts ({experts} experts): "
+                f"vLLM {_VLLM_PIN}'s CPU build packs expert weights into its kernel's layout at load only, and a "
+                "weight update leaves them in the checkpoint's (the engine's log-probs then drift from the trainer's "
+                "after the first sync). On CPU use --rollout.backend sglang or hf for mixture-of-experts models"
             )
 
 
