@@ -191,3 +191,13 @@ def test_a_prefix_change_is_reversed_only_where_the_checkpoint_has_the_prefix(pr
     sent = {n for n, _, _ in meta if n not in renames} | {p.name for parts in renames.values() for p in parts}
     assert sent == checkpoint
     assert bool(renames) == prefixed
+
+
+def test_the_engine_families_bench_runs_the_matrix_through_an_engine(capsys):
+    """``python -m rlhf_sg.bench engine-families`` on the embedded engine: a MoE family is exact before and after a
+    sync of another model's weights under checkpoint names."""
+    from rlhf_sg.bench.engine_families import main
+
+    main(["--backend", "hf", "--families", "qwen3-moe", "mixtral"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("qwen3-moe", "mixtral"))]
+    assert [(r[0], r[1]) for r in rows] == [("qwen3-moe", "exact"), ("mixtral", "exact")]
