@@ -20,6 +20,7 @@ interleave) or builds a tensor from several parameters is refused, naming the te
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -41,10 +42,7 @@ class SavedAs:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 class _ContiguousAsViews(torch.overrides.TorchFunctionMode):
@@ -165,9 +163,7 @@ def _saved_as(revert, model, named_shapes) -> dict[str, tuple[SavedAs, ...]]:
                 raise BackendError(f"{where} saves run-time parameter {name!r} {shape} as pieces that do not tile its "
                                    f"data ({[(p.name, p.offset, p.numel) for p in parts][:4]} ...)")
             end += part.numel
-        total = 1
-        for s in shape:
-            total *= s
+        total = math.prod(shape)
         if end != total:
             raise BackendError(f"{where} saves {end} of the {total} elements of run-time parameter {name!r}")
         out[name] = tuple(parts)

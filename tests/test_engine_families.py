@@ -24,7 +24,7 @@ import pytest
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
 
-from test_family_loop import digits_reward, family_config, prompts  # noqa: E402,F401  (fixture)
+from test_family_loop import family_config, prompts, train_recording_gaps  # noqa: E402,F401  (fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,6 @@ def test_a_moe_family_trains_and_syncs_through_the_engine(ray_cluster, prompts, 
     if importlib.util.find_spec(backend) is None:
         pytest.skip(f"{backend} is not installed here (bash recipes/install/{backend}_cpu.sh builds its venv)")
     from rlhf_sg.tiny import build_tokenizer, tiny_family_model
-    from rlhf_sg.trainer import PPOTrainer, train
 
     model_path = str(tmp_path / family)
     # without the matrix's 4-token window: SGLang's Mixtral passes no window to its attention (as the published
@@ -48,14 +47,7 @@ def test_a_moe_family_trains_and_syncs_through_the_engine(ray_cluster, prompts, 
     build_tokenizer().save_pretrained(model_path)
     cfg = family_config(family, model_path, prompts, str(tmp_path / "run"))
     cfg.rollout.backend = backend
-    gaps = []
-
-    class Gaps(PPOTrainer):
-        def on_experience(self, experience):
-            mask = experience.action_mask.bool()
-            gaps.append(float((experience.rollout_logp - experience.old_logp).abs()[mask].max()))
-
-    history = train(cfg, Gaps, reward_fn=digits_reward)
+    history, gaps = train_recording_gaps(cfg)
     assert [h["weight_version"] for h in history] == [1, 2]
     assert len(gaps) == 2 and max(gaps) <= GAP, (backend, family, gaps)
 

@@ -35,6 +35,21 @@ def digits_reward(prompts: list[str], completions: list[str], labels: list) -> l
     return [float(sum(ch.isdigit() for ch in c)) for c in completions]
 
 
+def train_recording_gaps(cfg) -> tuple[list[dict], list[float]]:
+    """Train ``cfg`` with :func:`digits_reward`; returns the history and, per step, the largest |engine log-prob -
+    trainer log-prob| over the step's sampled tokens (the trainer's from its own forward before the update)."""
+    from rlhf_sg.trainer import PPOTrainer, train
+
+    gaps: list[float] = []
+
+    class Gaps(PPOTrainer):
+        def on_experience(self, experience):
+            mask = experience.action_mask.bool()
+            gaps.append(float((experience.rollout_logp - experience.old_logp).abs()[mask].max()))
+
+    return train(cfg, Gaps, reward_fn=digits_reward), gaps
+
+
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
     import arith_task
@@ -66,7 +81,7 @@ def test_every_family_trains_end_to_end_and_the_engine_holds_the_trained_weights
                                                                                   family):
     from rlhf_sg.config import ConfigError
     from rlhf_sg.tiny import build_tokenizer, tiny_family_model
-    from rlhf_sg.trainer import PPOTrainer, train
+    from rlhf_sg.trainer import train
 
     model_path = str(tmp_path / family)
     tiny_family_model(family).save_pretrained(model_path)
@@ -77,14 +92,7 @@ def test_every_family_trains_end_to_end_and_the_engine_holds_the_trained_weights
             train(cfg, reward_fn=digits_reward)
         return
 
-    gaps = []
-
-    class Gaps(PPOTrainer):
-        def on_experience(self, experience):
-            mask = experience.action_mask.bool()
-            gaps.append(float((experience.rollout_logp - experience.old_logp).abs()[mask].max()))
-
-    history = train(cfg, Gaps, reward_fn=digits_reward)
+    history, gaps = train_recording_gaps(cfg)
     assert [h["weight_version"] for h in history] == [1, 2]
     assert history[0]["reward/std"] > 0, history[0]  # advantages, so step 1 moved the weights
     assert len(gaps) == 2
