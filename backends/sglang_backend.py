@@ -1020,10 +1020,11 @@ class SGLangBackend(RolloutBackend):
             for name in ("router_url", "api_key_env", "admin_api_key_env"):
                 if name in extra:
                     raise BackendError(f"BackendConfig.extra['{name}'] needs extra['server_urls'] (http mode)")
+            engine_kwargs = sglang_engine_kwargs(config, extra.get("engine_kwargs", {}))
+            # after the engine's settings: they set SGLang's CPU mode, which must precede any import of sglang
             unserved = _unserved_window(config.model_path, config.max_model_len)
             if unserved is not None:
                 raise BackendError(unserved)
-            engine_kwargs = sglang_engine_kwargs(config, extra.get("engine_kwargs", {}))
             self._driver = _EngineDriver(engine_kwargs, timeout_s)
         self._closed = False
         info = self._driver.server_info

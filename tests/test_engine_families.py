@@ -98,3 +98,25 @@ def test_sglang_takes_the_windows_its_model_classes_pass(tmp_path, family):
     tiny_family_model(family).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     assert _unserved_window(path, 64) is None
+
+
+def test_sglang_starts_a_windowed_model_whose_class_takes_the_window_and_matches_it(tmp_path):
+    """The window check runs after the engine's settings put SGLang in its CPU mode (checking first imported sglang
+    before that, and every windowed model then failed to start); Gemma-3's windowed layers through SGLang give the
+    model's own log-probs on rows past the window."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed here (bash recipes/install/sglang_cpu.sh builds its venv)")
+    from backends.base import BackendConfig
+    from backends.sglang_backend import SGLangBackend
+    from rlhf_sg.bench.engine_families import engine_gap
+    from rlhf_sg.tiny import build_tokenizer, tiny_family_model
+
+    path = str(tmp_path / "gemma-3")
+    model = tiny_family_model("gemma-3")
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    engine = SGLangBackend(BackendConfig(model_path=path, dtype="float32", max_model_len=64, num_threads=1))
+    try:
+        assert engine_gap(engine, model) <= 1e-4
+    finally:
+        engine.shutdown()
