@@ -913,6 +913,31 @@ def _check_answer(what: str, answer: Any) -> None:
 
 
 # ---- the backend ----------------------------------------------------------------------------------
+#: architectures SGLang 0.5.23 starts but does not serve as transformers 5.19 computes them, measured on CPU with
+#: ``python -m rlhf_sg.bench engine-families --backend sglang`` (the matrix's tiny configs): refused at start
+_MEASURED_UNSERVED = {
+    "Cohere2ForCausalLM": "its engine log-probs were 0.18 off the model's before any weight update",
+    "Gemma2ForCausalLM": "its scheduler fails at start reading transformers 5's Gemma2Config (no hidden_act) and "
+                         "SIGQUITs the process that started it",
+}
+
+
+def _measured_unserved(model_path: str) -> str | None:
+    """Why SGLang is known not to serve this model's architecture (:data:`_MEASURED_UNSERVED`), or None."""
+    import json
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            architectures = json.load(f).get("architectures") or []
+    except (OSError, ValueError):
+        return None
+    for arch in architectures:
+        if arch in _MEASURED_UNSERVED:
+            return (f"model {model_path!r} ({arch}): SGLang does not serve it as transformers computes it: "
+                    f"{_MEASURED_UNSERVED[arch]}; use --rollout.backend hf")
+    return None
+
+
 def _unserved_window(model_path: str, max_model_len: int) -> str | None:
     """Why SGLang would not compute this model's attention as transformers does, or None: transformers attends over
     a sliding window (``config.sliding_window`` on the layers ``layer_types`` marks sliding, or all of them without
@@ -1022,7 +1047,8 @@ class SGLangBackend(RolloutBackend):
                     raise BackendError(f"BackendConfig.extra['{name}'] needs extra['server_urls'] (http mode)")
             engine_kwargs = sglang_engine_kwargs(config, extra.get("engine_kwargs", {}))
             # after the engine's settings: they set SGLang's CPU mode, which must precede any import of sglang
-            unserved = _unserved_window(config.model_path, config.max_model_len)
+            unserved = (_measured_unserved(config.model_path)
+                        or _unserved_window(config.model_path, config.max_model_len))
             if unserved is not None:
                 raise BackendError(unserved)
             self._driver = _EngineDriver(engine_kwargs, timeout_s)
