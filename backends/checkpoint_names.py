@@ -28,7 +28,7 @@ import torch
 
 from backends.base import BackendError, BucketManifest, TensorSpec
 
-__all__ = ["SavedAs", "checkpoint_manifest", "checkpoint_names", "checkpoint_views", "saved_as"]
+__all__ = ["SavedAs", "checkpoint_manifest", "checkpoint_names", "checkpoint_views", "saved_as", "text_config"]
 
 
 @dataclass(frozen=True)
@@ -200,3 +200,15 @@ def checkpoint_views(model: torch.nn.Module, renames: dict[str, tuple[SavedAs, .
         for part in parts:
             views[part.name] = flat[part.offset : part.offset + part.numel].view(part.shape)
     return views
+
+
+def text_config(config: dict):
+    """The transformers config object of a ``config.json`` dict, through the family's own config class (so GPT-2's
+    and Bloom's ``n_head`` / ``n_layer`` read as ``num_attention_heads`` / ``num_hidden_layers``: ``attribute_map``),
+    its text part for a multimodal model; a dict with no ``model_type`` is read as plain keys."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    kwargs = {k: v for k, v in config.items() if k != "model_type"}
+    built = (AutoConfig.for_model(config["model_type"], **kwargs) if config.get("model_type")
+             else PretrainedConfig(**kwargs))
+    return built.get_text_config()

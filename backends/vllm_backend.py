@@ -733,14 +733,11 @@ def _check_config(config: BackendConfig) -> None:
                 f"BackendConfig.tensor_parallel_size={tp} is larger than the {cores} CPU core(s) this process may "
                 "use (each CPU rank needs its own); lower it"
             )
-        from transformers import AutoConfig, PretrainedConfig
+        from backends.checkpoint_names import text_config
 
         with open(config_json) as f:
             raw = json.load(f)
-        # through the family's config class: GPT-2 and Bloom name the head count n_head (attribute_map)
-        kwargs = {k: v for k, v in raw.items() if k != "model_type"}
-        text = (AutoConfig.for_model(raw["model_type"], **kwargs) if raw.get("model_type")
-                else PretrainedConfig(**kwargs)).get_text_config()
+        text = text_config(raw)  # through the family's config class: GPT-2 and Bloom name the head count n_head
         heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
         head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads and hidden else None)
         if head_dim is not None and head_dim not in _CPU_HEAD_SIZES:

@@ -56,7 +56,9 @@ class ModelShape:
         Read through the family's own config class, so each family's key names count (GPT-2's and Bloom's
         ``n_head`` / ``n_layer`` through ``attribute_map``), and a multimodal config's text part is the one read.
         Without an intermediate size (GPT-2's ``n_inner`` unset, Bloom) the MLP is 4 x hidden."""
-        text = _text_config(config)
+        from backends.checkpoint_names import text_config
+
+        text = text_config(config)
         hidden = int(text.hidden_size)
         heads = int(text.num_attention_heads)
         intermediate = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
@@ -69,17 +71,6 @@ class ModelShape:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=text.model_type == "qwen2" or bool(getattr(text, "attention_bias", False)),
         )
-
-
-def _text_config(config: dict):
-    """The transformers config object of a ``config.json`` dict (its text part for a multimodal model); a dict with
-    no ``model_type`` is read as Llama-style keys."""
-    from transformers import AutoConfig, PretrainedConfig
-
-    kwargs = {k: v for k, v in config.items() if k != "model_type"}
-    built = (AutoConfig.for_model(config["model_type"], **kwargs) if config.get("model_type")
-             else PretrainedConfig(**kwargs))
-    return built.get_text_config()
 
 
 #: model shapes by name, for ``--model-config`` (no download: the sizes of the published config.json)

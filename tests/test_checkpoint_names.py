@@ -16,7 +16,7 @@ import torch
 from backends.base import BackendConfig, BackendError, SamplingParams
 from backends.checkpoint_names import checkpoint_manifest, checkpoint_views, saved_as
 from rlhf_sg.sync import gather_bucket, named_weights, plan_buckets
-from rlhf_sg.tiny import FAMILIES, build_tokenizer, tiny_family_model
+from rlhf_sg.tiny import FAMILIES, save_tiny_model, tiny_family_model
 
 #: families transformers runs in a layout other than their checkpoint's (fused experts; Mixtral also renamed)
 CONVERTED = ("qwen3-moe", "qwen3-next", "mixtral")
@@ -24,8 +24,7 @@ CONVERTED = ("qwen3-moe", "qwen3-next", "mixtral")
 
 def _save(family: str, path, seed: int = 0):
     model = tiny_family_model(family, seed=seed)
-    model.save_pretrained(str(path))
-    build_tokenizer().save_pretrained(str(path))
+    save_tiny_model(str(path), model=model)
     return model
 
 

@@ -15,7 +15,6 @@ The families are the matrix's tiny configs (for vLLM with 32-wide attention head
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
@@ -24,6 +23,7 @@ import pytest
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
 
+from test_engine_e2e import _need  # noqa: E402
 from test_family_loop import family_config, prompts, train_recording_gaps  # noqa: E402,F401  (fixture)
 
 pytestmark = pytest.mark.slow
@@ -36,15 +36,14 @@ GAP = 1e-3
 @pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
 @pytest.mark.parametrize("backend", ["sglang"])
 def test_a_moe_family_trains_and_syncs_through_the_engine(ray_cluster, prompts, tmp_path, backend, family):  # noqa: F811
-    if importlib.util.find_spec(backend) is None:
-        pytest.skip(f"{backend} is not installed here (bash recipes/install/{backend}_cpu.sh builds its venv)")
-    from rlhf_sg.tiny import build_tokenizer, tiny_family_model
+    _need(backend)
+    from rlhf_sg.tiny import save_tiny_model, tiny_family_model
 
     model_path = str(tmp_path / family)
     # without the matrix's 4-token window: SGLang's Mixtral passes no window to its attention (as the published
     # Mixtral checkpoints set none), so windowed rows would differ before any sync
-    tiny_family_model(family, **({"sliding_window": None} if family == "mixtral" else {})).save_pretrained(model_path)
-    build_tokenizer().save_pretrained(model_path)
+    overrides = {"sliding_window": None} if family == "mixtral" else {}
+    save_tiny_model(model_path, model=tiny_family_model(family, **overrides))
     cfg = family_config(family, model_path, prompts, str(tmp_path / "run"))
     cfg.rollout.backend = backend
     history, gaps = train_recording_gaps(cfg)
@@ -54,15 +53,13 @@ def test_a_moe_family_trains_and_syncs_through_the_engine(ray_cluster, prompts, 
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "mixtral", "qwen3-next"])
 def test_vllm_on_cpu_refuses_a_moe_model_by_name(tmp_path, family):
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not installed here (bash recipes/install/vllm_cpu.sh builds its venv)")
+    _need("vllm")
     from backends.base import BackendConfig, BackendError
     from backends.vllm_backend import VLLMBackend
-    from rlhf_sg.tiny import build_tokenizer, tiny_family_model
+    from rlhf_sg.tiny import save_tiny_model, tiny_family_model
 
     path = str(tmp_path / family)
-    tiny_family_model(family, head_dim=32).save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
+    save_tiny_model(path, model=tiny_family_model(family, head_dim=32))
     with pytest.raises(BackendError, match=r"is a mixture of experts \(4 experts\).*--rollout.backend sglang or hf"):
         VLLMBackend(BackendConfig(model_path=path, num_threads=1))
 
@@ -73,15 +70,13 @@ def test_sglang_refuses_a_window_its_model_class_drops(tmp_path, family):
     transformers applies ``config.sliding_window``: measured, the tiny Mistral (window 4) was 0.14 off the trainer's
     log-probs before any sync. With a context past the window the backend refuses it before the engine starts, naming
     the window and the way out; within the window it is exact and starts."""
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang is not installed here (bash recipes/install/sglang_cpu.sh builds its venv)")
+    _need("sglang")
     from backends.base import BackendConfig, BackendError
     from backends.sglang_backend import SGLangBackend, _unserved_window
-    from rlhf_sg.tiny import FAMILY_WINDOW, build_tokenizer, tiny_family_model
+    from rlhf_sg.tiny import FAMILY_WINDOW, save_tiny_model, tiny_family_model
 
     path = str(tmp_path / family)
-    tiny_family_model(family).save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
+    save_tiny_model(path, model=tiny_family_model(family))
     with pytest.raises(BackendError, match=rf"sliding window of {FAMILY_WINDOW} tokens.*--rollout.max_model_len"):
         SGLangBackend(BackendConfig(model_path=path, dtype="float32", max_model_len=64, num_threads=1))
     assert _unserved_window(path, FAMILY_WINDOW) is None
@@ -89,14 +84,12 @@ def test_sglang_refuses_a_window_its_model_class_drops(tmp_path, family):
 
 @pytest.mark.parametrize("family", ["gemma-2", "gemma-3", "qwen2", "olmo-2"])
 def test_sglang_takes_the_windows_its_model_classes_pass(tmp_path, family):
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang is not installed here (bash recipes/install/sglang_cpu.sh builds its venv)")
+    _need("sglang")
     from backends.sglang_backend import _unserved_window
-    from rlhf_sg.tiny import build_tokenizer, tiny_family_model
+    from rlhf_sg.tiny import save_tiny_model, tiny_family_model
 
     path = str(tmp_path / family)
-    tiny_family_model(family).save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
+    save_tiny_model(path, model=tiny_family_model(family))
     assert _unserved_window(path, 64) is None
 
 
@@ -104,17 +97,15 @@ def test_sglang_starts_a_windowed_model_whose_class_takes_the_window_and_matches
     """The window check runs after the engine's settings put SGLang in its CPU mode (checking first imported sglang
     before that, and every windowed model then failed to start); Gemma-3's windowed layers through SGLang give the
     model's own log-probs on rows past the window."""
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang is not installed here (bash recipes/install/sglang_cpu.sh builds its venv)")
+    _need("sglang")
     from backends.base import BackendConfig
     from backends.sglang_backend import SGLangBackend
     from rlhf_sg.bench.engine_families import engine_gap
-    from rlhf_sg.tiny import build_tokenizer, tiny_family_model
+    from rlhf_sg.tiny import save_tiny_model, tiny_family_model
 
     path = str(tmp_path / "gemma-3")
     model = tiny_family_model("gemma-3")
-    model.save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
+    save_tiny_model(path, model=model)
     engine = SGLangBackend(BackendConfig(model_path=path, dtype="float32", max_model_len=64, num_threads=1))
     try:
         assert engine_gap(engine, model) <= 1e-4
@@ -127,14 +118,12 @@ def test_sglang_refuses_the_architectures_it_was_measured_not_to_serve(tmp_path,
     """``bench engine-families --backend sglang``: Cohere2's engine log-probs were 0.18 off the model's before any
     sync; Gemma-2's scheduler failed at start on transformers 5's config and SIGQUIT the process that started it.
     Both are refused by name before the engine starts."""
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang is not installed here (bash recipes/install/sglang_cpu.sh builds its venv)")
+    _need("sglang")
     from backends.base import BackendConfig, BackendError
     from backends.sglang_backend import SGLangBackend
-    from rlhf_sg.tiny import build_tokenizer, tiny_family_model
+    from rlhf_sg.tiny import save_tiny_model, tiny_family_model
 
     path = str(tmp_path / family)
-    tiny_family_model(family).save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
+    save_tiny_model(path, model=tiny_family_model(family))
     with pytest.raises(BackendError, match=r"(Cohere2|Gemma2)ForCausalLM\): SGLang does not serve it"):
         SGLangBackend(BackendConfig(model_path=path, dtype="float32", max_model_len=64, num_threads=1))

@@ -80,12 +80,11 @@ def family_config(family: str, model_path: str, prompts: str, out: str):
 def test_every_family_trains_end_to_end_and_the_engine_holds_the_trained_weights(ray_cluster, prompts, tmp_path,
                                                                                   family):
     from rlhf_sg.config import ConfigError
-    from rlhf_sg.tiny import build_tokenizer, tiny_family_model
+    from rlhf_sg.tiny import save_tiny_model, tiny_family_model
     from rlhf_sg.trainer import train
 
     model_path = str(tmp_path / family)
-    tiny_family_model(family).save_pretrained(model_path)
-    build_tokenizer().save_pretrained(model_path)
+    save_tiny_model(model_path, model=tiny_family_model(family))
     cfg = family_config(family, model_path, prompts, str(tmp_path / "run"))
     if family in REFUSED:
         with pytest.raises(ConfigError, match=REFUSED[family]):

@@ -259,15 +259,14 @@ def test_a_moe_models_per_expert_checkpoint_tensors_load_into_vllm_on_gpu(tmp_pa
     other model's (float32, the backend contract's 1e-4), where before they were not."""
     from backends.base import SamplingParams
     from backends.vllm_backend import VLLMBackend
-    from rlhf_sg.tiny import build_tokenizer, tiny_family_model
+    from rlhf_sg.tiny import save_tiny_model, tiny_family_model
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from test_checkpoint_names import _wire_buckets
 
     overrides = {"head_dim": 32} if family == "qwen3-moe" else {"sliding_window": None}
     path = str(tmp_path / family)
-    tiny_family_model(family, **overrides).save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
+    save_tiny_model(path, model=tiny_family_model(family, **overrides))
     other = tiny_family_model(family, seed=9, **overrides).cuda()
     engine = VLLMBackend(BackendConfig(model_path=path, device="cuda", dtype="float32", max_model_len=64))
     try:

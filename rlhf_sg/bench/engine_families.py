@@ -61,13 +61,12 @@ def check_family(family: str, backend: str, out: str, head_dim: int | None) -> t
 
     from backends.base import BackendConfig
     from backends.registry import create_backend
-    from rlhf_sg.tiny import build_tokenizer, tiny_family_model
+    from rlhf_sg.tiny import save_tiny_model, tiny_family_model
 
     overrides = {"head_dim": head_dim} if head_dim and family in _TAKES_HEAD_DIM else {}
     path = os.path.join(out, family)
     first = tiny_family_model(family, **overrides)
-    first.save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
+    save_tiny_model(path, model=first)
     second = tiny_family_model(family, seed=5, **overrides)
     try:
         engine = create_backend(backend, BackendConfig(model_path=path, dtype="float32", max_model_len=256, seed=0,
