@@ -340,6 +340,19 @@ def test_sampling_param_keys_exist():
     assert not missing, f"SGLang's SamplingParams takes no {sorted(missing)}"
 
 
+def _module_level_names(tree):
+    """Names a module binds at its top level: classes, functions and assignments (``ModelRegistry = _ModelRegistry()``)."""
+    names = set()
+    for n in tree.body:
+        if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(n.name)
+        elif isinstance(n, ast.Assign):
+            names |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            names.add(n.target.id)
+    return names
+
+
 def test_imports_from_sglang_resolve():
     """``from sglang.X import Y`` in the backend: module X exists and defines (or re-exports) Y."""
     checked = 0
@@ -350,11 +363,11 @@ def test_imports_from_sglang_resolve():
             path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
             assert path.exists(), f"no module {node.module}"
             tree = parse(path)
-            defined = {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+            defined = _module_level_names(tree)
             star_sources = [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.names[0].name == "*"]
             for src in star_sources:
                 src_path = SGLANG.joinpath(*src.split(".")[1:]).with_suffix(".py")
-                defined |= {n.name for n in parse(src_path).body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+                defined |= _module_level_names(parse(src_path))
             for alias in node.names:
                 assert alias.name in defined, f"{node.module} defines no {alias.name}"
                 checked += 1
