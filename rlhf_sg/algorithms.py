@@ -33,6 +33,7 @@ __all__ = [
     "approx_kl_straight_through",
     "cispo_loss",
     "discounted_returns",
+    "distill_advantages",
     "gae",
     "gmpo_loss",
     "group_advantages",
@@ -401,6 +402,32 @@ def reinforce_baseline_advantages(
     baselined = group_advantages(clipped, group_size, "reinforce_baseline")
     rewards = shape_rewards(baselined, kl, action_mask, kl_coef)
     return normalize_advantages(discounted_returns(rewards, action_mask, gamma), action_mask, norm)
+
+
+def distill_advantages(
+    teacher_logp: torch.Tensor,
+    logp: torch.Tensor,
+    action_mask: torch.Tensor,
+    coef: float = 1.0,
+    base: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """On-policy distillation's per-token advantage: ``coef * (teacher_logp - logp)`` on each action token, plus
+    ``base`` (the reward estimator's advantages) where given.
+
+    teacher_logp, logp: [B, T] the teacher's and the sampling policy's (old) log-probs of the sampled tokens;
+    action_mask: [B, T]; base: [B, T] or None. ``logp - teacher_logp`` is the single-sample estimate of the reverse
+    KL(policy || teacher) at that token, so each token's advantage is its own negative reverse KL: discount 0, no
+    sum over the tokens after it (the teacher already judged each next token given everything before it).
+    Returns [B, T] float32, 0 where action_mask is 0.
+    """
+    _check_2d("distill_advantages", "teacher_logp", teacher_logp)
+    _check_same_shape("distill_advantages", teacher_logp=teacher_logp, logp=logp, action_mask=action_mask,
+                      base=base)
+    m = _as_bool_mask("distill_advantages", action_mask)
+    advantages = coef * (teacher_logp.float() - logp.float())
+    if base is not None:
+        advantages = advantages + base.float()
+    return torch.where(m, advantages, 0.0)
 
 
 def _clip_scores(fn: str, scores: torch.Tensor, score_clip: float | None) -> torch.Tensor:

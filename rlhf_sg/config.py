@@ -396,6 +396,23 @@ class PerfConfig:
 
 
 @dataclass
+class DistillConfig:
+    #: on-policy distillation: the teacher, a local HF causal-LM directory with the policy's tokenizer (vocabulary,
+    #: special tokens and padded vocab size, checked before Ray starts); it scores the policy's sampled tokens and
+    #: each token's advantage gets coef * (log pi_teacher - log pi_old) (the negative reverse KL, discount 0).
+    #: None: no distillation
+    teacher: str | None = None
+    #: ranks of the teacher group (a forward-only model, run like the reference)
+    num_ranks: int = 1
+    #: weight of the teacher's per-token term in the advantages
+    coef: float = 1.0
+    #: the teacher's term is the whole advantage: the advantage estimator is not run (no critic is started) and
+    #: the reward, when one is set, is scored and logged but not trained on; the KL penalty in the rewards
+    #: (--train.kl_mode reward) is added per token. A run with only needs no --reward.function
+    only: bool = False
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -407,6 +424,7 @@ class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -668,7 +686,7 @@ def validate(cfg: Config) -> Config:
     m, r, t, d, rw = cfg.model, cfg.rollout, cfg.train, cfg.data, cfg.reward
     _need(bool(m.pretrain), "--model.pretrain is required: a local Hugging Face model directory")
     for flag, path in (("--model.pretrain", m.pretrain), ("--model.critic_pretrain", m.critic_pretrain),
-                       ("--model.reward_pretrain", m.reward_pretrain)):
+                       ("--model.reward_pretrain", m.reward_pretrain), ("--distill.teacher", cfg.distill.teacher)):
         if path:
             _need(os.path.isfile(os.path.join(path, "config.json")),
                   f"{flag}: {path!r} is not a model directory (no config.json there); save the model with "
@@ -680,7 +698,7 @@ def validate(cfg: Config) -> Config:
               f"model (its config.json has none of {list(_EXPERT_KEYS)}), so it has no router loss; leave the flag "
               "unset or set it to 0")
     for flag, path in (("--model.pretrain", m.pretrain), ("--model.critic_pretrain", m.critic_pretrain),
-                       ("--model.reward_pretrain", m.reward_pretrain)):
+                       ("--model.reward_pretrain", m.reward_pretrain), ("--distill.teacher", cfg.distill.teacher)):
         rope = _position_dependent_rope(path) if path and os.path.isfile(os.path.join(path, "config.json")) else None
         longest = cfg.data.max_prompt_len + r.max_new_tokens
         _need(rope is None or longest <= rope[1],
@@ -694,7 +712,7 @@ def validate(cfg: Config) -> Config:
     _need(t.advantage_estimator in advantage_estimators(),
           f"--train.advantage_estimator {t.advantage_estimator!r} unknown; choose one of {advantage_estimators()} "
           "(or register your own with rlhf_sg.advantages.register_advantage_estimator)")
-    if advantage_estimator(t.advantage_estimator).needs_groups:
+    if advantage_estimator(t.advantage_estimator).needs_groups and not distill_only(cfg):
         _need(r.n_samples_per_prompt >= 2,
               f"--train.advantage_estimator {t.advantage_estimator} compares samples of the same prompt: set "
               f"--rollout.n_samples_per_prompt >= 2 (got {r.n_samples_per_prompt})")
@@ -825,7 +843,7 @@ def validate(cfg: Config) -> Config:
     _need(os.path.exists(d.prompt_data), f"--data.prompt_data: {d.prompt_data!r} does not exist")
     _need(rw.kind in ("function", "model", "remote"),
           f"--reward.kind must be function, model or remote, got {rw.kind!r}")
-    if rw.kind == "function":
+    if rw.kind == "function" and not (distill_only(cfg) and rw.function is None):
         from rlhf_sg.verifiable import BUILTIN_REWARDS, is_builtin_spec
 
         _need(bool(rw.function), "--reward.function is required with --reward.kind function (module:function)")
@@ -862,6 +880,10 @@ def validate(cfg: Config) -> Config:
               "--train.recompute_old_logp false: the old log-probs can come from the update's own forward only "
               "with one update per batch (--train.ppo_epochs 1, --train.num_minibatches 1) and no KL penalty in "
               "the rewards (--train.kl_mode loss or --train.kl_coef 0)")
+        _need(cfg.distill.teacher is None,
+              "--train.recompute_old_logp false: --distill.teacher's advantages need the old log-probs before the "
+              "update (log pi_teacher - log pi_old); drop the flag")
+    _validate_distill(cfg)
     _validate_colocation(cfg)
     _validate_rollout_mode(cfg)
     _validate_lora(cfg)
@@ -1005,6 +1027,8 @@ def _validate_eval(cfg: Config) -> None:
     else:
         _need(cfg.reward.kind == "function", f"--eval.prompt_data: evaluation scores with a reward function; with "
                                              f"--reward.kind {cfg.reward.kind} set --eval.reward_function")
+        _need(cfg.reward.function is not None, "--eval.prompt_data: evaluation scores with a reward function and "
+                                               "this run has none (--distill.only); set --eval.reward_function")
 
 
 def _validate_agent(cfg: Config) -> None:
@@ -1235,9 +1259,36 @@ def tis_cap(cfg: Config) -> float | None:
     return cfg.train.tis_cap
 
 
+def _validate_distill(cfg: Config) -> None:
+    """On-policy distillation's rules; the teacher's tokenizer is compared with the policy's last (it loads both)."""
+    d, t = cfg.distill, cfg.train
+    if d.teacher is None:
+        _need(not d.only, "--distill.only: there is no teacher to distill from; set --distill.teacher or drop the "
+                          "flag")
+        return
+    _need(d.num_ranks >= 1, f"--distill.num_ranks must be >= 1, got {d.num_ranks}")
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
+    _need(samples >= d.num_ranks,
+          f"--distill.num_ranks {d.num_ranks}: a step has {samples} samples (prompts_per_step x n_samples_per_prompt), "
+          "fewer than the ranks that must each score one; lower it or raise --rollout.prompts_per_step")
+    _need(math.isfinite(d.coef) and d.coef > 0,
+          f"--distill.coef must be > 0 (the weight of the teacher's term in the advantages), got {d.coef}")
+    _need(t.policy_loss != "gmpo",
+          "--train.policy_loss gmpo weighs each sequence by one advantage, but --distill.teacher gives every token its "
+          "own (log pi_teacher - log pi_old); use another policy loss (ppo, gspo, cispo, sapo)")
+    if d.only:
+        _need(not t.dynamic_filtering,
+              "--train.dynamic_filtering drops groups by their scores, which --distill.only does not train on; drop "
+              "one of the flags")
+    from rlhf_sg.distill import check_teacher
+
+    check_teacher(cfg.model.pretrain, d.teacher)
+
+
 def _validate_colocation(cfg: Config) -> None:
     r, t, rw = cfg.rollout, cfg.train, cfg.reward
     uses_critic, uses_ref, uses_rm = uses_critic_model(cfg), t.kl_coef > 0, rw.kind == "model"
+    uses_teacher = cfg.distill.teacher is not None
     if t.colocate_actor_ref:
         _need(uses_ref, "--train.colocate_actor_ref: there is no reference model to colocate (--train.kl_coef is 0)")
         _need(not ref_in_actor(cfg), "--train.colocate_actor_ref: there is no reference group to colocate: the LoRA "
@@ -1245,6 +1296,9 @@ def _validate_colocation(cfg: Config) -> None:
         _need(t.ref_num_ranks == t.actor_num_ranks,
               f"--train.colocate_actor_ref puts reference rank i on actor rank i's device: set --train.ref_num_ranks "
               f"to --train.actor_num_ranks ({t.actor_num_ranks}), got {t.ref_num_ranks}")
+        _need(not uses_teacher or cfg.distill.num_ranks == t.actor_num_ranks,
+              f"--train.colocate_actor_ref puts teacher rank i beside actor rank i, as the reference: set "
+              f"--distill.num_ranks to --train.actor_num_ranks ({t.actor_num_ranks}), got {cfg.distill.num_ranks}")
     uses_ref = uses_ref and not ref_in_actor(cfg)
     if t.colocate_critic_reward:
         _need(uses_critic and uses_rm,
@@ -1257,6 +1311,7 @@ def _validate_colocation(cfg: Config) -> None:
         n = t.actor_num_ranks
         for flag, ranks, used in (("--train.critic_num_ranks", t.critic_num_ranks, uses_critic),
                                   ("--train.ref_num_ranks", t.ref_num_ranks, uses_ref),
+                                  ("--distill.num_ranks", cfg.distill.num_ranks, uses_teacher),
                                   ("--reward.num_ranks", rw.num_ranks, uses_rm),
                                   ("--rollout.num_engines", r.num_engines, True)):
             if used:
@@ -1289,12 +1344,14 @@ def devices_needed(cfg: Config) -> tuple[int, str]:
         sizes["critic"] = t.critic_num_ranks
     if t.kl_coef > 0 and not ref_in_actor(cfg):
         sizes["ref"] = t.ref_num_ranks
+    if cfg.distill.teacher is not None:
+        sizes["teacher"] = cfg.distill.num_ranks
     if cfg.reward.kind == "model":
         sizes["reward"] = cfg.reward.num_ranks
     if t.colocate_all:
         shared = [list(sizes)]
     else:
-        shared = [s for s, on in ((["actor", "ref"], t.colocate_actor_ref),
+        shared = [s for s, on in ((["actor", "ref", "teacher"], t.colocate_actor_ref),
                                   (["critic", "reward"], t.colocate_critic_reward)) if on]
         shared = [[g for g in s if g in sizes] for s in shared]
     total, parts = 0, []
@@ -1362,8 +1419,15 @@ def ref_in_actor(cfg: Config) -> bool:
 
 
 def uses_critic_model(cfg: Config) -> bool:
-    """Whether the run trains a critic: its advantage estimator reads values (``gae``)."""
-    return advantage_estimator(cfg.train.advantage_estimator).needs_critic
+    """Whether the run trains a critic: its advantage estimator reads values (``gae``) and runs (not with
+    ``--distill.only``, whose advantages are the teacher's term alone)."""
+    return advantage_estimator(cfg.train.advantage_estimator).needs_critic and not distill_only(cfg)
+
+
+def distill_only(cfg: Config) -> bool:
+    """Whether the advantages are on-policy distillation's alone (``--distill.only`` with a teacher): the advantage
+    estimator is not run and the reward is logged, not trained on."""
+    return cfg.distill.teacher is not None and cfg.distill.only
 
 
 def sleep_engines(cfg: Config) -> bool:

@@ -86,18 +86,18 @@ def _read_rows(path: str) -> tuple[list[Any], str]:
     raise DataError(f"{path}: unknown format; use .jsonl, .parquet or a datasets directory")
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, flag: str = "--model.pretrain"):
     """The model's tokenizer. A plain ``tokenizer.json`` saved as PreTrainedTokenizerFast is loaded as
     such: AutoTokenizer would attach the architecture's own pre-tokenizer to it (and a character-level
     tokenizer would silently lose its spaces). A directory without a loadable tokenizer is a ConfigError
-    naming it."""
+    naming it and ``flag``, the setting that named the directory."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     # without these transformers may build an empty tokenizer from config.json alone, and every prompt would
     # encode to nothing
     files = os.listdir(path) if os.path.isdir(path) else []
     if not any(f in TOKENIZER_FILES or f.endswith(".tiktoken") for f in files):
-        raise ConfigError(f"--model.pretrain: {path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+        raise ConfigError(f"{flag}: {path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
                           "save the tokenizer next to the model (tokenizer.save_pretrained)")
     try:
         cfg_path = os.path.join(path, "tokenizer_config.json")
@@ -107,7 +107,7 @@ def load_tokenizer(path: str):
                     return PreTrainedTokenizerFast.from_pretrained(path)
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ConfigError(f"--model.pretrain: no tokenizer loads from {path!r} ({type(e).__name__}: {e}); save the "
+        raise ConfigError(f"{flag}: no tokenizer loads from {path!r} ({type(e).__name__}: {e}); save the "
                           "tokenizer next to the model (tokenizer.save_pretrained) or point at a directory that "
                           "has one") from None
 

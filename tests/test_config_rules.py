@@ -460,7 +460,7 @@ def test_yaml_files_must_be_mappings_of_mappings(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_yaml(str(top))
     assert str(info.value) == (f"{top}: the top level must be a mapping of sections "
-                               "(model, rollout, train, data, reward, log, eval, agent, lora, perf)")
+                               "(model, rollout, train, data, reward, log, eval, agent, lora, perf, distill)")
     section = tmp_path / "section.yaml"
     section.write_text("train: [1, 2]\n")
     with pytest.raises(ConfigError) as info:
@@ -490,7 +490,7 @@ def test_help_names_every_setting_with_its_default():
     assert ("Train a policy with PPO / GRPO / Dr.GRPO / RLOO / REINFORCE++. Every setting is a dotted flag "
             "(--section.key value); a YAML file (--config) fills the same keys; flags win over the file.") in flat
     assert ("--config CONFIG YAML file with sections model, rollout, train, data, reward, log, eval, agent, lora, "
-            "perf") in flat
+            "perf, distill") in flat
     assert "--train.value_clip V (default: 0.5)" in flat and "--rollout.backend V (default: 'hf')" in flat
     assert "--backend ROLLOUT.BACKEND alias of --rollout.backend" in flat
     ns = parser.parse_args(["--train.max_steps", "3", "--algo", "rloo"])
@@ -527,8 +527,8 @@ def test_unknown_yaml_keys_suggest_the_closest_setting():
     with pytest.raises(ConfigError) as info:
         apply_overrides(Config(), {"qqq.www": 1}, "flag")
     assert str(info.value) == ("flag: unknown setting 'qqq.www'; sections are "
-                               "['agent', 'data', 'eval', 'log', 'lora', 'model', 'perf', 'reward', 'rollout', "
-                               "'train']")
+                               "['agent', 'data', 'distill', 'eval', 'log', 'lora', 'model', 'perf', 'reward', "
+                               "'rollout', 'train']")
     with pytest.raises(ConfigError) as info:  # a flag's value names the flag
         apply_overrides(Config(), {"train.max_steps": "many"}, "flag")
     assert str(info.value) == "--train.max_steps: cannot read 'many' as int"
@@ -660,7 +660,8 @@ def test_sleep_and_offload_follow_colocate_all_unless_set(base, setting, colocat
 
 def test_to_dict_is_every_section():
     d = Config().to_dict()
-    assert list(d) == ["model", "rollout", "train", "data", "reward", "log", "eval", "agent", "lora", "perf"]
+    assert list(d) == ["model", "rollout", "train", "data", "reward", "log", "eval", "agent", "lora", "perf",
+                       "distill"]
     assert d["train"]["value_clip"] == 0.5 and d["rollout"]["stop_token_ids"] == []
 
 
@@ -730,8 +731,8 @@ def test_settings_with_two_dots_or_a_misspelled_section_are_named():
     with pytest.raises(ConfigError) as info:
         apply_overrides(Config(), {"trian.max_steps": 1}, "run.yaml")
     assert str(info.value) == ("run.yaml: unknown setting 'trian.max_steps' (did you mean 'train.max_steps'?); "
-                               "sections are ['agent', 'data', 'eval', 'log', 'lora', 'model', 'perf', 'reward', "
-                               "'rollout', 'train']")
+                               "sections are ['agent', 'data', 'distill', 'eval', 'log', 'lora', 'model', 'perf', "
+                               "'reward', 'rollout', 'train']")
 
 
 def test_yaml_errors_quote_the_parsers_problem(tmp_path):
