@@ -2,7 +2,7 @@
 
 An :class:`Experience` is one step's rollout batch, filled in as the step goes: the engines' samples
 (:func:`build_rollout_batch`), then the reward's ``scores``, the scoring forwards (``ref_logp``,
-``values``, ``old_logp``, ``kl``) and the ``advantages`` / ``returns``. It travels to the workers
+``teacher_logp``, ``values``, ``old_logp``, ``kl``) and the ``advantages`` / ``returns``. It travels to the workers
 once per phase through Ray's object store; each rank takes the rows of its micro-batches with
 :meth:`Experience.rows` and moves them to its device.
 
@@ -43,6 +43,7 @@ class Experience:
     loss_rows: torch.Tensor | None = None
     scores: torch.Tensor | None = None  #: [B] float32, the reward of each completion
     ref_logp: torch.Tensor | None = None  #: [B, T] reference model log-probs
+    teacher_logp: torch.Tensor | None = None  #: [B, T] the distillation teacher's log-probs (--distill.teacher)
     values: torch.Tensor | None = None  #: [B, T] critic values before the update
     old_logp: torch.Tensor | None = None  #: [B, T] the actor's log-probs before the update (its own forward)
     kl: torch.Tensor | None = None  #: [B, T] KL(sampling policy || reference) estimate per token

@@ -296,7 +296,8 @@ class StepAccounting:
         from rlhf_sg.memory import load_shape
 
         dtype = cfg.model.dtype
-        roles = ["actor"] + [r for r, used in (("ref", layout.uses_ref), ("critic", layout.uses_critic)) if used]
+        roles = ["actor"] + [r for r, used in (("ref", layout.uses_ref), ("teacher", layout.uses_teacher),
+                                               ("critic", layout.uses_critic)) if used]
         shapes = {r: dataclasses.replace(load_shape(layout.model_path(r)), dtype=dtype) for r in roles}
         p = cfg.perf
         if cfg.train.device == "cuda":

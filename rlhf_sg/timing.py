@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 
 #: the phases of one training step, in order
-PHASES = ("generate", "reward", "reference", "critic", "actor_logprob", "train", "weight_sync", "offload")
+PHASES = ("generate", "reward", "reference", "teacher", "critic", "actor_logprob", "train", "weight_sync", "offload")
 
 
 def synchronize_device() -> None:

@@ -339,7 +339,7 @@ class ModelWorker:
 
         attn = attention_implementation(config, self.spec.attn_implementation)
         kwargs = dict(config=config, dtype=dtype, attn_implementation=attn)
-        if self.spec.role in ("actor", "ref"):
+        if self.spec.role in ("actor", "ref", "teacher"):
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(self.spec.model_path, **kwargs)
@@ -432,7 +432,7 @@ class ModelWorker:
         """Run this role's forward over the rows of ``plan`` (micro-batches of global row indices); with
         ``share_prompts`` rows with one prompt compute it once (log-probs and values).
 
-        Returns (row indices, result): log-probs [n, T] (actor, ref), values [n, T] (critic) or
+        Returns (row indices, result): log-probs [n, T] (actor, ref, teacher), values [n, T] (critic) or
         scores [n] (reward), rows in the order of the flattened plan. Runs in eval mode: scoring forwards
         use no dropout, so old log-probs and values are the deterministic policy's (updates run in train mode).
         ``without_adapter`` (a LoRA actor): the base model's log-probs, the adapter disabled (the reference).
@@ -451,7 +451,7 @@ class ModelWorker:
         outputs, order = [], []
         for micro in plan:
             mb = experience.rows(micro)
-            if self.spec.role in ("actor", "ref"):
+            if self.spec.role in ("actor", "ref", "teacher"):
                 out = response_logprobs(self.module, mb.sequences, mb.attention_mask, width, temperature,
                                         share_prompts=share_prompts)
             elif self.spec.role == "critic":

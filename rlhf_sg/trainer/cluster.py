@@ -68,7 +68,7 @@ def _running(pid, started) -> bool:
 
 
 class Cluster:
-    """Ray, the actor / critic / reference / reward groups and the engines of one run.
+    """Ray, the actor / critic / reference / teacher / reward groups and the engines of one run.
 
     Groups a run does not use are None. Start with :meth:`start`, stop with :meth:`shutdown` (which
     also cleans up after a failed start)."""
@@ -76,7 +76,7 @@ class Cluster:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.layout = Layout(cfg)
-        self.actor = self.critic = self.ref = self.reward_model = None
+        self.actor = self.critic = self.ref = self.teacher = self.reward_model = None
         self.engines: list = []
         self._shared: list = []  # placement groups several groups share (colocated layouts)
         self._engine_bundles = None  # the engines' shared bundles, if colocated
@@ -158,11 +158,13 @@ class Cluster:
             self.critic = self._group("critic", placed.get("critic"))
         if layout.ref_group:
             self.ref = self._group("ref", placed.get("ref"))
+        if layout.uses_teacher:
+            self.teacher = self._group("teacher", placed.get("teacher"))
         if layout.uses_reward_model:
             self.reward_model = self._group("reward", placed.get("reward"))
         if self._engine_bundles is None:
             self.engines = self._start_engines()
-        for group in (self.actor, self.critic, self.ref, self.reward_model):
+        for group in (self.actor, self.critic, self.ref, self.teacher, self.reward_model):
             if group is not None:
                 group.wait_started()
         self.actor.call("setup_weight_sync", self.engines, r.weight_transport, r.bucket_bytes, t.timeout_s,
@@ -198,7 +200,7 @@ class Cluster:
     def shutdown(self) -> None:
         import ray
 
-        for group in (self.actor, self.critic, self.ref, self.reward_model):
+        for group in (self.actor, self.critic, self.ref, self.teacher, self.reward_model):
             if group is not None:
                 group.shutdown()
         for e in self.engines:
@@ -260,7 +262,7 @@ class Cluster:
         2. engine weights on (``wake(("weights",))``), the KV cache still released;
         3. the weight sync: after a release the engine's weights are stale or gone, so one always follows;
            with sleeping engines the actor frees its sync buffers after it;
-        4. the actor's parameter shards off; the forward-only groups (reference, reward model) return their
+        4. the actor's parameter shards off; the forward-only groups (reference, teacher, reward model) return their
            allocators' cached blocks;
         5. KV cache on (``wake(("kv_cache",))``): the engines can generate.
 
@@ -283,7 +285,7 @@ class Cluster:
                 self.move_states("offload_states", [self.actor])
         if sleeping:
             with timer.phase("weight_sync"):
-                for group in (self.ref, self.reward_model):
+                for group in (self.ref, self.teacher, self.reward_model):
                     if group is not None:
                         group.call("release_device_cache", what=f"release_device_cache ({group.spec.role})")
                 still = self.engines_call("wake", (MEMORY_KV_CACHE,))

@@ -42,6 +42,11 @@ class Layout:
         return self.uses_ref and not self.ref_in_actor
 
     @property
+    def uses_teacher(self) -> bool:
+        """On-policy distillation: a teacher group scores the samples (``--distill.teacher``)."""
+        return self.cfg.distill.teacher is not None
+
+    @property
     def uses_reward_model(self) -> bool:
         return self.cfg.reward.kind == "model"
 
@@ -62,18 +67,21 @@ class Layout:
             sizes["critic"] = t.critic_num_ranks
         if self.ref_group:
             sizes["ref"] = t.ref_num_ranks
+        if self.uses_teacher:
+            sizes["teacher"] = self.cfg.distill.num_ranks
         if self.uses_reward_model:
             sizes["reward"] = self.cfg.reward.num_ranks
         return sizes
 
     def colocation(self) -> list[list[str]]:
-        """The sets of groups that share devices: rank i of each group in a set on bundle i."""
+        """The sets of groups that share devices: rank i of each group in a set on bundle i. A teacher sits where
+        the reference does (beside the actor with ``colocate_actor_ref``)."""
         t, sizes = self.cfg.train, self.group_sizes()
         if t.colocate_all:
-            return [[g for g in ("actor", "ref", "critic", "reward", "engines") if g in sizes]]
+            return [[g for g in ("actor", "ref", "teacher", "critic", "reward", "engines") if g in sizes]]
         sets = []
         if t.colocate_actor_ref:
-            sets.append(["actor", "ref"])
+            sets.append([g for g in ("actor", "ref", "teacher") if g in sizes])
         if t.colocate_critic_reward:
             sets.append(["critic", "reward"])
         return sets
@@ -132,8 +140,8 @@ class Layout:
     def model_path(self, role: str) -> str:
         """The directory ``role``'s model starts from (the critic from the critic's, else the reward model's,
         else the policy's)."""
-        m = self.cfg.model
-        return {"actor": m.pretrain, "ref": m.pretrain, "reward": m.reward_pretrain,
+        m, teacher = self.cfg.model, self.cfg.distill.teacher
+        return {"actor": m.pretrain, "ref": m.pretrain, "reward": m.reward_pretrain, "teacher": teacher,
                 "critic": m.critic_pretrain or m.reward_pretrain or m.pretrain}[role]
 
     def worker_spec(self, role: str):
@@ -146,6 +154,7 @@ class Layout:
             "actor": (t.actor_num_ranks, True, t.actor_lr),
             "critic": (t.critic_num_ranks, True, t.critic_lr),
             "ref": (t.ref_num_ranks, False, 0.0),
+            "teacher": (cfg.distill.num_ranks, False, 0.0),
             "reward": (cfg.reward.num_ranks, False, 0.0),
         }[role]
         return WorkerSpec(
@@ -176,7 +185,7 @@ class Layout:
         (``--train.ref_offload``) stays ZeRO-3, whose parameter offload it uses."""
         t = self.cfg.train
         world = {"actor": t.actor_num_ranks, "critic": t.critic_num_ranks, "ref": t.ref_num_ranks,
-                 "reward": self.cfg.reward.num_ranks}[role]
+                 "teacher": self.cfg.distill.num_ranks, "reward": self.cfg.reward.num_ranks}[role]
         if t.single_rank_zero3 or world != 1 or (role == "ref" and t.ref_offload):
             return 3
         return 0

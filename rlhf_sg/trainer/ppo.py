@@ -34,6 +34,7 @@ from rlhf_sg.config import (
     check_devices,
     check_gpu_install,
     clip_range,
+    distill_only,
     kl_estimator,
     loss_aggregation,
     offload_states,
@@ -143,6 +144,10 @@ class PPOTrainer:
         self.async_rollout: AsyncRollout | None = None  # the producer of async rollout (--rollout.mode async)
         self._errors_reported = 0  # async: reward errors already put in a step's metrics
         self.accounting = None  # per-phase FLOP / bandwidth accounting (--perf.accounting), made at setup
+        if distill_only(cfg):
+            log.info("--distill.only: the advantages are --distill.coef x (teacher log-prob - old log-prob) per "
+                     "token; --train.advantage_estimator %s is not run and the reward is logged only",
+                     cfg.train.advantage_estimator)
         if cfg.train.share_prompts and not shares_prompts(cfg):
             log.info("--train.share_prompts: %s takes no tree mask, so every row computes its own prompt",
                      cfg.model.attn_implementation)
@@ -170,12 +175,14 @@ class PPOTrainer:
     def recomputes_old_logp(self) -> bool:
         """Whether a step runs the actor's separate old-log-prob forward. It is needed when the batch gets
         more than one update (later updates must compare against the sampling policy) and when the KL
-        penalty goes into the rewards (it is needed before the advantages); otherwise the single update's
-        own forward gives them, as the policy being trained is the one that sampled."""
+        penalty goes into the rewards or a teacher's log-ratio into the advantages (they are needed before the
+        advantages); otherwise the single update's own forward gives them, as the policy being trained is the
+        one that sampled."""
         t = self.cfg.train
         if t.recompute_old_logp is not None:
             return t.recompute_old_logp
-        return t.ppo_epochs > 1 or t.num_minibatches > 1 or (self.uses_ref and t.kl_mode == "reward")
+        return (t.ppo_epochs > 1 or t.num_minibatches > 1 or (self.uses_ref and t.kl_mode == "reward")
+                or self.layout.uses_teacher)
 
     def setup(self) -> None:
         """Everything that can fail on the user's input first (devices, tokenizer, reward, prompts, output
@@ -199,7 +206,8 @@ class PPOTrainer:
         if cfg.perf.accounting:
             if not measure_first:
                 self.accounting = StepAccounting.for_run(cfg, self.layout, self.cluster.actor)
-            groups = {"actor": self.cluster.actor, "ref": self.cluster.ref, "critic": self.cluster.critic}
+            groups = {"actor": self.cluster.actor, "ref": self.cluster.ref, "teacher": self.cluster.teacher,
+                      "critic": self.cluster.critic}
             self.accounting.ask_segments({role: group for role, group in groups.items()
                                           if group is not None and role in self.accounting.shapes}, cfg.train.timeout_s)
             ceiling = self.accounting.ceiling
@@ -226,7 +234,7 @@ class PPOTrainer:
         """The tokenizer, the reward function and the prompt stream (no process is started)."""
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model.pretrain)
-        if self.reward_fn is None and cfg.reward.kind == "function":
+        if self.reward_fn is None and cfg.reward.kind == "function" and cfg.reward.function is not None:
             from rlhf_sg.rewards import load_reward_function
 
             self.reward_fn = load_reward_function(cfg.reward.function)
@@ -360,9 +368,9 @@ class PPOTrainer:
         self.async_rollout.start()
 
     def score(self, experience: Experience, timer: StepTimer) -> dict[str, float]:
-        """The scoring forwards, in eval mode: reference log-probs, critic values and (when the step needs them,
-        :attr:`recomputes_old_logp`) the actor's old log-probs and the KL of the sampling policy from the
-        reference. Fills ``experience``; returns metrics."""
+        """The scoring forwards, in eval mode: reference and teacher log-probs, critic values and (when the step
+        needs them, :attr:`recomputes_old_logp`) the actor's old log-probs, the KL of the sampling policy from the
+        reference and its reverse KL from the teacher. Fills ``experience``; returns metrics."""
         t, B = self.cfg.train, experience.batch_size
         if not (self.uses_ref or self.uses_critic or self.recomputes_old_logp):
             return {}  # nothing to score: the actor's update measures the log-prob gap itself
@@ -381,6 +389,12 @@ class PPOTrainer:
                                              share_prompts=self.share_prompts)
                     experience.ref_logp = self.cluster.ref.forward(ref, plans, B, temperature, self.share_prompts)
                     self._count("reference", "ref", experience, plans)
+        if self.layout.uses_teacher:
+            with timer.phase("teacher"):  # the teacher scores the policy's samples as the reference does
+                plans = microbatch_plans(experience, self.cfg.distill.num_ranks, t.max_tokens_per_microbatch,
+                                         share_prompts=self.share_prompts)
+                experience.teacher_logp = self.cluster.teacher.forward(ref, plans, B, temperature, self.share_prompts)
+                self._count("teacher", "teacher", experience, plans)
         if self.uses_critic:
             with timer.phase("critic"):
                 plans = microbatch_plans(experience, t.critic_num_ranks, t.max_tokens_per_microbatch,
@@ -401,6 +415,12 @@ class PPOTrainer:
             kl = algo.approx_kl(experience.old_logp, experience.ref_logp, kl_estimator(self.cfg))
             experience.kl = torch.where(mask, kl, 0.0)
             metrics["kl"] = algo.masked_mean(experience.kl, mask).item()
+        if experience.teacher_logp is not None:
+            # the reverse KL(policy || teacher) per token, estimated on the policy's own samples: what distillation
+            # drives down
+            metrics["distill/reverse_kl"] = algo.masked_mean(experience.old_logp - experience.teacher_logp,
+                                                             mask).item()
+            metrics["distill/teacher_logp"] = algo.masked_mean(experience.teacher_logp, mask).item()
         return metrics
 
     def _count(self, phase: str, role: str, experience: Experience, plans: list, train: bool = False) -> None:
@@ -412,9 +432,12 @@ class PPOTrainer:
         """Fill ``experience.advantages`` (and ``.returns`` with a critic) with the run's advantage estimator.
 
         Scores are clipped to ``--train.score_clip``; with ``--train.kl_mode reward`` the estimator's token
-        rewards carry the KL penalty at the current coefficient. Override to change the whole computation;
-        to add an estimator, register it (:mod:`rlhf_sg.advantages`)."""
-        t = self.cfg.train
+        rewards carry the KL penalty at the current coefficient. With a teacher (``--distill.teacher``) each
+        token's advantage also gets ``--distill.coef`` x (its teacher log-prob - its old log-prob); with
+        ``--distill.only`` that term is the advantage, the estimator is not run and the KL penalty of the rewards is
+        added token by token (:func:`rlhf_sg.algorithms.distill_advantages`). Override to change the whole
+        computation; to add an estimator, register it (:mod:`rlhf_sg.advantages`)."""
+        t, d = self.cfg.train, self.cfg.distill
         kl_in_reward = experience.kl is not None and t.kl_mode == "reward"
         scores = experience.scores if t.score_clip is None else experience.scores.clamp(-t.score_clip, t.score_clip)
         inputs = AdvantageInputs(
@@ -423,7 +446,16 @@ class PPOTrainer:
             kl_coef=self.kl_ctl.value if kl_in_reward else 0.0, group_size=self.cfg.rollout.n_samples_per_prompt,
             gamma=t.gamma, lam=t.lam, values=experience.values, norm=t.advantage_norm,
         )
-        experience.advantages, experience.returns = self.estimator(inputs)
+        if distill_only(self.cfg):  # the scores are logged, not trained on; the KL penalty stays per token
+            base, experience.returns = inputs.token_rewards(torch.zeros_like(inputs.scores)), None
+        else:
+            base, experience.returns = self.estimator(inputs)
+        if experience.teacher_logp is None:
+            experience.advantages = base
+            return
+        experience.require("old_logp", why="distillation's advantages need the policy's old log-probs")
+        experience.advantages = algo.distill_advantages(experience.teacher_logp, experience.old_logp,
+                                                        experience.action_mask, d.coef, base)
 
     def mask_truncated(self, experience: Experience) -> dict[str, float]:
         """Log the share of completions the engines cut at ``--rollout.max_new_tokens``; with
@@ -508,11 +540,14 @@ class PPOTrainer:
             )
 
     def compute_rewards(self, prompts: list[Prompt], completions: list, experience: Experience) -> torch.Tensor:
-        """Scores [B], one per completion. Override for custom scoring."""
+        """Scores [B], one per completion (all 0 in a ``--distill.only`` run without a reward function). Override for
+        custom scoring."""
         from rlhf_sg.agent import completion_text
         from rlhf_sg.rewards import remote_reward, score_with_function
 
         cfg, t = self.cfg, self.cfg.train
+        if cfg.reward.kind == "function" and self.reward_fn is None:  # validate let only --distill.only through
+            return torch.zeros(len(completions), dtype=torch.float32)
         timeout_s = cfg.reward.timeout_s or t.timeout_s
         n = cfg.rollout.n_samples_per_prompt
         if cfg.reward.kind == "model":
