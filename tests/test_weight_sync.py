@@ -438,6 +438,8 @@ def test_an_engine_that_never_joins_times_out_naming_group_and_rank(cluster):
     for method in ("describe", "init_weight_update_group"):  # the fake keeps the real actor's signatures
         assert params(NeverJoins, method) == params(EngineActor, method)
     ghost = ray.remote(num_cpus=0)(NeverJoins).remote()
+    # the actor's process is started first (seconds on a loaded machine): the 2 s limit is for the group's set-up
+    ray.get(ghost.describe.remote(), timeout=120)
     syncer = WeightSyncer(0, 1, [ghost], transport="collective", timeout_s=2.0, group_name="ghost-sync")
     start = time.monotonic()
     with pytest.raises(
