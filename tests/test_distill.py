@@ -1,7 +1,8 @@
-"""On-policy distillation (``--distill.*``) without Ray: the per-token advantage on hand cases (alone, beside the KL
+"""On-policy distillation (``--distill.*``). Without Ray: the per-token advantage on hand cases (alone, beside the KL
 penalty, added to a GRPO advantage with a weight) through the pure function and the trainer's
 ``compute_advantages``; the teacher's tokenizer check against tiny models saved with another vocabulary, other
-special tokens or another padded vocab size; the config's rules and the layout a teacher adds.
+special tokens or another padded vocab size; the config's rules and the layout a teacher adds. One slow run through
+the trainer: the teacher group's log-probs are the teacher's own and pull the policy toward it.
 
 The batch of ``tests/test_advantages_spec.py``: two samples of one prompt, three columns, action tokens at columns
 0-1 (row 0) and 1-2 (row 1); 9.0 (a value never to be read) on the masked columns."""
@@ -263,3 +264,59 @@ def test_the_teacher_group_is_placed_like_the_reference(make):
     assert Layout(validate(everything)).colocation() == [["actor", "ref", "teacher", "engines"]]
     assert devices_needed(make(train__kl_coef=0.0)) == (4, "2 actor, 1 engines x tensor_parallel_size 1, 1 teacher")
     assert devices_needed(everything) == (2, "2 shared by actor+engines+ref+teacher")
+
+
+# ---- end to end: the teacher's log-probs reach the advantages and pull the policy ----------------------------------
+
+
+@pytest.mark.slow
+def test_a_run_distills_toward_the_teacher_through_its_own_log_probs(ray_cluster, task, tmp_path):
+    """Three ``--distill.only`` steps on the quickstart's task with a teacher that answers 7 to every problem: the
+    teacher log-probs of each step's samples are the teacher model's own forward on them, the advantages are the
+    teacher's log-ratio, and the trained policy gives the teacher's answer a higher log-prob on every problem (the
+    logged reverse KL, estimated on each step's 32 samples, moves by less than its noise in three steps)."""
+    import arith_task
+    from test_trainer_e2e import make_cfg
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_sg.trainer import PPOTrainer, train
+
+    seven = build_tiny_model(size="tiny", seed=3)
+    arith_task.warm_start(seven, build_tokenizer(), 20, lr=1e-2, batch_size=32,
+                          data=[(p, "7") for p, _ in arith_task.problems()])
+    teacher = save_tiny_model(str(tmp_path / "teacher"), model=seven)
+    seen: list[Experience] = []
+
+    class Keep(PPOTrainer):
+        def on_experience(self, experience):
+            seen.append(experience)
+
+    cfg = make_cfg(task, str(tmp_path / "run"), steps=3, algo="grpo", distill__teacher=teacher, distill__only=True,
+                   train__kl_coef=0.0, train__actor_lr=1e-3, rollout__prompts_per_step=4, eval__prompt_data=None,
+                   perf__accounting=False, train__actor_num_ranks=1, log__export_hf=True)
+    history = train(cfg, Keep)
+    assert all(h["time/teacher"] > 0 and h["distill/reverse_kl"] > 0 for h in history)
+
+    def says_seven(path):
+        """The model's mean log-prob of answering 7 first, over every problem of the task."""
+        model, tok = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), build_tokenizer()
+        prompts = [tok(p, add_special_tokens=False)["input_ids"] for p, _ in arith_task.problems()]
+        with torch.no_grad():
+            return sum(torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], -1)[tok.convert_tokens_to_ids("7")]
+                       .item() for ids in prompts) / len(prompts)
+
+    # the policy now says what the teacher says (the reward's answers fall out of favour), measured on every problem
+    assert says_seven(str(tmp_path / "run" / "final_hf")) > says_seven(task[0]) + 1.0
+
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    for exp in (seen[0], seen[-1]):
+        mask = exp.action_mask
+        torch.testing.assert_close(exp.advantages, torch.where(mask, exp.teacher_logp - exp.old_logp, 0.0))
+        P = exp.sequences.shape[1] - exp.response_width
+        for b in (0, exp.batch_size - 1):
+            ids = exp.sequences[b][exp.attention_mask[b].bool()]
+            prompt, n = int(exp.attention_mask[b, :P].sum()), int(mask[b].sum())
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids[None]).logits[0].float(), dim=-1)
+            own = logp[prompt - 1 : prompt - 1 + n].gather(1, ids[prompt : prompt + n, None])[:, 0]
+            torch.testing.assert_close(exp.teacher_logp[b, :n], own, rtol=0, atol=1e-4)
