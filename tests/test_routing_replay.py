@@ -1,0 +1,208 @@
+"""Rollout routing replay (``rlhf_sg.moe.replay``) on real transformers MoE models.
+
+The gap test: a tiny Qwen3-MoE whose routers nearly tie (experts 0-2 share a router row up to a small noise), so a
+bf16 forward (the engine) and an fp32 forward (the trainer) choose other experts for a third of the tokens. Without
+replay the log-probs differ by far more than the two precisions do on a model without experts; with the bf16
+forward's routes replayed in the fp32 forward, the gap falls to that level.
+"""
+
+import pytest
+import torch
+
+from rlhf_sg.moe import RouteRecorder, RouteReplay, router_layers
+from rlhf_sg.moe.replay import ROUTE_DTYPE, route_bytes_per_token
+from rlhf_sg.tiny import tiny_family_model
+
+MOE_FAMILIES = ["qwen3-moe", "mixtral", "gpt-oss", "qwen3-next"]
+
+
+def _logp(logits, ids):
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def _ids(rows=4, length=24, seed=1):
+    return torch.randint(3, 60, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _near_ties(model, scale=30.0, eps=1e-3):
+    """Experts 0, 1 and 2 of every router nearly tie (rows equal up to ``eps`` noise), expert outputs made large
+    enough that which of them a token takes shows in its log-prob."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(scale)
+                p[1] = p[0] + eps * torch.randn_like(p[0])
+                p[2] = p[0] + eps * torch.randn_like(p[0])
+            elif name.endswith("experts.down_proj"):
+                p.mul_(10)
+    return model
+
+
+def _bf16_vs_fp32(model, ids, replay: bool):
+    """(max |Δ log-prob| between the bf16 and the fp32 forward, the fraction of routes replay replaced)."""
+    with torch.no_grad():
+        model.to(torch.bfloat16)
+        recorder = RouteRecorder(model) if replay else None
+        if recorder is not None:
+            with recorder.recording():
+                engine = _logp(model(ids).logits, ids)
+            (routes,) = recorder.take()
+        else:
+            engine = _logp(model(ids).logits, ids)
+        model.float()
+        if not replay:
+            return (engine - _logp(model(ids).logits, ids)).abs().max().item(), None
+        replayer = RouteReplay(model)
+        with replayer.replaying(routes):
+            trainer = _logp(model(ids).logits, ids)
+        return (engine - trainer).abs().max().item(), replayer.replaced_fraction
+
+
+def test_replay_closes_the_gap_that_flipped_experts_open():
+    ids = _ids()
+    dense_gap, _ = _bf16_vs_fp32(tiny_family_model("qwen3", seed=0).eval(), ids, replay=False)
+    without, _ = _bf16_vs_fp32(_near_ties(tiny_family_model("qwen3-moe", seed=0).eval()), ids, replay=False)
+    with_replay, replaced = _bf16_vs_fp32(_near_ties(tiny_family_model("qwen3-moe", seed=0).eval()), ids, True)
+    assert replaced > 0.1, replaced  # the routers did disagree on many tokens
+    assert without > 10 * dense_gap, (without, dense_gap)
+    assert with_replay < 2 * dense_gap, (with_replay, dense_gap)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_every_moe_family_records_each_layers_routes_and_replays_them_exactly(family):
+    model = tiny_family_model(family, seed=0).eval()
+    layers = router_layers(model)
+    assert [layer for _, layer in layers] == list(range(model.config.num_hidden_layers))
+    ids = _ids(rows=3, length=10)
+    recorder = RouteRecorder(model)
+    with torch.no_grad():
+        with recorder.recording():
+            plain = model(ids).logits
+            model(ids[:, :5])  # a second forward: routes come back per forward
+        first, second = recorder.take()
+        assert recorder.take() == []
+        assert first.shape == (30, len(layers), recorder.top_k) and second.shape == (15, len(layers), recorder.top_k)
+        assert first.dtype == ROUTE_DTYPE and (first >= 0).all() and (first < recorder.num_experts).all()
+        torch.testing.assert_close(first.reshape(3, 10, -1)[:, :5], second.reshape(3, 5, -1), rtol=0, atol=0)
+        replay = RouteReplay(model)
+        with replay.replaying(first):
+            replayed = model(ids).logits
+    torch.testing.assert_close(replayed, plain, rtol=0, atol=0)
+    assert replay.consumed == {layer: 1 for _, layer in layers} and replay.replaced_fraction == 0.0
+
+
+def test_the_router_keeps_its_gradient_under_replay():
+    """Gate weights come from the live scores at the replayed experts: replaying a forward's own routes gives the
+    very gradient the model computes on its own, the router's included."""
+    model = _near_ties(tiny_family_model("qwen3-moe", seed=0))
+    ids = _ids()
+    recorder = RouteRecorder(model)
+    with recorder.recording():
+        _logp(model(ids).logits, ids).sum().backward()
+    (routes,) = recorder.take()
+    own = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    with RouteReplay(model).replaying(routes):
+        _logp(model(ids).logits, ids).sum().backward()
+    routers = [n for n in own if n.endswith("mlp.gate.weight")]
+    assert routers and all(own[n].abs().sum() > 0 for n in routers)
+    for name, grad in own.items():
+        torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_gradient_checkpointing_recompute_replays_the_same_routes():
+    """The backward recomputes each layer (its router runs again): it must get the forward's routes, so the
+    gradients equal those of the same replay without checkpointing."""
+    ids = _ids()
+    with torch.no_grad():
+        engine = _near_ties(tiny_family_model("qwen3-moe", seed=0)).to(torch.bfloat16)
+        recorder = RouteRecorder(engine)
+        with recorder.recording():
+            engine(ids)
+        (routes,) = recorder.take()
+
+    def grads(checkpointing: bool):
+        model = _near_ties(tiny_family_model("qwen3-moe", seed=0)).train()
+        model.config.use_cache = False
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        replay = RouteReplay(model)
+        with replay.replaying(routes):
+            _logp(model(ids).logits, ids).sum().backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, replay.consumed
+
+    plain, once = grads(False)
+    checkpointed, twice = grads(True)
+    assert set(once.values()) == {1} and set(twice.values()) == {2}
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_tokens_without_a_record_keep_the_live_choice():
+    model = _near_ties(tiny_family_model("qwen3-moe", seed=0)).eval()
+    ids = _ids(rows=2, length=8)
+    layers = len(router_layers(model))
+    with torch.no_grad():
+        plain = model(ids).logits
+        with RouteReplay(model).replaying(torch.full((16, layers, 2), -1, dtype=ROUTE_DTYPE)):
+            unrecorded = model(ids).logits
+    torch.testing.assert_close(unrecorded, plain, rtol=0, atol=0)
+
+
+def test_bad_routes_are_refused_before_the_forward_naming_token_and_layer():
+    model = tiny_family_model("qwen3-moe", seed=0).eval()
+    ids = _ids(rows=1, length=6)
+    replay = RouteReplay(model)
+    good = torch.tensor([[0, 1]], dtype=ROUTE_DTYPE).repeat(6, 2, 1)
+    partial = good.clone()
+    partial[2, 1] = -1
+    cases = [
+        (good[:, :1], r"this model needs \[tokens, 2 MoE layers, top_k 2\]"),
+        (good.clone().index_fill_(0, torch.tensor([3]), 4), r"token 3, MoE layer 0: expert 4 outside \[0, 4\)"),
+        (torch.tensor([[2, 2]], dtype=ROUTE_DTYPE).repeat(6, 2, 1), r"token 0, MoE layer 0: an expert chosen twice"),
+        (partial, r"token 2: routes recorded for some layers or slots only"),
+        (good.float(), "integer tensor"),
+    ]
+    for routes, match in cases:
+        with pytest.raises(ValueError, match=match):
+            with replay.replaying(routes):
+                model(ids)
+    with pytest.raises(ValueError, match=r"MoE layer 0: its router saw 6 tokens, the routes hold 5"):
+        with replay.replaying(good[:5]):
+            model(ids)
+    with pytest.raises(ValueError, match=r"the routes of MoE layer\(s\) \[0, 1\] were never consumed"):
+        with replay.replaying(good):
+            pass
+    with pytest.raises(ValueError, match="no router"):
+        RouteReplay(tiny_family_model("qwen3", seed=0))
+
+
+def test_route_memory_per_token():
+    assert route_bytes_per_token(48, 8) == 768
+    assert route_bytes_per_token(48, 8) * 32768 == 24 * 2**20
+
+
+def test_replayed_experts_get_gate_weights_from_the_live_router_scores():
+    """A router handed other experts than its own weights them by its live probabilities at those experts (Qwen3-MoE:
+    softmax over all experts, then the chosen ones renormalised when ``norm_topk_prob``), not by the values of
+    the experts it would have chosen."""
+    model = tiny_family_model("qwen3-moe", seed=0).eval()
+    ids = _ids(rows=2, length=8)
+    tokens = torch.arange(16)
+    routes = torch.stack([tokens % 4, (tokens + 1) % 4], dim=-1)[:, None, :].repeat(1, 2, 1).to(ROUTE_DTYPE)
+    seen = []
+    hooks = [router.register_forward_hook(lambda _m, _a, out: seen.append(out)) for router, _ in router_layers(model)]
+    try:
+        with torch.no_grad(), RouteReplay(model).replaying(routes):
+            model(ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(seen) == 2
+    for logits, scores, indices in seen:
+        assert torch.equal(indices, routes[:, 0].long())
+        expected = torch.softmax(logits.float(), -1).gather(-1, indices)
+        if model.config.norm_topk_prob:
+            expected = expected / expected.sum(-1, keepdim=True)
+        torch.testing.assert_close(scores.float(), expected, rtol=1e-6, atol=1e-7)
