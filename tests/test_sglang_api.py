@@ -341,7 +341,7 @@ def test_sampling_param_keys_exist():
 
 
 def _module_level_names(tree):
-    """Names a module binds at its top level: classes, functions and assignments (``ModelRegistry = _ModelRegistry()``)."""
+    """Names a module binds at its top level: classes, functions, assignments (``ModelRegistry = _ModelRegistry()``)."""
     names = set()
     for n in tree.body:
         if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
