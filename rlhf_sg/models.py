@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 VALUE_HEAD_KEY = "value_head.weight"
+#: a trained reward model's score statistics ({"mean": m, "std": s, ...}), written beside the head by
+#: ``rlhf-sg train-rm``: a reward group scores ``(value - mean) / std``
+REWARD_NORMALIZATION_FILE = "reward_normalization.json"
 #: the head of a transformers ``*ForSequenceClassification`` checkpoint with ``num_labels=1``
 SEQUENCE_CLASSIFICATION_HEAD_KEY = "score.weight"
 
@@ -82,6 +85,8 @@ class ValueHeadModel(nn.Module):
     def __init__(self, backbone: nn.Module, value_head: nn.Linear | None = None):
         super().__init__()
         self.model = backbone
+        #: the score statistics a reward model was saved with (:data:`REWARD_NORMALIZATION_FILE`); 0 and 1: none
+        self.reward_mean, self.reward_std = 0.0, 1.0
         hidden = backbone.config.hidden_size
         if value_head is None:
             value_head = nn.Linear(hidden, 1, bias=False, dtype=backbone.dtype)
@@ -123,6 +128,11 @@ class ValueHeadModel(nn.Module):
         ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
+    def normalize_rewards(self, scores: torch.Tensor) -> torch.Tensor:
+        """``(scores - reward_mean) / reward_std``: a reward model's scores as it was trained to give them
+        (the identity for a model saved without statistics)."""
+        return (scores - self.reward_mean) / self.reward_std
+
     @classmethod
     def from_pretrained(cls, path: str, **hf_kwargs) -> ValueHeadModel:
         """Load from a local directory: our own checkpoint, a causal LM, or a sequence classifier.
@@ -147,6 +157,14 @@ class ValueHeadModel(nn.Module):
                 raise ValueError(f"{head_file}: no tensor {VALUE_HEAD_KEY!r}")
         else:
             weight, source = _checkpoint_tensor(path, SEQUENCE_CLASSIFICATION_HEAD_KEY), path
+        norm_file = os.path.join(path, REWARD_NORMALIZATION_FILE)
+        if os.path.isfile(norm_file):
+            with open(norm_file) as f:
+                stats = json.load(f)
+            mean, std = stats.get("mean"), stats.get("std")
+            if not (isinstance(mean, (int, float)) and isinstance(std, (int, float)) and std > 0):
+                raise ValueError(f"{norm_file}: needs a number 'mean' and a number 'std' > 0, got {stats}")
+            model.reward_mean, model.reward_std = float(mean), float(std)
         if weight is None:
             logger.warning("%s: no value head found; value head freshly initialised", path)
             return model
@@ -163,7 +181,8 @@ class ValueHeadModel(nn.Module):
     def save_pretrained(
         self, path: str, state_dict: dict[str, torch.Tensor] | None = None, **hf_kwargs
     ) -> None:
-        """Save the backbone (transformers format) and ``value_head.safetensors`` under ``path``.
+        """Save the backbone (transformers format) and ``value_head.safetensors`` under ``path``, and the score
+        statistics (:data:`REWARD_NORMALIZATION_FILE`) when this model has any.
 
         ``state_dict``: full weights with this module's names (``model.*``, ``value_head.weight``), for
         when the live parameters are partitioned (ZeRO-3) and were gathered elsewhere; default: this
@@ -180,3 +199,6 @@ class ValueHeadModel(nn.Module):
         self.model.save_pretrained(path, state_dict=backbone_state, **hf_kwargs)
         head = state_dict[VALUE_HEAD_KEY].detach().to("cpu").contiguous()
         save_file({VALUE_HEAD_KEY: head}, os.path.join(path, VALUE_HEAD_FILE))
+        if (self.reward_mean, self.reward_std) != (0.0, 1.0):
+            with open(os.path.join(path, REWARD_NORMALIZATION_FILE), "w") as f:
+                json.dump({"mean": self.reward_mean, "std": self.reward_std}, f)

@@ -1445,8 +1445,12 @@ def reward_scores(
     sequences: torch.Tensor,
     attention_mask: torch.Tensor,
     attn_implementation: str | None = None,
+    read_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reward-model scores [B] float32: the value head's output at each row's last real token.
+    """Reward-model scores [B] float32: the value head's output at each row's last real token, or with
+    ``read_index`` [B] long at column ``read_index[b]`` of row b (a real token; reward-model training reads at the
+    last token of the response, wherever template tokens follow it). Positions come from the attention mask and the
+    index, never from a pad id (a pad id equal to EOS would find the first EOS, inside the prompt).
 
     ``sequences`` [B, S] and ``attention_mask`` [B, S] in any contiguous-row padding (left, right or the
     rollout layout). ``reward_model``: a :class:`rlhf_sg.models.ValueHeadModel` or an engine around one.
@@ -1459,7 +1463,17 @@ def reward_scores(
     check_rope_regime(module, attention_mask.sum(dim=1).tolist())
     batch = _pack_for(module, impl, sequences, attention_mask)
     values = _rows_to_tokens(packed_forward(reward_model, batch, impl), batch)
-    return values[batch.cu_seqlens[1:].long() - 1]
+    if read_index is None:
+        return values[batch.cu_seqlens[1:].long() - 1]
+    read_index = read_index.to(device=device, dtype=torch.long)
+    rows, seq = sequences.shape
+    if read_index.shape != (rows,) or bool(((read_index < 0) | (read_index >= seq)).any()):
+        raise ValueError(f"read_index must be [{rows}] columns in 0..{seq - 1}, got {read_index.tolist()}")
+    if not bool(attention_mask.gather(1, read_index[:, None]).bool().all()):
+        raise ValueError("read_index points at padding in some row; it must name a real token of each row")
+    token_of = torch.full((rows * seq,), -1, dtype=torch.long, device=device)
+    token_of[batch.indices.to(device)] = torch.arange(batch.num_tokens, device=device)
+    return values[token_of[torch.arange(rows, device=device) * seq + read_index]]
 
 
 # ---- token-budget micro-batches ------------------------------------------------------------------------

@@ -238,6 +238,64 @@ def critic_microbatch_loss(model, mb: Experience, update: CriticUpdate,
     return loss * scale, metrics
 
 
+def load_worker_model(spec: WorkerSpec):
+    """The model of a rank of ``spec``: a causal LM (actor, ref, teacher) or a :class:`rlhf_sg.models.ValueHeadModel`
+    (critic, reward), in ``spec``'s dtype and attention, without dropout (``disable_dropout``), switched to
+    shared-prompt attention, wrapped in LoRA, frozen or set for gradient checkpointing as ``spec`` says. Under a live
+    ``HfDeepSpeedConfig`` transformers builds it partitioned; without one (an in-process rank) whole."""
+    from transformers import AutoConfig
+
+    dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
+    config = AutoConfig.from_pretrained(spec.model_path)
+    if spec.disable_dropout:
+        without_dropout(config)
+    from rlhf_sg.models import attention_implementation
+
+    attn = attention_implementation(config, spec.attn_implementation)
+    kwargs = dict(config=config, dtype=dtype, attn_implementation=attn)
+    if spec.role in ("actor", "ref", "teacher"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(spec.model_path, **kwargs)
+        model.config.use_cache = False
+    else:
+        from rlhf_sg.models import ValueHeadModel
+
+        model = ValueHeadModel.from_pretrained(spec.model_path, **kwargs)
+    if spec.disable_dropout:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    if spec.share_prompts and spec.role != "reward":
+        # shared-prompt forwards computed block by block (the start-up probe checks them against each row alone)
+        use_shared_prompt_attention(model)
+    if spec.lora is not None:
+        from rlhf_sg.lora import LoraSpec, apply_lora
+
+        model = apply_lora(model, LoraSpec.from_config(spec.lora), spec.disable_dropout,
+                           trainable=spec.train)
+    if not spec.train:
+        model.requires_grad_(False)
+    elif spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def make_optimizer(model, spec: WorkerSpec):
+    """AdamW over ``model``'s trained parameters. On GPU, DeepSpeed's FusedAdam: faster there, and the only optimizer
+    whose states ZeRO-3 can move off the device while the engines generate (:meth:`ModelWorker.offload_states`)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    kwargs = dict(lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95))
+    # an unpartitioned float32 rank: no DeepSpeed optimizer wraps this one, so it clips and skips itself
+    wrap = ((lambda cls: skipping(cls, spec.max_grad_norm))
+            if spec.zero_stage == 0 and spec.dtype == "float32" else (lambda cls: cls))
+    if spec.device == "cuda":
+        from deepspeed.ops.adam import FusedAdam
+
+        return wrap(FusedAdam)(params, adam_w_mode=True, **kwargs)
+    return wrap(torch.optim.AdamW)(params, **kwargs)
+
+
 class ModelWorker:
     """One ZeRO-3 rank. Created through :class:`ModelGroup`; every public method is a Ray call."""
 
@@ -315,56 +373,10 @@ class ModelWorker:
 
     # ---- model -------------------------------------------------------------------------------------
     def _make_optimizer(self, model):
-        """AdamW. On GPU, DeepSpeed's FusedAdam: faster there, and the only optimizer whose states
-        ZeRO-3 can move off the device while the engines generate (:meth:`offload_states`)."""
-        params = [p for p in model.parameters() if p.requires_grad]
-        kwargs = dict(lr=self.spec.lr, weight_decay=self.spec.weight_decay, betas=(0.9, 0.95))
-        # an unpartitioned float32 rank: no DeepSpeed optimizer wraps this one, so it clips and skips itself
-        wrap = ((lambda cls: skipping(cls, self.spec.max_grad_norm))
-                if self.spec.zero_stage == 0 and self.spec.dtype == "float32" else (lambda cls: cls))
-        if self.spec.device == "cuda":
-            from deepspeed.ops.adam import FusedAdam
-
-            return wrap(FusedAdam)(params, adam_w_mode=True, **kwargs)
-        return wrap(torch.optim.AdamW)(params, **kwargs)
+        return make_optimizer(model, self.spec)
 
     def _load_model(self):
-        from transformers import AutoConfig
-
-        dtype = torch.bfloat16 if self.spec.dtype == "bfloat16" else torch.float32
-        config = AutoConfig.from_pretrained(self.spec.model_path)
-        if self.spec.disable_dropout:
-            without_dropout(config)
-        from rlhf_sg.models import attention_implementation
-
-        attn = attention_implementation(config, self.spec.attn_implementation)
-        kwargs = dict(config=config, dtype=dtype, attn_implementation=attn)
-        if self.spec.role in ("actor", "ref", "teacher"):
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(self.spec.model_path, **kwargs)
-            model.config.use_cache = False
-        else:
-            from rlhf_sg.models import ValueHeadModel
-
-            model = ValueHeadModel.from_pretrained(self.spec.model_path, **kwargs)
-        if self.spec.disable_dropout:
-            for module in model.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
-        if self.spec.share_prompts and self.spec.role != "reward":
-            # shared-prompt forwards computed block by block (the start-up probe checks them against each row alone)
-            use_shared_prompt_attention(model)
-        if self.spec.lora is not None:
-            from rlhf_sg.lora import LoraSpec, apply_lora
-
-            model = apply_lora(model, LoraSpec.from_config(self.spec.lora), self.spec.disable_dropout,
-                               trainable=self.spec.train)
-        if not self.spec.train:
-            model.requires_grad_(False)
-        elif self.spec.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model
+        return load_worker_model(self.spec)
 
     @property
     def module(self):
@@ -456,8 +468,8 @@ class ModelWorker:
                                         share_prompts=share_prompts)
             elif self.spec.role == "critic":
                 out = critic_values(self.module, mb.sequences, mb.attention_mask, width, share_prompts=share_prompts)
-            else:
-                out = reward_scores(self.module, mb.sequences, mb.attention_mask)
+            else:  # as a trained reward model was saved to score (rlhf_sg.models.REWARD_NORMALIZATION_FILE)
+                out = self.module.normalize_rewards(reward_scores(self.module, mb.sequences, mb.attention_mask))
             outputs.append(out.float().cpu())
             order.extend(micro)
         result = torch.cat(outputs) if outputs else torch.empty(0)
@@ -849,6 +861,9 @@ class ModelGroup:
     """``world_size`` :class:`ModelWorker` ranks of one role, placed by a Ray placement group: its own
     (one bundle per rank), or ``shared`` bundles it holds a share of (colocation; not removed here)."""
 
+    #: the rank class (a subclass adds methods: :mod:`rlhf_sg.stages`)
+    worker: type = ModelWorker
+
     def __init__(self, spec: WorkerSpec, num_cpus: float = 1.0, num_gpus: float = 0.0, strategy: str = "PACK",
                  runtime_env: dict | None = None, shared: SharedBundles | None = None, wait: bool = True):
         """Start the ranks; with ``wait`` (the default) return once every rank has loaded its model, otherwise at
@@ -883,7 +898,7 @@ class ModelGroup:
             env["env_vars"]["DS_ACCELERATOR"] = "cpu"
         if runtime_env:
             env["env_vars"].update(runtime_env.get("env_vars", {}))
-        cls = ray.remote(ModelWorker)
+        cls = ray.remote(self.worker)
         self.workers = [
             cls.options(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=env, scheduling_strategy=strategies[i])
             .remote(asdict(spec), i)
