@@ -3,6 +3,8 @@
     rlhf-sg train-ppo --model PATH --prompt-data FILE --backend sglang [--config run.yaml] [--section.key V ...]
     rlhf-sg eval --model DIR --data FILE --eval.reward_function NAME [--backend B] [--eval.n_samples N ...]
                               held-out evaluation of a saved model (pass@k, greedy accuracy), printed as a table
+    rlhf-sg train-sft | train-rm | train-dpo --model PATH --data FILE [--config stage.yaml] [--section.key V ...]
+                              supervised fine-tuning, reward-model training, DPO (rlhf_sg.stages; --help lists flags)
     rlhf-sg backends          list rollout backends and whether each can load here
     rlhf-sg bench NAME ...    run a benchmark (same as python -m rlhf_sg.bench NAME)
 """
@@ -13,7 +15,7 @@ import logging
 import os
 import sys
 
-COMMANDS = ("train-ppo", "eval", "backends", "bench")
+COMMANDS = ("train-ppo", "train-sft", "train-rm", "train-dpo", "eval", "backends", "bench")
 HELP = ("-h", "--help")
 
 
@@ -29,6 +31,24 @@ def _print_eval_help() -> None:
     parser.add_argument("--data", metavar="FILE", help="the held-out prompts (JSONL / Parquet, the training data's "
                         "formats); required")
     parser.print_help()
+
+
+def _train_stage(command: str, rest: list[str]) -> None:
+    """``rlhf-sg train-sft | train-rm | train-dpo``: bad flags, model directories and data rows stop the run with the
+    message alone (exit status 1), before any model loads."""
+    from rlhf_sg.config import ConfigError
+    from rlhf_sg.data import DataError
+    from rlhf_sg.stages import parse_stage_args
+    from rlhf_sg.stages.run import run_stage
+
+    stage = command.removeprefix("train-")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = parse_stage_args(stage, rest)
+        run_stage(cfg)
+    except (ConfigError, DataError) as e:
+        raise SystemExit(f"rlhf-sg {command}: {e}") from None
+    print(f"logs, checkpoints and the exported model are in {cfg.log.output_dir}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
         except (ConfigError, DataError, RewardError) as e:
             raise SystemExit(f"rlhf-sg train-ppo: {e}") from None
         print(f"logs, checkpoints and the exported policy are in {cfg.log.output_dir}")
+    elif command in ("train-sft", "train-rm", "train-dpo"):
+        _train_stage(command, rest)
     elif command == "eval" and any(a in HELP for a in rest):  # before the check that --data is given
         _print_eval_help()
     elif command == "eval":

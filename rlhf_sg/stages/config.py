@@ -17,7 +17,13 @@ from rlhf_sg.stages.render import OVERLONG
 STAGES = ("sft", "rm", "dpo")
 #: --dpo.loss: each name says how the policy's and reference's sequence log-probs are normalised
 #: (``_length_normalized``: the mean log-prob over the response's trained tokens; otherwise their sum)
-DPO_LOSSES = ("dpo", "dpo_length_normalized", "ipo_length_normalized", "ipo_summed")
+DPO_LOSSES = ("dpo_summed", "dpo_length_normalized", "ipo_length_normalized", "ipo_summed")
+#: help beyond the default, for the settings whose values need saying
+HELP = {"dpo.loss": "dpo_summed: DPO's sigmoid loss on log-probs summed over the response's trained tokens; "
+                    "dpo_length_normalized: on their mean per token; ipo_length_normalized: IPO's squared loss "
+                    "(target margin 1/(2 beta)) on mean log-probs, as the IPO paper's results use; ipo_summed: IPO on "
+                    "summed log-probs",
+        "data.overlong": "drop | error | truncate (cut at max_len, marked; never given an EOS)"}
 
 
 @dataclass
@@ -114,10 +120,10 @@ class RewardModelConfig:
 class DPOConfig:
     #: the KL strength beta (IPO: the target margin is 1 / (2 beta))
     beta: float = 0.1
-    #: "dpo" (sigmoid loss on summed log-probs), "dpo_length_normalized" (on the mean log-prob per trained token),
-    #: "ipo_length_normalized" (IPO's squared loss on mean log-probs, as the IPO paper's results use),
+    #: "dpo_summed" (sigmoid loss on summed log-probs), "dpo_length_normalized" (on the mean log-prob per trained
+    #: token), "ipo_length_normalized" (IPO's squared loss on mean log-probs, as the IPO paper's results use),
     #: "ipo_summed" (IPO on summed log-probs)
-    loss: str = "dpo"
+    loss: str = "dpo_summed"
     #: conservative DPO: the chosen / rejected labels flipped with this probability (sigmoid losses only)
     label_smoothing: float = 0.0
     #: keep the reference log-probs on disk (<output_dir>/ref_logp), keyed by the rendered data's fingerprint, the
@@ -188,7 +194,8 @@ def build_parser(stage: str) -> argparse.ArgumentParser:
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):
             group.add_argument(f"--{section}.{f.name}", dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
-                               metavar="V", help=f"(default: {getattr(cls(), f.name)!r})")
+                               metavar="V", help=" ".join(filter(None, [HELP.get(f"{section}.{f.name}"),
+                                                                         f"(default: {getattr(cls(), f.name)!r})"])))
     return parser
 
 

@@ -116,6 +116,8 @@ def render_text(tokenizer, prompt: str, completion: str, eos: set[int], where: s
     """A plain prompt and completion: each tokenized alone; the completion (and ``tokenizer.eos_token_id`` after it,
     with ``append_eos``) is trained on."""
     p, c = _tokens(tokenizer, prompt), _tokens(tokenizer, completion)
+    if not p:
+        raise DataError(f"{where}: the prompt gives no tokens; a row needs a prompt before its completion")
     if append_eos:
         if tokenizer.eos_token_id is None:
             raise DataError(f"{where}: the tokenizer has no EOS token to end the completion with; set "
