@@ -16,8 +16,7 @@ import torch
 from rlhf_sg.config import ConfigError
 from rlhf_sg.data import DataError
 from rlhf_sg.models import REWARD_NORMALIZATION_FILE, ValueHeadModel
-from rlhf_sg.stages import StageConfig, parse_stage_args, train_dpo, train_rm, train_sft
-from rlhf_sg.stages import losses
+from rlhf_sg.stages import StageConfig, losses, parse_stage_args, train_dpo, train_rm, train_sft
 from rlhf_sg.stages.data import load_stage_rows
 from rlhf_sg.stages.render import Rendered, eos_ids, fit, render_messages, render_text
 from rlhf_sg.stages.run import reference_cache_key, reference_logps
@@ -295,7 +294,8 @@ def test_dpo_and_ipo_losses_on_hand_values():
     smooth, _ = losses.dpo_loss(rc, rr, rc, rr, beta=0.5, normalizer=1.0, label_smoothing=0.2)
     assert float(smooth) == pytest.approx(losses.LN2)
     logp, mask = torch.tensor([[-1.0, -3.0, 0.0]]), torch.tensor([[1.0, 1.0, 0.0]])
-    assert float(losses.sequence_logp(logp, mask, True)) == -2.0 and float(losses.sequence_logp(logp, mask, False)) == -4
+    assert float(losses.sequence_logp(logp, mask, True)) == -2.0
+    assert float(losses.sequence_logp(logp, mask, False)) == -4.0
 
 
 # ---- the runs and their config -----------------------------------------------------------------------------------
