@@ -123,6 +123,8 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    #: return each completion's ``routed_experts`` (a backend whose ``supports_routed_experts`` is true)
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         if self.n < 1:
@@ -149,6 +151,10 @@ class Completion:
     cached_tokens: how many of the prompt's tokens the engine took from its prefix cache (SGLang's
         ``meta_info["cached_tokens"]``, vLLM's ``RequestOutput.num_cached_tokens``); None where the engine has no
         prefix cache or does not say.
+    routed_experts: with ``SamplingParams.return_routed_experts``, the experts every MoE layer's router chose for
+        each token of the prompt and the completion but the last (the last is never fed to the model):
+        ``[len(prompt) + len(token_ids) - 1, moe_layers, top_k]`` int16, layers in decoder order
+        (:mod:`rlhf_sg.moe.replay`); else None.
     """
 
     token_ids: list[int]
@@ -157,6 +163,7 @@ class Completion:
     weight_version: int
     prompt_index: int
     cached_tokens: int | None = None
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -195,16 +202,20 @@ class BucketManifest:
 
 
 def check_generate_args(
-    prompts: list[list[int]], params: SamplingParams, vocab_size: int, context_len: int, context_note: str = ""
+    prompts: list[list[int]], params: SamplingParams, vocab_size: int, context_len: int, context_note: str = "",
+    routed_experts: bool = False,
 ) -> None:
     """The checks every backend runs before ``generate`` does any work; BackendError names the prompt.
 
     Prompts must be a non-empty list of non-empty token-id lists with ids in ``[0, vocab_size)``, and
     ``len(prompt) + params.max_new_tokens`` must fit ``context_len`` (``context_note`` says where that
-    limit comes from).
+    limit comes from). ``routed_experts``: whether the backend can return ``Completion.routed_experts``.
     """
     if not isinstance(params, SamplingParams):
         raise BackendError(f"generate: params must be a SamplingParams, got {type(params).__name__}")
+    if params.return_routed_experts and not routed_experts:
+        raise BackendError("generate: SamplingParams.return_routed_experts asks for the experts each token was "
+                           "routed to, which this backend does not return (supports_routed_experts is False)")
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise BackendError("generate: prompts is empty; pass a non-empty list of token-id lists")
     for i, prompt in enumerate(prompts):
@@ -296,6 +307,8 @@ class RolloutBackend(abc.ABC):
     #: whether :meth:`abort_generation` can cut a running ``generate`` short (partial rollout); without it
     #: the trainer waits for a generate in flight to finish before a weight sync
     supports_abort: ClassVar[bool] = False
+    #: ``generate`` returns ``Completion.routed_experts`` when asked (``SamplingParams.return_routed_experts``)
+    supports_routed_experts: ClassVar[bool] = False
     #: whether :meth:`load_lora_adapter` serves a LoRA adapter sent as its own tensors (--lora.sync_mode adapter)
     supports_lora_adapter: ClassVar[bool] = False
 

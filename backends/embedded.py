@@ -46,6 +46,7 @@ Engine-specific keys in ``BackendConfig.extra``:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import glob
 import logging
@@ -328,6 +329,7 @@ class EmbeddedBackend(RolloutBackend):
     transports = frozenset({"collective", "tensor", "disk"})
     supports_abort = True
     supports_lora_adapter = True
+    supports_routed_experts = True  # for a mixture-of-experts model (others refuse the request at generate)
 
     def __init__(self, config: BackendConfig):
         super().__init__(config)
@@ -413,7 +415,11 @@ class EmbeddedBackend(RolloutBackend):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Sample ``params.n`` completions per prompt; prompt-major, ``len(prompts) * n`` of them."""
         self._check_usable("generate")
-        check_generate_args(prompts, params, self._vocab_size, self._context_len, self._context_note)
+        check_generate_args(prompts, params, self._vocab_size, self._context_len, self._context_note,
+                            routed_experts=True)
+        if params.return_routed_experts and self._route_recorder() is None:
+            raise BackendError(f"generate: SamplingParams.return_routed_experts, but the model "
+                               f"({type(self.model).__name__}) has no mixture-of-experts router")
         seed = params.seed if params.seed is not None else self._unseeded.getrandbits(63)
         stop_ids = self._eos_ids | set(params.stop_token_ids)
         # Similar lengths share a batch, so little compute goes to padding.
@@ -513,9 +519,11 @@ class EmbeddedBackend(RolloutBackend):
                     type(self.model).__name__, reason)
         return False
 
-    def _start_decode(self, prompts: list[list[int]], n: int, max_new: int) -> tuple[_DecodeState, torch.Tensor]:
+    def _start_decode(self, prompts: list[list[int]], n: int, max_new: int,
+                      prompt_routes: list | None = None) -> tuple[_DecodeState, torch.Tensor]:
         """Prefill the prompts (sorted by length), each for ``n`` sample rows; returns the decode state and the
-        logits of every row's next token [len(prompts) * n, V].
+        logits of every row's next token [len(prompts) * n, V]. ``prompt_routes``: a list to append each prompt's
+        routes to (``[len(prompt), moe_layers, top_k]``), while the route recorder records.
 
         Prompts of similar length are prefilled together and left-padded into one cache, so little prefill
         compute goes to padding; models whose cache layers are not plain dynamic layers (sliding windows,
@@ -544,6 +552,10 @@ class EmbeddedBackend(RolloutBackend):
             )
             caches.append(out.past_key_values)
             logits.append(out.logits[:, -1, :])
+            if prompt_routes is not None:
+                (routes,) = self._recorder.take()
+                routes = routes.reshape(len(group_prompts), input_ids.shape[1], *routes.shape[1:])
+                prompt_routes += [routes[r, input_ids.shape[1] - len(p):] for r, p in enumerate(group_prompts)]
         logits = torch.cat(logits).repeat_interleave(n, dim=0)
         next_position = pad_mask.sum(-1).repeat_interleave(n, dim=0)
         if buffers is not None:
@@ -565,6 +577,14 @@ class EmbeddedBackend(RolloutBackend):
             _select_cache_rows(cache, torch.arange(len(prompts), device=self._device).repeat_interleave(n))
         return _CachedDecode(self.model, cache, pad_mask.repeat_interleave(n, dim=0), next_position), logits
 
+    def _route_recorder(self):
+        """The :class:`rlhf_sg.moe.RouteRecorder` of this model (made once), or None for a model without routers."""
+        if not hasattr(self, "_recorder"):
+            from rlhf_sg.moe import RouteRecorder, has_router
+
+            self._recorder = RouteRecorder(self.model) if has_router(self.model) else None
+        return self._recorder
+
     def _left_pad(self, prompts: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids and attention_mask, both [len(prompts), width] int64 on the engine's device."""
         input_ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
@@ -580,10 +600,20 @@ class EmbeddedBackend(RolloutBackend):
         stop_ids: set[int],
     ) -> list[list[Completion]]:
         """Decode the rows ``samples`` (sample indices) of each prompt index in ``chunk``; one list per prompt."""
+        recording = params.return_routed_experts
+        with self._recorder.recording() if recording else contextlib.nullcontext():
+            return self._decode_rows(prompts, chunk, samples, params, seed, stop_ids, recording)
+
+    def _decode_rows(self, prompts, chunk, samples, params, seed, stop_ids, recording: bool) -> list[list[Completion]]:
         device, n, max_new = self._device, len(samples), params.max_new_tokens
-        state, logits = self._start_decode([prompts[i] for i in chunk], n, max_new)
+        prompt_routes: list | None = [] if recording else None
+        state, logits = self._start_decode([prompts[i] for i in chunk], n, max_new, prompt_routes)
 
         num_rows = len(chunk) * n
+        decode_routes = None  # [num_rows, max_new, moe_layers, top_k]: the routes of each fed sampled token
+        if recording:
+            decode_routes = torch.full((num_rows, max_new, *prompt_routes[0].shape[1:]), -1,
+                                       dtype=prompt_routes[0].dtype)
         uniforms = torch.stack(
             [
                 torch.rand(max_new, generator=torch.Generator().manual_seed(row_seed(seed, i, j)))
@@ -623,6 +653,9 @@ class EmbeddedBackend(RolloutBackend):
                 state.select(keep)
                 rows, done, token = rows[keep], done[keep], token[keep]
             logits = state.step(token)
+            if recording:
+                (routes,) = self._recorder.take()
+                decode_routes[rows.cpu(), step] = routes.cpu()
 
         tokens_l, logps_l = tokens.tolist(), logps.tolist()
         lengths_l, stopped_l, aborted_l = lengths.tolist(), stopped.tolist(), aborted.tolist()
@@ -632,6 +665,10 @@ class EmbeddedBackend(RolloutBackend):
             per_prompt = []
             for row in range(r * n, (r + 1) * n):
                 length = lengths_l[row]
+                routed = None
+                if recording:
+                    fed = len(prompts[i]) + length - 1  # every token but the last went through the model
+                    routed = torch.cat([prompt_routes[r].cpu(), decode_routes[row, : max(length - 1, 0)]])[:fed]
                 per_prompt.append(
                     Completion(
                         token_ids=tokens_l[row][:length],
@@ -639,6 +676,7 @@ class EmbeddedBackend(RolloutBackend):
                         finish_reason="stop" if stopped_l[row] else "abort" if aborted_l[row] else "length",
                         weight_version=version,
                         prompt_index=i,
+                        routed_experts=routed,
                     )
                 )
             completions.append(per_prompt)

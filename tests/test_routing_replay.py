@@ -206,3 +206,55 @@ def test_replayed_experts_get_gate_weights_from_the_live_router_scores():
         if model.config.norm_topk_prob:
             expected = expected / expected.sum(-1, keepdim=True)
         torch.testing.assert_close(scores.float(), expected, rtol=1e-6, atol=1e-7)
+
+
+# ---- the embedded engine records the routes it sampled with ------------------------------------------------------
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_embedded_engine_returns_the_routes_the_model_takes_on_each_row_alone(family, tmp_path):
+    """Several samples per prompt from prompts of different lengths (left-padded together), rows stopping at
+    different steps (the decode compacts its rows): each completion's routes, prompt and sampled tokens but the last,
+    are the routes of the model's own forward on that row alone."""
+    from backends.base import BackendConfig, SamplingParams
+    from backends.embedded import EmbeddedBackend
+    from rlhf_sg.tiny import save_tiny_model
+
+    model = tiny_family_model(family, seed=0).eval()
+    save_tiny_model(str(tmp_path), model=model)
+    engine = EmbeddedBackend(BackendConfig(model_path=str(tmp_path), num_threads=1, max_model_len=64))
+    prompts = [[5, 17, 33, 9, 60, 61, 8], [40, 41, 12], [70, 3, 99, 100, 101]]
+    params = SamplingParams(n=3, max_new_tokens=8, seed=11, stop_token_ids=tuple(range(3, 40)),
+                            return_routed_experts=True)
+    try:
+        completions = engine.generate(prompts, params)
+        plain = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=8, seed=11,
+                                                        stop_token_ids=tuple(range(3, 40))))
+    finally:
+        engine.shutdown()
+    assert len({len(c.token_ids) for c in completions}) > 1  # rows stopped at different steps
+    assert [c.token_ids for c in plain] == [c.token_ids for c in completions]  # recording changes no sample
+    assert all(c.routed_experts is None for c in plain)
+    recorder = RouteRecorder(model)
+    for c in completions:
+        row = prompts[c.prompt_index] + c.token_ids
+        with torch.no_grad(), recorder.recording():
+            model(torch.tensor([row[:-1]]))
+        (alone,) = recorder.take()
+        assert c.routed_experts.shape == (len(row) - 1, len(router_layers(model)), recorder.top_k)
+        assert torch.equal(c.routed_experts, alone), (family, c.prompt_index)
+
+
+def test_a_backend_without_routes_or_a_dense_model_refuses_the_request(tmp_path):
+    from backends.base import BackendConfig, BackendError, SamplingParams, check_generate_args
+    from backends.embedded import EmbeddedBackend
+    from rlhf_sg.tiny import save_tiny_model
+
+    asking = SamplingParams(max_new_tokens=2, return_routed_experts=True)
+    with pytest.raises(BackendError, match="supports_routed_experts is False"):
+        check_generate_args([[1, 2]], asking, 100, 64)
+    save_tiny_model(str(tmp_path), model=tiny_family_model("qwen3", seed=0))
+    engine = EmbeddedBackend(BackendConfig(model_path=str(tmp_path), num_threads=1, max_model_len=64))
+    try:
+        with pytest.raises(BackendError, match="has no mixture-of-experts router"):
+            engine.generate([[5, 6]], asking)
+    finally:
+        engine.shutdown()
