@@ -362,3 +362,24 @@ def test_rendered_rows_carry_their_truncation_into_the_fingerprint():
     full = StageRows([Rendered([1, 2, 3], [False, True, True])], False)
     cut = StageRows([Rendered([1, 2, 3], [False, True, True], truncated=True)], False)
     assert full.fingerprint() != cut.fingerprint() and a.rows[0].last_response_index == 2
+
+
+@pytest.mark.slow
+def test_a_reward_model_on_two_zero3_ranks_steps_as_one_rank_and_exports_its_statistics(ray_cluster, tmp_path,
+                                                                                          base_dir):
+    """train-rm on the trainer's ZeRO-3 workers (2 ranks): the step-0 held-out metrics and the first step's loss (one
+    normaliser over both ranks) are the in-process rank's, and the gathered export loads with its statistics."""
+    data = _write(tmp_path / "p.jsonl", _prefs())
+    runs = []
+    for ranks in (1, 2):
+        cfg = _cfg("rm", base_dir, data, tmp_path / f"rm{ranks}", batch_size=4, max_steps=1, lr=1e-3,
+                   num_ranks=ranks)
+        cfg.data.eval_fraction = 0.25
+        runs.append(train_rm(cfg))
+    (first1, step1), (first2, step2) = runs
+    assert first2["eval/accuracy"] == first1["eval/accuracy"]
+    assert first2["eval/loss"] == pytest.approx(first1["eval/loss"], abs=1e-5)
+    assert step2["train/loss"] == pytest.approx(step1["train/loss"], abs=1e-5)
+    assert step2["train/grad_norm"] == pytest.approx(step1["train/grad_norm"], rel=1e-4)
+    rm = ValueHeadModel.from_pretrained(str(tmp_path / "rm2" / "final_hf"))
+    assert (rm.reward_mean, rm.reward_std) == (step2["rm/score_mean"], step2["rm/score_std"])
