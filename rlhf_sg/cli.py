@@ -3,8 +3,9 @@
     rlhf-sg train-ppo --model PATH --prompt-data FILE --backend sglang [--config run.yaml] [--section.key V ...]
     rlhf-sg eval --model DIR --data FILE --eval.reward_function NAME [--backend B] [--eval.n_samples N ...]
                               held-out evaluation of a saved model (pass@k, greedy accuracy), printed as a table
-    rlhf-sg train-sft | train-rm | train-dpo --model PATH --data FILE [--config stage.yaml] [--section.key V ...]
-                              supervised fine-tuning, reward-model training, DPO (rlhf_sg.stages; --help lists flags)
+    rlhf-sg train-sft --model PATH --data FILE [--config stage.yaml] [--section.key V ...]   supervised fine-tuning
+    rlhf-sg train-rm --model PATH --data PAIRS [...]   a reward model (loads as train-ppo's --reward.kind model)
+    rlhf-sg train-dpo --model PATH --data PAIRS [...]  DPO / IPO against a frozen reference (rlhf_sg.stages)
     rlhf-sg backends          list rollout backends and whether each can load here
     rlhf-sg bench NAME ...    run a benchmark (same as python -m rlhf_sg.bench NAME)
 """
