@@ -246,6 +246,25 @@ def test_the_flags_and_yaml_section_fill_the_config(make, tmp_path):
     assert json.loads(json.dumps(cfg.to_dict()))["distill"]["teacher"] == base.distill.teacher
 
 
+def test_the_recipes_runs_differ_only_in_the_teacher(models, tmp_path):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
+    from distill_cpu import run_config
+
+    policy, teacher = models
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / "held_out.jsonl").write_text('{"prompt": "2+2=", "answer": "4"}\n')
+    grpo = validate(run_config(policy, str(prompts), str(tmp_path / "grpo"), 3, 16))
+    distill = validate(run_config(policy, str(prompts), str(tmp_path / "distill"), 3, 16, teacher))
+    assert (distill.distill.teacher, distill.distill.only, grpo.distill.teacher) == (teacher, True, None)
+    assert (grpo.eval.interval, grpo.eval.n_samples) == (1, 16)  # held-out pass@1 after every step
+    distill.distill, distill.log = grpo.distill, grpo.log
+    assert distill == grpo
+
+
 # ---- the layout a teacher adds ------------------------------------------------------------------------------------
 
 
