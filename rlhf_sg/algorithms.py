@@ -13,6 +13,7 @@ influence any output, even when they hold NaN or inf: every reduction selects wi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,20 @@ def _check_kind(fn: str, arg: str, kind: str, allowed: tuple[str, ...]) -> None:
 
 
 # ---- masked statistics -------------------------------------------------------------------------
+
+
+def engine_vs_trainer_metrics(rollout_logp: torch.Tensor, trainer_logp: torch.Tensor,
+                              mask: torch.Tensor) -> dict[str, float]:
+    """How far the trainer's log-probs of the sampled tokens are from the engine's: ``rollout_logp``,
+    ``trainer_logp``, ``mask`` [B, T]. The mean |Δ log p|; k3's estimate of KL(engine || trainer) on the engine's
+    samples, mean of exp(r) - 1 - r with r = log p_trainer - log p_engine; and the fraction of tokens with
+    |Δ log p| > ln 2 (a token one side finds over twice as likely as the other: an expert flip in a MoE model)."""
+    r = trainer_logp - rollout_logp
+    return {
+        "rollout/logp_gap_engine_vs_trainer": masked_mean(r.abs(), mask).item(),
+        "rollout/k3_kl_engine_vs_trainer": masked_mean(torch.expm1(r) - r, mask).item(),
+        "rollout/frac_logp_gap_over_ln2": masked_mean((r.abs() > math.log(2)).float(), mask).item(),
+    }
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

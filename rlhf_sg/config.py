@@ -184,6 +184,13 @@ class TrainConfig:
     #: actor/router_aux_loss. None: what the model applies in its own training, its config's router_aux_loss_coef
     #: when output_router_logits is on, else 0 (off). A value > 0 needs a model with routers
     router_aux_loss_coef: float | None = None
+    #: mixture-of-experts models: rollout routing replay (R3). The engine returns the experts every MoE layer
+    #: chose for each token it sampled with, and the actor's forwards (old log-probs and the update) take those
+    #: experts in place of their routers' own top-k, gate weights still from the live router scores (the router
+    #: trains). Needs a backend with supports_routed_experts (the embedded engine); the actor's forwards then run
+    #: the packed layout (each sequence's prompt its own). Logged on or off: rollout/k3_kl_engine_vs_trainer and
+    #: rollout/frac_logp_gap_over_ln2
+    routing_replay: bool = False
     #: how every loss term is reduced: token_mean, seq_mean (each row's token mean, then the rows' mean),
     #: seq_mean_token_sum (verl: each row's token sum, then the rows' mean), seq_mean_token_sum_norm (Dr.GRPO:
     #: that over the constant --rollout.max_new_tokens); none: the policy loss's own (seq_mean for the sequence
@@ -854,6 +861,7 @@ def validate(cfg: Config) -> Config:
         _need(bool(m.reward_pretrain), "--model.reward_pretrain is required with --reward.kind model")
     _validate_eval(cfg)
     _validate_agent(cfg)
+    _validate_routing_replay(cfg)
     for flag, peak in (("--perf.peak_tflops", cfg.perf.peak_tflops),
                        ("--perf.peak_bandwidth_gbs", cfg.perf.peak_bandwidth_gbs)):
         _need(peak is None or (math.isfinite(peak) and peak > 0),
@@ -1140,6 +1148,32 @@ def check_gpu_install(cfg: Config) -> None:
                                  f"here and whose JIT build would fail: {clash}")
 
 
+def _validate_routing_replay(cfg: Config) -> None:
+    if not cfg.train.routing_replay:
+        return
+    m = cfg.model
+    if m.pretrain and os.path.isfile(os.path.join(m.pretrain, "config.json")):
+        _need(_has_experts(m.pretrain),
+              f"--train.routing_replay: {m.pretrain!r} is not a mixture-of-experts model (its config.json has none of "
+              f"{list(_EXPERT_KEYS)}): there are no routes to replay; drop the flag")
+    from backends.registry import get_backend_class
+
+    try:
+        cls = get_backend_class(cfg.rollout.backend)
+    except Exception as e:  # an engine not installed here: the run would fail to start it anyway
+        raise ConfigError(f"--train.routing_replay: cannot look up --rollout.backend {cfg.rollout.backend!r} "
+                          f"({e})") from e
+    _need(getattr(cls, "supports_routed_experts", False),
+          f"--train.routing_replay: backend {cfg.rollout.backend!r} does not return the experts it routed each token "
+          "to (supports_routed_experts); use --rollout.backend hf, or train without replay")
+    _need(cfg.agent.env is None,
+          "--train.routing_replay with --agent.env: the routes of a multi-turn trajectory's earlier turns are not "
+          "carried through its observations yet; train the agent without replay")
+    _need(not (cfg.rollout.mode == "async" and cfg.rollout.partial_rollout),
+          "--train.routing_replay with --rollout.mode async and --rollout.partial_rollout: a completion continued "
+          "after a weight sync is not yet given the routes of both its parts; set --rollout.partial_rollout false")
+
+
 def _validate_rollout_mode(cfg: Config) -> None:
     r = cfg.rollout
     _need(r.mode in ROLLOUT_MODES, f"--rollout.mode must be one of {list(ROLLOUT_MODES)}, got {r.mode!r}")
@@ -1171,7 +1205,9 @@ ASYNC_TIS_CAP = 2.0
 def shares_prompts(cfg: Config) -> bool:
     """Whether the trainer's forwards share prompts (``--train.share_prompts``): only with an attention that
     takes the tree mask (``sdpa``, ``eager``); flash-attn varlen kernels cannot keep sibling responses apart."""
-    return cfg.train.share_prompts and cfg.model.attn_implementation in ("sdpa", "eager")
+    # routing replay: the engine routed each sample's prompt on its own, so each sample computes it
+    return (cfg.train.share_prompts and cfg.model.attn_implementation in ("sdpa", "eager")
+            and not cfg.train.routing_replay)
 
 
 #: what a ratio level that a policy loss refuses would be instead

@@ -41,6 +41,9 @@ class Experience:
     #: [B] bool, the rows whose tokens count in the actor's and critic's losses and their normaliser (None: all);
     #: the others still run through every forward (--train.mask_truncated, dynamic sampling's filler groups)
     loss_rows: torch.Tensor | None = None
+    #: [B, P + T, moe_layers, top_k] int16, the experts the engine routed each token to (--train.routing_replay),
+    #: aligned with ``sequences``; -1 where none (padding, each sample's last token)
+    routes: torch.Tensor | None = None
     scores: torch.Tensor | None = None  #: [B] float32, the reward of each completion
     ref_logp: torch.Tensor | None = None  #: [B, T] reference model log-probs
     teacher_logp: torch.Tensor | None = None  #: [B, T] the distillation teacher's log-probs (--distill.teacher)
@@ -128,6 +131,7 @@ def build_rollout_batch(
     weight_versions: list[int] | None = None,
     finish_reasons: list[str] | None = None,
     action_masks: list[list[bool]] | None = None,
+    routed_experts: list[torch.Tensor] | None = None,
 ) -> Experience:
     """The engines' samples as an :class:`Experience`: left-padded prompts and right-padded responses.
 
@@ -136,7 +140,8 @@ def build_rollout_batch(
     finish_reasons[i]: why the engine stopped it ("length" marks it ``truncated``); action_masks[i]: for
     multi-turn samples, 1 on the tokens the engine sampled and 0 on the observations between them
     (None: every response token was sampled). Observation tokens are real tokens (attention mask 1) with
-    rollout log-prob 0.
+    rollout log-prob 0. routed_experts[i]: the engine's routes of sample i's prompt and completion tokens but the
+    last (``Completion.routed_experts``), laid into ``routes``.
     """
     B = len(prompts)
     P = max(len(p) for p in prompts)
@@ -160,8 +165,21 @@ def build_rollout_batch(
                                  "token and at least one sampled token")
             action_mask[i, : len(r)] = torch.as_tensor(action_masks[i], dtype=torch.bool)
         rollout_logp[i, : len(r)] = torch.as_tensor(lp, dtype=torch.float32)
+    routes = None
+    if routed_experts is not None:
+        shapes = {tuple(e.shape[1:]) for e in routed_experts if e is not None}
+        if any(e is None for e in routed_experts) or len(shapes) != 1:
+            raise ValueError(f"rollout samples: routed experts missing or of several shapes ({sorted(shapes)}); the "
+                             "engine must return [tokens, moe_layers, top_k] for every sample")
+        routes = torch.full((B, P + T, *shapes.pop()), -1, dtype=torch.int16)
+        for i, (p, r, e) in enumerate(zip(prompts, responses, routed_experts)):
+            if e.shape[0] != len(p) + len(r) - 1:
+                raise ValueError(f"rollout sample {i}: the engine returned routes for {e.shape[0]} tokens; its prompt "
+                                 f"and completion have {len(p) + len(r)} (routes cover every token but the last)")
+            routes[i, P - len(p) : P + len(r) - 1] = e.to(torch.int16)
     return Experience(
         sequences=sequences, attention_mask=attention_mask, action_mask=action_mask, rollout_logp=rollout_logp,
         weight_version=None if weight_versions is None else torch.as_tensor(weight_versions, dtype=torch.long),
         truncated=None if finish_reasons is None else torch.tensor([f == "length" for f in finish_reasons]),
+        routes=routes,
     )

@@ -1281,6 +1281,8 @@ def response_logprobs(
     share_prompts: bool = False,
     segment_tokens: int | None = None,
     router=None,
+    routes: torch.Tensor | None = None,
+    replay=None,
 ):
     """Log-probs (and entropy) of the response tokens under a causal LM, computed on packed rows.
 
@@ -1304,6 +1306,10 @@ def response_logprobs(
     uncapped on the blocks).
     ``router``: a :class:`rlhf_sg.moe.RouterLoad` that records the forward's router logits and gets each packed
     slot's weight (how many sequences hold its token), for the MoE load-balancing loss over the real tokens.
+    ``routes`` [B, S, moe_layers, top_k] (-1: none) with ``replay``, a :class:`rlhf_sg.moe.RouteReplay` whose
+    :meth:`~rlhf_sg.moe.RouteReplay.active` scope holds this call and the backward after it: the routes are laid
+    into the packed rows and armed for the forward (routing replay). Each sequence then computes its own prompt
+    (``share_prompts`` is not applied: the routes are per sample).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -1319,7 +1325,10 @@ def response_logprobs(
     _check_rollout(sequences, attention_mask, response_width)
     check_rope_regime(module, attention_mask.sum(dim=1).tolist())
     impl = _attn_implementation(module, attn_implementation)
-    groups = _shared_groups(module, share_prompts, sequences, attention_mask, response_width)
+    if routes is not None and replay is None:
+        raise ValueError("response_logprobs: routes need the RouteReplay whose active() scope replays them")
+    groups = None if routes is not None else _shared_groups(module, share_prompts, sequences, attention_mask,
+                                                            response_width)
     captured: dict[str, torch.Tensor] = {}
 
     def keep_hidden(_module, _args, output):
@@ -1337,6 +1346,8 @@ def response_logprobs(
                 _shared_forward(model, rows, impl, logits_to_keep=no_logits)
             else:
                 batch = _pack_for(module, impl, sequences, attention_mask)
+                if routes is not None:
+                    replay.arm(_packed_routes(routes, batch).to(device))
                 packed_forward(model, batch, impl, logits_to_keep=no_logits)
     finally:
         hook.remove()
@@ -1390,6 +1401,15 @@ def response_logprobs(
     if not with_entropy:
         return _to_response_block(out, positions, shape)
     return _to_response_block(out[0], positions, shape), _to_response_block(out[1], positions, shape)
+
+
+def _packed_routes(routes: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """Padded routes [B, S, moe_layers, top_k] -> the packed rows' flattened slots [R * L, moe_layers, top_k],
+    -1 on the rows' pad slots (their routers keep their own choice)."""
+    rows, row_len = batch.input_ids.shape
+    packed = torch.full((rows * row_len, *routes.shape[2:]), -1, dtype=routes.dtype)
+    packed[batch.slots.cpu()] = pack_values(routes.cpu(), batch)
+    return packed
 
 
 def _value_model(model: nn.Module, caller: str) -> nn.Module:

@@ -73,15 +73,40 @@ def _alone(model: nn.Module, module: nn.Module, sequences: torch.Tensor, mask: t
 
 
 def _layout(model: nn.Module, module: nn.Module, sequences: torch.Tensor, mask: torch.Tensor, width: int,
-            share_prompts: bool) -> torch.Tensor:
+            share_prompts: bool, routes: torch.Tensor | None = None) -> torch.Tensor:
     """The layout's forward; shared prompts on a model switched to the shared-prompt attention take its blocks (on
-    the probe's tiny batch they would not pay, and a run's batches may take them)."""
+    the probe's tiny batch they would not pay, and a run's batches may take them). ``routes`` (a mixture-of-experts
+    causal LM, the packed layout): the experts each token took alone, replayed."""
     from rlhf_sg.packing import blocks_whatever_they_cost, critic_values, response_logprobs
 
     with blocks_whatever_they_cost():
         if _is_value_model(module):
             return critic_values(model, sequences, mask, width, share_prompts=share_prompts).float()
+        if routes is not None and not share_prompts:
+            from rlhf_sg.moe import RouteReplay
+
+            replay = RouteReplay(module)
+            with replay.active():
+                return response_logprobs(model, sequences, mask, width, routes=routes, replay=replay).float()
         return response_logprobs(model, sequences, mask, width, share_prompts=share_prompts).float()
+
+
+def _alone_routes(model: nn.Module, module: nn.Module, sequences: torch.Tensor, mask: torch.Tensor,
+                  width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_alone` on a mixture-of-experts model, and the experts its routers chose for each real token
+    [B, S, moe_layers, top_k] (-1 on padding). Replayed in the packed layout, they keep a router whose scores
+    nearly tie from picking another expert there (a rounding difference, not a layout's fault, and what
+    ``--train.routing_replay`` replays in the run's forwards)."""
+    from rlhf_sg.moe import RouteRecorder
+
+    recorder = RouteRecorder(module)
+    with recorder.recording():
+        reference = _alone(model, module, sequences, mask, width)
+    per_row = recorder.take()
+    routes = torch.full((*sequences.shape, *per_row[0].shape[1:]), -1, dtype=per_row[0].dtype)
+    for b, row in enumerate(per_row):
+        routes[b, mask[b].bool().cpu()] = row.cpu()
+    return reference, routes
 
 
 @torch.no_grad()
@@ -95,9 +120,15 @@ def measure(model: nn.Module, share_prompts: bool) -> dict[str, float]:
     try:
         device = next(module.parameters()).device
         sequences, mask, width = probe_batch(module.config.vocab_size, device)
-        reference = _alone(model, module, sequences, mask, width)
+        from rlhf_sg.moe import has_router
+
+        routes = None
+        if has_router(module) and not _is_value_model(module):
+            reference, routes = _alone_routes(model, module, sequences, mask, width)
+        else:
+            reference = _alone(model, module, sequences, mask, width)
         layouts = ["packed"] + (["shared"] if share_prompts else [])
-        return {layout: float((_layout(model, module, sequences, mask, width, layout == "shared")
+        return {layout: float((_layout(model, module, sequences, mask, width, layout == "shared", routes)
                                - reference).abs().max()) for layout in layouts}
     finally:
         module.train(training)

@@ -12,6 +12,7 @@ device, packs them (no compute on padding) and returns its results by global row
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -151,8 +152,8 @@ def without_dropout(config) -> list[str]:
     return zeroed
 
 
-def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate,
-                          normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate, normalizer: float,
+                          replay=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's actor loss (:func:`rlhf_sg.algorithms.actor_loss`) and its per-token metrics.
 
     model: the policy (a DeepSpeed engine or a causal LM), in train mode; mb: the micro-batch on the model's
@@ -161,7 +162,10 @@ def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate,
     With a router loss in force (:func:`router_aux_loss_coef`), the MoE load-balancing loss of the micro-batch's
     real tokens (:mod:`rlhf_sg.moe`) is added with that coefficient, weighted by the micro-batch's share of the
     step's ``normalizer`` (its action tokens, or rows with a per-sequence aggregation, that count in the loss): the
-    step's term is then the micro-batches' weighted mean. Logged as ``router_aux_loss``."""
+    step's term is then the micro-batches' weighted mean. Logged as ``router_aux_loss``.
+
+    ``replay``: a :class:`rlhf_sg.moe.RouteReplay` in its active scope (routing replay): the micro-batch's
+    ``routes`` are replayed in the forward."""
     from rlhf_sg.algorithms import actor_loss, masked_mean
     from rlhf_sg.moe import RouterLoad
     from rlhf_sg.packing import response_logprobs
@@ -170,7 +174,8 @@ def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate,
     router = RouterLoad(model) if coef > 0 else None
     logp, entropy = response_logprobs(model, mb.sequences, mb.attention_mask, mb.response_width,
                                       update.temperature, with_entropy=True, share_prompts=update.share_prompts,
-                                      router=router)
+                                      router=router, routes=mb.routes if replay is not None else None,
+                                      replay=replay)
     # a single update on fresh samples: the policy that sampled is the one being trained, so the old
     # log-probs are this forward's own
     old_logp = logp.detach() if update.old_logp_from_update else mb.old_logp
@@ -180,7 +185,10 @@ def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate,
     loss, metrics = actor_loss(logp, entropy, old_logp, mb.advantages, mb.action_mask, update.loss, normalizer,
                                rollout_logp=mb.rollout_logp, ref_logp=mb.ref_logp)
     if update.old_logp_from_update:
-        metrics["logp_gap_engine_vs_trainer"] = masked_mean((mb.rollout_logp - old_logp).abs(), mb.action_mask)
+        gap = old_logp - mb.rollout_logp  # as rlhf_sg.algorithms.engine_vs_trainer_metrics
+        metrics["logp_gap_engine_vs_trainer"] = masked_mean(gap.abs(), mb.action_mask)
+        metrics["k3_kl_engine_vs_trainer"] = masked_mean(torch.expm1(gap) - gap, mb.action_mask)
+        metrics["frac_logp_gap_over_ln2"] = masked_mean((gap.abs() > math.log(2)).float(), mb.action_mask)
     if router is not None:
         aux = router.loss()
         units = mb.action_mask.sum() if update.loss.aggregation == "token_mean" else mb.action_mask.shape[0]
@@ -463,7 +471,12 @@ class ModelWorker:
         outputs, order = [], []
         for micro in plan:
             mb = experience.rows(micro)
-            if self.spec.role in ("actor", "ref", "teacher"):
+            if self.spec.role == "actor" and mb.routes is not None:  # routing replay
+                replay = self._route_replay()
+                with replay.active():
+                    out = response_logprobs(self.module, mb.sequences, mb.attention_mask, width, temperature,
+                                            routes=mb.routes, replay=replay)
+            elif self.spec.role in ("actor", "ref", "teacher"):
                 out = response_logprobs(self.module, mb.sequences, mb.attention_mask, width, temperature,
                                         share_prompts=share_prompts)
             elif self.spec.role == "critic":
@@ -476,8 +489,16 @@ class ModelWorker:
         return order, result
 
     # ---- training -----------------------------------------------------------------------------------
+    def _route_replay(self):
+        """This actor's :class:`rlhf_sg.moe.RouteReplay` (made once)."""
+        if getattr(self, "_replay", None) is None:
+            from rlhf_sg.moe import RouteReplay
+
+            self._replay = RouteReplay(self.module)
+        return self._replay
+
     def _run_updates(self, experience: Experience, steps: list[OptimizerStep], micro_loss,
-                     prefix: str) -> dict[str, float]:
+                     prefix: str, scope=None) -> dict[str, float]:
         """The optimizer steps of one PPO phase: ``micro_loss(micro-batch on this rank's device, normalizer)
         -> (loss, metrics)``, metrics being per-token means of the micro-batch. Metrics are summed
         token-weighted on the device and reduced over the group's ranks once at the end (every rank returns
@@ -486,7 +507,8 @@ class ModelWorker:
         optimizer on every rank, its gradients dropped and the LR schedule not advanced; ``{prefix}/skipped_updates``
         counts them, of ``{prefix}/updates``; ``{prefix}/grad_norm`` is the mean global gradient norm before
         clipping over the updates that were not skipped. Metrics weigh the tokens that count in the loss
-        (:attr:`Experience.loss_rows`)."""
+        (:attr:`Experience.loss_rows`). ``scope``: a context manager that holds each micro-batch's forward and
+        backward (routing replay's, whose recomputation under gradient checkpointing runs in the backward)."""
         self.engine.train()
         device = self.device
         skipped_before = self.engine.skipped_steps
@@ -497,8 +519,9 @@ class ModelWorker:
             for i, micro in enumerate(step.plan):
                 self.engine.set_gradient_accumulation_boundary(i == len(step.plan) - 1)
                 mb = experience.rows(micro).to(device)
-                loss, metrics = micro_loss(mb, step.normalizer)
-                self.engine.backward(loss, scale_wrt_gas=False)
+                with scope() if scope is not None else contextlib.nullcontext():
+                    loss, metrics = micro_loss(mb, step.normalizer)
+                    self.engine.backward(loss, scale_wrt_gas=False)
                 tokens = loss_tokens(mb)
                 for k, v in metrics.items():
                     sums[k] = sums[k] + v.detach() * tokens if k in sums else v.detach() * tokens
@@ -522,8 +545,10 @@ class ModelWorker:
             experience.require("old_logp", why="the actor's update compares against the old log-probs; compute "
                                                "them with a scoring forward (or set old_logp_from_update)")
         experience.require("advantages", why="compute the advantages before the actor's update")
+        replay = self._route_replay() if experience.routes is not None else None
         return self._run_updates(experience, steps,
-                                 lambda mb, norm: actor_microbatch_loss(self.engine, mb, update, norm), "actor")
+                                 lambda mb, norm: actor_microbatch_loss(self.engine, mb, update, norm, replay),
+                                 "actor", scope=replay.active if replay is not None else None)
 
     def train_critic(self, experience: Experience, steps: list[OptimizerStep],
                      update: CriticUpdate) -> dict[str, float]:

@@ -97,3 +97,23 @@ def test_every_family_trains_end_to_end_and_the_engine_holds_the_trained_weights
     assert len(gaps) == 2
     # step 1 generates from the checkpoint, step 2 from the weights step 1 trained and synced
     assert max(gaps) <= 1e-4, (family, gaps)
+
+
+def test_routing_replay_keeps_the_trainer_on_the_engines_experts(ray_cluster, prompts, tmp_path):
+    """``--train.routing_replay`` through the trainer (and ZeRO-3's gathers, gradient checkpointing's recompute): a
+    Qwen3-MoE whose routers tie to a few ulps, where the engine's batched decode and the trainer's packed rows pick
+    other experts for a fifth of the routes (0.04 apart in log-prob without replay:
+    tests/test_routing_replay.py), stays within the contract's 1e-4 of the engine on both steps."""
+    from test_routing_replay import _near_ties
+
+    from rlhf_sg.tiny import save_tiny_model, tiny_family_model
+
+    model_path = str(tmp_path / "near-ties")
+    save_tiny_model(model_path, model=_near_ties(tiny_family_model("qwen3-moe", seed=0), eps=1e-7))
+    cfg = family_config("qwen3-moe", model_path, prompts, str(tmp_path / "run"))
+    cfg.train.routing_replay = cfg.train.gradient_checkpointing = True
+    history, gaps = train_recording_gaps(cfg)
+    assert [h["weight_version"] for h in history] == [1, 2]
+    assert max(gaps) <= 1e-4, gaps
+    assert all(h["rollout/frac_logp_gap_over_ln2"] == 0.0 and 0 <= h["rollout/k3_kl_engine_vs_trainer"] < 1e-6
+               for h in history), history

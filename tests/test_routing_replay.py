@@ -258,3 +258,119 @@ def test_a_backend_without_routes_or_a_dense_model_refuses_the_request(tmp_path)
             engine.generate([[5, 6]], asking)
     finally:
         engine.shutdown()
+
+
+# ---- through the trainer's layout --------------------------------------------------------------------------------
+def _engine_rollout(model, tmp_path, replay_routes: bool = True):
+    """The embedded engine's samples of ``model`` (4 prompts x 4, fp32, batched decode), as the trainer's batch."""
+    from backends.base import BackendConfig, SamplingParams
+    from backends.embedded import EmbeddedBackend
+    from rlhf_sg.experience import build_rollout_batch
+    from rlhf_sg.tiny import save_tiny_model
+
+    save_tiny_model(str(tmp_path), model=model)
+    engine = EmbeddedBackend(BackendConfig(model_path=str(tmp_path), num_threads=1, max_model_len=64))
+    prompts = [[5, 17, 33, 9, 60, 61, 8], [40, 41, 12], [70, 3, 99, 100, 101], [7, 8, 9, 10]]
+    try:
+        out = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=12, seed=3,
+                                                      return_routed_experts=replay_routes))
+    finally:
+        engine.shutdown()
+    return build_rollout_batch([prompts[c.prompt_index] for c in out], [c.token_ids for c in out],
+                               [c.logprobs for c in out], 0,
+                               routed_experts=[c.routed_experts for c in out] if replay_routes else None)
+
+
+def _trainer_gap(model, experience, replay: bool) -> tuple[float, float | None]:
+    from rlhf_sg.packing import response_logprobs
+
+    with torch.no_grad():
+        if replay:
+            replayer = RouteReplay(model)
+            with replayer.active():
+                logp = response_logprobs(model, experience.sequences, experience.attention_mask,
+                                         experience.response_width, routes=experience.routes, replay=replayer)
+        else:
+            replayer = None
+            logp = response_logprobs(model, experience.sequences, experience.attention_mask, experience.response_width)
+    gap = (logp - experience.rollout_logp).abs()[experience.action_mask].max().item()
+    return gap, replayer.replaced_fraction if replayer else None
+
+
+def test_the_engines_routes_replayed_in_the_trainers_packed_rows_close_the_engine_trainer_gap(tmp_path):
+    """The R3 gap test, engine to trainer, all fp32: routers whose scores tie to a few ulps (``eps`` 1e-7) pick
+    other experts in the engine's batched decode than in the trainer's packed rows for a fifth of the routes. Without
+    replay the engine's and the trainer's log-probs of the sampled tokens differ by a few hundredths; with the
+    engine's routes laid into the packed rows and replayed, by what they differ on a model without experts."""
+    dense = tiny_family_model("qwen3", seed=0).eval()
+    dense_gap, _ = _trainer_gap(dense, _engine_rollout(dense, tmp_path / "dense", replay_routes=False), False)
+    moe = _near_ties(tiny_family_model("qwen3-moe", seed=0), eps=1e-7).eval()
+    experience = _engine_rollout(moe, tmp_path / "moe")
+    without, _ = _trainer_gap(moe, experience, replay=False)
+    with_replay, replaced = _trainer_gap(moe, experience, replay=True)
+    assert replaced > 0.05, replaced
+    assert without > 1e-2, without
+    assert with_replay <= max(4 * dense_gap, 2e-6), (with_replay, dense_gap)
+
+
+def test_the_rollout_batch_lays_each_samples_routes_beside_its_tokens():
+    from rlhf_sg.experience import build_rollout_batch
+
+    routes = [torch.arange(4 * 2 * 2).reshape(4, 2, 2).to(ROUTE_DTYPE) % 4,  # prompt 3 + completion 2 - 1
+              torch.arange(3 * 2 * 2).reshape(3, 2, 2).to(ROUTE_DTYPE) % 4]  # prompt 1 + completion 3 - 1
+    exp = build_rollout_batch([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]], [[0.0] * 2, [0.0] * 3], 0, routed_experts=routes)
+    # columns: 3 prompt (left-padded) + 3 response; a sample's routes end before its last token
+    assert exp.routes.shape == (2, 6, 2, 2)
+    assert torch.equal(exp.routes[0, 0:4], routes[0]) and (exp.routes[0, 4:] == -1).all()
+    assert (exp.routes[1, :2] == -1).all() and torch.equal(exp.routes[1, 2:5], routes[1])
+    assert (exp.routes[1, 5] == -1).all()
+    assert torch.equal(exp.rows([1]).routes, exp.routes[1:])
+    with pytest.raises(ValueError, match="sample 1: the engine returned routes for 4 tokens; its prompt and "
+                                         "completion have 4"):
+        build_rollout_batch([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]], [[0.0] * 2, [0.0] * 3], 0,
+                            routed_experts=[routes[0], routes[0]])
+
+
+def test_engine_vs_trainer_metrics_on_a_hand_case():
+    import math
+
+    from rlhf_sg.algorithms import engine_vs_trainer_metrics
+
+    rollout = torch.tensor([[-1.0, -2.0, -3.0]])
+    trainer = torch.tensor([[-1.0, -1.0, -9.0]])  # Δ 0, +1, -6 (the last not sampled)
+    mask = torch.tensor([[True, True, False]])
+    m = engine_vs_trainer_metrics(rollout, trainer, mask)
+    assert m["rollout/logp_gap_engine_vs_trainer"] == pytest.approx(0.5)
+    assert m["rollout/k3_kl_engine_vs_trainer"] == pytest.approx((math.e - 1 - 1) / 2)
+    assert m["rollout/frac_logp_gap_over_ln2"] == pytest.approx(0.5)
+
+
+def test_routing_replay_is_refused_before_ray_where_it_cannot_run(tmp_path):
+    from rlhf_sg.config import Config, ConfigError, validate
+    from rlhf_sg.tiny import save_tiny_model
+
+    moe, dense = str(tmp_path / "moe"), str(tmp_path / "dense")
+    save_tiny_model(moe, model=tiny_family_model("qwen3-moe", seed=0))
+    save_tiny_model(dense, model=tiny_family_model("qwen3", seed=0))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+
+    def cfg(model=moe, **changes):
+        c = Config()
+        c.model.pretrain, c.data.prompt_data, c.data.label_key = model, str(prompts), "answer"
+        c.reward.function = "arith_task:addition_reward"
+        c.rollout.backend, c.train.routing_replay = "hf", True
+        for key, value in changes.items():
+            section, name = key.split("__")
+            setattr(getattr(c, section), name, value)
+        return c
+
+    validate(cfg())  # the embedded engine, a MoE model
+    with pytest.raises(ConfigError, match="is not a mixture-of-experts model"):
+        validate(cfg(model=dense))
+    with pytest.raises(ConfigError, match="does not return the experts it routed"):
+        validate(cfg(rollout__backend="recipes/custom_backend.py:HFGenerateBackend"))
+    with pytest.raises(ConfigError, match="--agent.env"):
+        validate(cfg(agent__env="rlhf_sg.agent:Environment"))
+    with pytest.raises(ConfigError, match="partial_rollout"):
+        validate(cfg(rollout__mode="async"))

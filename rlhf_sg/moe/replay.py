@@ -151,15 +151,19 @@ class RouteReplay:
     """Replays recorded routes in ``model``'s forward (and in its backward's recomputation).
 
     ``with replay.replaying(routes): loss = model(...); loss.backward()``: ``routes`` ``[tokens, moe_layers,
-    top_k]`` for the one forward the block runs (see the module docstring). Checked before the forward: shape,
-    expert range, duplicates within a token; and when the block ends, that every MoE layer consumed its routes
-    (as often as every other layer: once, or twice under gradient checkpointing)."""
+    top_k]`` for the one forward the block runs (see the module docstring). Where the routes are known only inside
+    the code that lays out the forward's rows (:func:`rlhf_sg.packing.response_logprobs`), the scope and the routes
+    come apart: ``with replay.active(): ...`` around the forward and its backward, and :meth:`arm` before the
+    forward. Checked when armed: shape, expert range, duplicates within a token; and when the scope ends, that every
+    MoE layer consumed its routes (as often as every other layer: once, or twice under gradient checkpointing)."""
 
     def __init__(self, model: nn.Module):
         self.layers = router_layers(model)
         self.num_experts, self.top_k = _expert_counts(getattr(model, "module", model))
         self.consumed: dict[int, int] = {}
-        self.replaced_fraction: float | None = None  # of recorded tokens whose live choice differed (last forward)
+        self.replaced_fraction: float | None = None  # of recorded (token, layer) routes the live router differed on
+        self._routes: torch.Tensor | None = None
+        self._differed = [0, 0]
 
     def check(self, routes: torch.Tensor) -> None:
         """Raise ValueError naming what is wrong with ``routes`` for this model."""
@@ -187,14 +191,24 @@ class RouteReplay:
                 raise ValueError(f"token {token}, MoE layer {self.layers[j][1]}: an expert chosen twice "
                                  f"({routes[token, j].tolist()})")
 
-    @contextmanager
-    def replaying(self, routes: torch.Tensor):
+    def arm(self, routes: torch.Tensor) -> None:
+        """The routes of the next forward in the :meth:`active` scope (checked now)."""
         self.check(routes)
-        position = {layer: j for j, (_, layer) in enumerate(self.layers)}
+        self._routes = routes
         self.consumed = {layer: 0 for _, layer in self.layers}
-        differed = [0, 0]
+        self._differed = [0, 0]
+
+    @contextmanager
+    def active(self):
+        """Routers take the armed routes while the block runs (the live choice while none are armed)."""
+        position = {layer: j for j, (_, layer) in enumerate(self.layers)}
+        self._routes = None
+        self.consumed = {layer: 0 for _, layer in self.layers}
 
         def replace(layer, scores, result):
+            routes = self._routes
+            if routes is None:
+                return result
             if scores.shape[0] != routes.shape[0]:
                 raise ValueError(f"MoE layer {layer}: its router saw {scores.shape[0]} tokens, the routes hold "
                                  f"{routes.shape[0]} (routes follow the forward's flattened [rows, T] positions)")
@@ -203,18 +217,29 @@ class RouteReplay:
             indices = torch.where(has, recorded, result.indices)
             if self.consumed[layer] == 0:
                 live = result.indices.sort(dim=-1).values
-                differed[0] += int(((live != indices.sort(dim=-1).values).any(-1) & has[:, 0]).sum())
-                differed[1] += int(has.sum())
+                self._differed[0] += int(((live != indices.sort(dim=-1).values).any(-1) & has[:, 0]).sum())
+                self._differed[1] += int(has.sum())
             self.consumed[layer] += 1
             # the gate weights from the live scores at the replayed experts: the router's gradient flows
             return torch.return_types.topk((scores.gather(-1, indices), indices))
 
         with _intercepting_topk(self.layers, replace):
             yield self
+        armed, self._routes = self._routes is not None, None
+        if not armed:
+            return
         unconsumed = [layer for layer, n in self.consumed.items() if n == 0]
         if unconsumed:
             raise ValueError(f"routing replay: the routes of MoE layer(s) {unconsumed} were never consumed (the "
                              "forward skipped those routers)")
         if len(set(self.consumed.values())) > 1:
             raise ValueError(f"routing replay: MoE layers consumed their routes unequally ({self.consumed})")
-        self.replaced_fraction = differed[0] / differed[1] if differed[1] else 0.0
+        self.replaced_fraction = self._differed[0] / self._differed[1] if self._differed[1] else 0.0
+
+    @contextmanager
+    def replaying(self, routes: torch.Tensor):
+        """:meth:`active` with ``routes`` armed for the block's forward."""
+        self.check(routes)
+        with self.active():
+            self.arm(routes)
+            yield self

@@ -409,8 +409,7 @@ class PPOTrainer:
             experience.old_logp = self.cluster.actor.forward(ref, plans, B, temperature, self.share_prompts)
             self._count("actor_logprob", "actor", experience, plans)
         mask = experience.action_mask
-        metrics = {"rollout/logp_gap_engine_vs_trainer":
-                   algo.masked_mean((experience.rollout_logp - experience.old_logp).abs(), mask).item()}
+        metrics = algo.engine_vs_trainer_metrics(experience.rollout_logp, experience.old_logp, mask)
         if self.uses_ref:
             kl = algo.approx_kl(experience.old_logp, experience.ref_logp, kl_estimator(self.cfg))
             experience.kl = torch.where(mask, kl, 0.0)
@@ -515,8 +514,9 @@ class PPOTrainer:
             for k, v in r.items():
                 metrics.setdefault(k, v)
         # without the separate old-log-prob pass the actor's update measured these
-        if "actor/logp_gap_engine_vs_trainer" in metrics:
-            metrics["rollout/logp_gap_engine_vs_trainer"] = metrics.pop("actor/logp_gap_engine_vs_trainer")
+        for name in ("logp_gap_engine_vs_trainer", "k3_kl_engine_vs_trainer", "frac_logp_gap_over_ln2"):
+            if f"actor/{name}" in metrics:
+                metrics[f"rollout/{name}"] = metrics.pop(f"actor/{name}")
         if "actor/kl_loss" in metrics:
             metrics["kl"] = metrics["actor/kl_loss"]
         return metrics

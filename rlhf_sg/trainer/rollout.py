@@ -189,6 +189,7 @@ class RolloutMaker:
             n=r.n_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
             stop_token_ids=tuple(dict.fromkeys(tuple(r.stop_token_ids) + self.eos_ids)),
+            return_routed_experts=self.cfg.train.routing_replay,
         )
 
     def generate(self, prompts: list[Prompt], step: int, draw: int = 0) -> list:
@@ -378,6 +379,7 @@ class RolloutMaker:
             weight_versions=[c.weight_version for c in completions],
             finish_reasons=[c.finish_reason for c in completions],
             action_masks=[c.action_mask for c in completions] if self.env_factory is not None else None,
+            routed_experts=[c.routed_experts for c in completions] if self.cfg.train.routing_replay else None,
         )
 
     def _agent_scores(self, prompts: list[Prompt], completions: list, experience: Experience) -> torch.Tensor:
