@@ -611,9 +611,9 @@ class EmbeddedBackend(RolloutBackend):
 
         num_rows = len(chunk) * n
         decode_routes = None  # [num_rows, max_new, moe_layers, top_k]: the routes of each fed sampled token
-        if recording:
+        if recording:  # on the engine's device, copied to the host once at the end
             decode_routes = torch.full((num_rows, max_new, *prompt_routes[0].shape[1:]), -1,
-                                       dtype=prompt_routes[0].dtype)
+                                       dtype=prompt_routes[0].dtype, device=device)
         uniforms = torch.stack(
             [
                 torch.rand(max_new, generator=torch.Generator().manual_seed(row_seed(seed, i, j)))
@@ -655,9 +655,11 @@ class EmbeddedBackend(RolloutBackend):
             logits = state.step(token)
             if recording:
                 (routes,) = self._recorder.take()
-                decode_routes[rows.cpu(), step] = routes.cpu()
+                decode_routes[rows, step] = routes
 
         tokens_l, logps_l = tokens.tolist(), logps.tolist()
+        if recording:
+            decode_routes, prompt_routes = decode_routes.cpu(), [r.cpu() for r in prompt_routes]
         lengths_l, stopped_l, aborted_l = lengths.tolist(), stopped.tolist(), aborted.tolist()
         version = self._weight_version
         completions: list[list[Completion]] = []
@@ -668,7 +670,7 @@ class EmbeddedBackend(RolloutBackend):
                 routed = None
                 if recording:
                     fed = len(prompts[i]) + length - 1  # every token but the last went through the model
-                    routed = torch.cat([prompt_routes[r].cpu(), decode_routes[row, : max(length - 1, 0)]])[:fed]
+                    routed = torch.cat([prompt_routes[r], decode_routes[row, : max(length - 1, 0)]])[:fed]
                 per_prompt.append(
                     Completion(
                         token_ids=tokens_l[row][:length],

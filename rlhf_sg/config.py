@@ -1148,6 +1148,19 @@ def check_gpu_install(cfg: Config) -> None:
                                  f"here and whose JIT build would fail: {clash}")
 
 
+def _routing_replay_refusal(path: str) -> str | None:
+    """Why routing replay cannot serve the model at ``path`` (its routers, on a model built on the meta device from
+    its config: no weights read), or None."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlhf_sg.moe import replay_refusal
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return replay_refusal(model)
+
+
 def _validate_routing_replay(cfg: Config) -> None:
     if not cfg.train.routing_replay:
         return
@@ -1156,6 +1169,8 @@ def _validate_routing_replay(cfg: Config) -> None:
         _need(_has_experts(m.pretrain),
               f"--train.routing_replay: {m.pretrain!r} is not a mixture-of-experts model (its config.json has none of "
               f"{list(_EXPERT_KEYS)}): there are no routes to replay; drop the flag")
+        refusal = _routing_replay_refusal(m.pretrain)
+        _need(refusal is None, f"--train.routing_replay: {m.pretrain!r}: {refusal}; train without replay")
     from backends.registry import get_backend_class
 
     try:
@@ -1169,7 +1184,7 @@ def _validate_routing_replay(cfg: Config) -> None:
     _need(cfg.agent.env is None,
           "--train.routing_replay with --agent.env: the routes of a multi-turn trajectory's earlier turns are not "
           "carried through its observations yet; train the agent without replay")
-    _need(not (cfg.rollout.mode == "async" and cfg.rollout.partial_rollout),
+    _need(not (rollout_is_async(cfg) and cfg.rollout.partial_rollout),
           "--train.routing_replay with --rollout.mode async and --rollout.partial_rollout: a completion continued "
           "after a weight sync is not yet given the routes of both its parts; set --rollout.partial_rollout false")
 

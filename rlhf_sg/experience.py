@@ -167,15 +167,20 @@ def build_rollout_batch(
         rollout_logp[i, : len(r)] = torch.as_tensor(lp, dtype=torch.float32)
     routes = None
     if routed_experts is not None:
-        shapes = {tuple(e.shape[1:]) for e in routed_experts if e is not None}
-        if any(e is None for e in routed_experts) or len(shapes) != 1:
-            raise ValueError(f"rollout samples: routed experts missing or of several shapes ({sorted(shapes)}); the "
-                             "engine must return [tokens, moe_layers, top_k] for every sample")
+        missing = [i for i, e in enumerate(routed_experts) if e is None]
+        if missing:
+            raise ValueError(f"rollout sample {missing[0]}: the engine returned no routed experts (routing replay "
+                             "needs them for every sample; is the backend's supports_routed_experts true?)")
+        shapes = {tuple(e.shape[1:]) for e in routed_experts}
+        if len(shapes) != 1:
+            raise ValueError(f"rollout samples: routed experts of several shapes {sorted(shapes)}; the engine must "
+                             "return [tokens, moe_layers, top_k] of one model")
         routes = torch.full((B, P + T, *shapes.pop()), -1, dtype=torch.int16)
         for i, (p, r, e) in enumerate(zip(prompts, responses, routed_experts)):
             if e.shape[0] != len(p) + len(r) - 1:
-                raise ValueError(f"rollout sample {i}: the engine returned routes for {e.shape[0]} tokens; its prompt "
-                                 f"and completion have {len(p) + len(r)} (routes cover every token but the last)")
+                raise ValueError(f"rollout sample {i}: the engine returned routes for {e.shape[0]} tokens, where its "
+                                 f"prompt and completion ({len(p)} + {len(r)} tokens) need {len(p) + len(r) - 1} "
+                                 "(every token but the last)")
             routes[i, P - len(p) : P + len(r) - 1] = e.to(torch.int16)
     return Experience(
         sequences=sequences, attention_mask=attention_mask, action_mask=action_mask, rollout_logp=rollout_logp,

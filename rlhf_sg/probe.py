@@ -120,10 +120,10 @@ def measure(model: nn.Module, share_prompts: bool) -> dict[str, float]:
     try:
         device = next(module.parameters()).device
         sequences, mask, width = probe_batch(module.config.vocab_size, device)
-        from rlhf_sg.moe import has_router
+        from rlhf_sg.moe import has_router, replay_refusal
 
         routes = None
-        if has_router(module) and not _is_value_model(module):
+        if has_router(module) and not _is_value_model(module) and replay_refusal(module) is None:
             reference, routes = _alone_routes(model, module, sequences, mask, width)
         else:
             reference = _alone(model, module, sequences, mask, width)

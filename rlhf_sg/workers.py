@@ -471,7 +471,9 @@ class ModelWorker:
         outputs, order = [], []
         for micro in plan:
             mb = experience.rows(micro)
-            if self.spec.role == "actor" and mb.routes is not None:  # routing replay
+            # routing replay: the policy's forwards; a LoRA actor's reference (the adapter off) routes live, as a
+            # reference group of its own does
+            if self.spec.role == "actor" and mb.routes is not None and not without_adapter:
                 replay = self._route_replay()
                 with replay.active():
                     out = response_logprobs(self.module, mb.sequences, mb.attention_mask, width, temperature,

@@ -325,8 +325,8 @@ def test_the_rollout_batch_lays_each_samples_routes_beside_its_tokens():
     assert (exp.routes[1, :2] == -1).all() and torch.equal(exp.routes[1, 2:5], routes[1])
     assert (exp.routes[1, 5] == -1).all()
     assert torch.equal(exp.rows([1]).routes, exp.routes[1:])
-    with pytest.raises(ValueError, match="sample 1: the engine returned routes for 4 tokens; its prompt and "
-                                         "completion have 4"):
+    with pytest.raises(ValueError, match=r"sample 1: the engine returned routes for 4 tokens, where its prompt "
+                                         r"and completion \(1 \+ 3 tokens\) need 3"):
         build_rollout_batch([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]], [[0.0] * 2, [0.0] * 3], 0,
                             routed_experts=[routes[0], routes[0]])
 
@@ -374,3 +374,43 @@ def test_routing_replay_is_refused_before_ray_where_it_cannot_run(tmp_path):
         validate(cfg(agent__env="rlhf_sg.agent:Environment"))
     with pytest.raises(ConfigError, match="partial_rollout"):
         validate(cfg(rollout__mode="async"))
+
+
+def _qwen2_moe():
+    """A tiny Qwen2-MoE: its router (Qwen2MoeTopKRouter) is not one replay was built and tested for."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    from rlhf_sg.tiny import tiny_config
+
+    config = Qwen2MoeConfig(vocab_size=tiny_config().vocab_size, hidden_size=32, intermediate_size=64,
+                            moe_intermediate_size=32, shared_expert_intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_a_router_replay_does_not_know_is_refused_by_name_and_the_probe_runs_it_plain(tmp_path):
+    from rlhf_sg.config import Config, ConfigError, validate
+    from rlhf_sg.moe import replay_refusal
+    from rlhf_sg.probe import check_packing
+    from rlhf_sg.tiny import save_tiny_model
+
+    model = _qwen2_moe()
+    assert "Qwen2MoeTopKRouter" in replay_refusal(model)
+    with pytest.raises(ValueError, match="Qwen2MoeTopKRouter"):
+        RouteReplay(model)
+    assert check_packing(model, share_prompts=False)["packed"] <= 1e-4  # the probe without replay, as before
+    save_tiny_model(str(tmp_path / "m"), model=model)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    cfg = Config()
+    cfg.model.pretrain, cfg.data.prompt_data, cfg.data.label_key = str(tmp_path / "m"), str(prompts), "answer"
+    cfg.reward.function, cfg.rollout.backend, cfg.train.routing_replay = "arith_task:addition_reward", "hf", True
+    with pytest.raises(ConfigError, match="--train.routing_replay: .*Qwen2MoeTopKRouter"):
+        validate(cfg)
+
+
+def test_routes_armed_outside_the_replay_scope_are_refused():
+    model = tiny_family_model("qwen3-moe", seed=0)
+    with pytest.raises(RuntimeError, match="outside its active"):
+        RouteReplay(model).arm(torch.zeros((3, 2, 2), dtype=ROUTE_DTYPE))

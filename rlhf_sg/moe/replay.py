@@ -37,16 +37,36 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 ROUTE_DTYPE = torch.int16
 
 
+#: router classes whose first ``torch.topk`` is the choice of experts (read from transformers 5.19's modeling files;
+#: each family tested in tests/test_routing_replay.py). Others are refused: DeepSeek-V3's first top-k picks expert
+#: groups, Jamba's router is a bare linear layer
+REPLAYABLE_ROUTERS = frozenset({"Qwen3MoeTopKRouter", "MixtralTopKRouter", "GptOssTopKRouter", "Qwen3NextTopKRouter"})
+
+
+def replay_refusal(model: nn.Module) -> str | None:
+    """Why routing replay cannot serve ``model``, or None."""
+    module = getattr(model, "module", model)
+    routers = _router_modules(module)
+    if not routers:
+        return (f"{type(module).__name__} has no router whose top-k can be recorded (no "
+                "_can_record_outputs['router_logits']): routing replay needs a mixture-of-experts model")
+    unknown = sorted({type(r).__name__ for r, _ in routers} - REPLAYABLE_ROUTERS)
+    if unknown:
+        return (f"{type(module).__name__}'s router {unknown[0]} is not one routing replay knows to pick its experts "
+                f"with its first top-k (it serves {sorted(REPLAYABLE_ROUTERS)})")
+    return None
+
+
 def router_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
     """(router module, absolute decoder-layer index) of every MoE layer of ``model``, by layer index.
 
     Raises ValueError for a model without routers, a router outside a ``layers.N.`` module path, or two routers in
     one layer (routes could not be keyed by layer)."""
     module = getattr(model, "module", model)
+    refusal = replay_refusal(module)
+    if refusal is not None:
+        raise ValueError(refusal)
     routers = _router_modules(module)
-    if not routers:
-        raise ValueError(f"{type(module).__name__} has no router whose top-k can be recorded (no "
-                         "_can_record_outputs['router_logits']): routing replay needs a mixture-of-experts model")
     names = {id(sub): name for name, sub in module.named_modules()}
     found: dict[int, nn.Module] = {}
     for router, _ in routers:
@@ -163,7 +183,8 @@ class RouteReplay:
         self.consumed: dict[int, int] = {}
         self.replaced_fraction: float | None = None  # of recorded (token, layer) routes the live router differed on
         self._routes: torch.Tensor | None = None
-        self._differed = [0, 0]
+        self._active = False
+        self._differed: list[torch.Tensor] = []  # per layer's first call: [routes that differ, routes recorded]
 
     def check(self, routes: torch.Tensor) -> None:
         """Raise ValueError naming what is wrong with ``routes`` for this model."""
@@ -193,10 +214,12 @@ class RouteReplay:
 
     def arm(self, routes: torch.Tensor) -> None:
         """The routes of the next forward in the :meth:`active` scope (checked now)."""
+        if not self._active:
+            raise RuntimeError("RouteReplay.arm outside its active() scope: the forward would route live")
         self.check(routes)
         self._routes = routes
         self.consumed = {layer: 0 for _, layer in self.layers}
-        self._differed = [0, 0]
+        self._differed = []
 
     @contextmanager
     def active(self):
@@ -215,16 +238,20 @@ class RouteReplay:
             recorded = routes[:, position[layer]].to(device=result.indices.device, dtype=result.indices.dtype)
             has = recorded[:, :1] >= 0
             indices = torch.where(has, recorded, result.indices)
-            if self.consumed[layer] == 0:
+            if self.consumed[layer] == 0:  # counted on the device, read once at the scope's end (no sync here)
                 live = result.indices.sort(dim=-1).values
-                self._differed[0] += int(((live != indices.sort(dim=-1).values).any(-1) & has[:, 0]).sum())
-                self._differed[1] += int(has.sum())
+                self._differed.append(torch.stack([
+                    ((live != indices.sort(dim=-1).values).any(-1) & has[:, 0]).sum(), has.sum()]))
             self.consumed[layer] += 1
             # the gate weights from the live scores at the replayed experts: the router's gradient flows
             return torch.return_types.topk((scores.gather(-1, indices), indices))
 
-        with _intercepting_topk(self.layers, replace):
-            yield self
+        self._active = True
+        try:
+            with _intercepting_topk(self.layers, replace):
+                yield self
+        finally:
+            self._active = False
         armed, self._routes = self._routes is not None, None
         if not armed:
             return
@@ -234,12 +261,12 @@ class RouteReplay:
                              "forward skipped those routers)")
         if len(set(self.consumed.values())) > 1:
             raise ValueError(f"routing replay: MoE layers consumed their routes unequally ({self.consumed})")
-        self.replaced_fraction = self._differed[0] / self._differed[1] if self._differed[1] else 0.0
+        differed, recorded = (int(v) for v in torch.stack(self._differed).sum(0).tolist())
+        self.replaced_fraction = differed / recorded if recorded else 0.0
 
     @contextmanager
     def replaying(self, routes: torch.Tensor):
         """:meth:`active` with ``routes`` armed for the block's forward."""
-        self.check(routes)
         with self.active():
             self.arm(routes)
             yield self
