@@ -312,7 +312,10 @@ def test_sft_lowers_the_held_out_loss_and_exports_a_causal_lm(tmp_path, base_dir
     assert history[0]["data/rows"] == 20 and history[-1]["eval/loss"] < history[0]["eval/loss"] - 0.5
     from transformers import AutoModelForCausalLM
 
-    assert AutoModelForCausalLM.from_pretrained(os.path.join(cfg.log.output_dir, "final_hf")) is not None
+    exported = AutoModelForCausalLM.from_pretrained(os.path.join(cfg.log.output_dir, "final_hf"))
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    moved = [n for n, p in exported.named_parameters() if not torch.equal(p, base.get_parameter(n))]
+    assert moved, "the export holds the base model's weights, not the trained ones"
     with open(os.path.join(cfg.log.output_dir, "metrics.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == list(range(len(history)))
 
@@ -383,3 +386,16 @@ def test_a_reward_model_on_two_zero3_ranks_steps_as_one_rank_and_exports_its_sta
     assert step2["train/grad_norm"] == pytest.approx(step1["train/grad_norm"], rel=1e-4)
     rm = ValueHeadModel.from_pretrained(str(tmp_path / "rm2" / "final_hf"))
     assert (rm.reward_mean, rm.reward_std) == (step2["rm/score_mean"], step2["rm/score_std"])
+
+
+def test_a_held_out_set_smaller_than_the_ranks_is_refused_before_any_rank_starts(tmp_path, base_dir):
+    from rlhf_sg.config import ConfigError
+
+    rows = [{"messages": [{"role": "user", "content": f"What is {a}+1?"},
+                          {"role": "assistant", "content": f"{a + 1}."}]} for a in range(10)]
+    cfg = _cfg("sft", base_dir, _write(tmp_path / "sft.jsonl", rows), tmp_path / "sft", num_ranks=2)
+    cfg.data.eval_fraction = 0.1  # one held-out row for two ranks
+    with pytest.raises(ConfigError, match=r"--data.eval_data / --data.eval_fraction: 1 usable rows for "
+                                          r"--train.num_ranks 2"):
+        train_sft(cfg)
+    assert not os.path.exists(os.path.join(cfg.log.output_dir, "config.json"))  # nothing started or written

@@ -24,6 +24,7 @@ import random
 
 import torch
 
+from rlhf_sg.config import ConfigError
 from rlhf_sg.data import load_tokenizer
 from rlhf_sg.packing import token_budget_microbatches
 from rlhf_sg.stages import losses
@@ -181,8 +182,13 @@ def run_stage(cfg: StageConfig) -> list[dict[str, float]]:
     if pad_id is None:
         pad_id = 0  # pad slots are never read: positions come from the masks
     train_rows, held_rows = load_data(cfg, tokenizer)
-    if train_rows.num_units < t.num_ranks:
-        raise ValueError(f"--data.train_data: {train_rows.num_units} usable rows for {t.num_ranks} ranks")
+    unit = "pairs" if cfg.stage in ("rm", "dpo") else "rows"
+    for flag, rows in (("--data.train_data", train_rows),
+                       ("--data.eval_data / --data.eval_fraction", held_rows)):
+        if rows is not None and rows.num_units < t.num_ranks:
+            raise ConfigError(f"{flag}: {rows.num_units} usable {unit} for --train.num_ranks {t.num_ranks}: every "
+                              f"rank needs one; give more {unit} (a larger --data.eval_fraction for the held-out "
+                              "set) or fewer ranks")
     batch = make_batch(train_rows, pad_id)
     held = make_batch(held_rows, pad_id) if held_rows is not None else None
     check_output_dir(lg.output_dir, [cfg.model.pretrain])
