@@ -32,28 +32,29 @@ def padded_vocab_size(path: str) -> int | None:
 
 
 def tokenizer_differences(student, teacher, student_vocab_size: int | None,
-                          teacher_vocab_size: int | None) -> list[str]:
+                          teacher_vocab_size: int | None, other: str = "teacher") -> list[str]:
     """What differs between two tokenizers and padded vocabulary sizes, one phrase each (empty: they agree):
-    the vocabulary (token -> id), the ids of :data:`SPECIAL_TOKENS` and the special ids, the padded size."""
+    the vocabulary (token -> id), the ids of :data:`SPECIAL_TOKENS` and the special ids, the padded size.
+    ``other``: what the phrases call the second model (the teacher; DPO's reference)."""
     diffs = []
     a, b = student.get_vocab(), teacher.get_vocab()
     if a != b:
-        other = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
-        first = other[0]
-        where = "the policy's" if first in a.items() else "the teacher's"
-        diffs.append(f"vocabulary: {len(a)} tokens in the policy's, {len(b)} in the teacher's, "
+        differing = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
+        first = differing[0]
+        where = "the policy's" if first in a.items() else f"the {other}'s"
+        diffs.append(f"vocabulary: {len(a)} tokens in the policy's, {len(b)} in the {other}'s, "
                      f"{len(set(a.items()) ^ set(b.items()))} (token, id) pairs in one only (first: {first[0]!r} -> "
                      f"{first[1]} in {where} only)")
     for name in SPECIAL_TOKENS:
         x, y = getattr(student, name, None), getattr(teacher, name, None)
         if x != y:
-            diffs.append(f"{name}: {x} in the policy's, {y} in the teacher's")
+            diffs.append(f"{name}: {x} in the policy's, {y} in the {other}'s")
     xs, ys = sorted(set(student.all_special_ids)), sorted(set(teacher.all_special_ids))
     if xs != ys:
-        diffs.append(f"special token ids: {xs} in the policy's, {ys} in the teacher's")
+        diffs.append(f"special token ids: {xs} in the policy's, {ys} in the {other}'s")
     if student_vocab_size != teacher_vocab_size:
         diffs.append(f"padded vocab size (config.json vocab_size, the embedding's rows): {student_vocab_size} in the "
-                     f"policy's, {teacher_vocab_size} in the teacher's")
+                     f"policy's, {teacher_vocab_size} in the {other}'s")
     return diffs
 
 

@@ -399,3 +399,19 @@ def test_a_held_out_set_smaller_than_the_ranks_is_refused_before_any_rank_starts
                                           r"--train.num_ranks 2"):
         train_sft(cfg)
     assert not os.path.exists(os.path.join(cfg.log.output_dir, "config.json"))  # nothing started or written
+
+
+def test_a_dpo_reference_with_another_tokenizer_is_refused_before_anything_loads(tmp_path, base_dir, tok):
+    from rlhf_sg.config import ConfigError
+    from rlhf_sg.stages.config import validate_stage
+
+    other = str(tmp_path / "other")
+    build_tiny_model("qwen2", "tiny", seed=1, vocab_size=len(tok) + 8).save_pretrained(other)
+    tok.save_pretrained(other)
+    cfg = _cfg("dpo", base_dir, _write(tmp_path / "p.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}]),
+               tmp_path / "dpo")
+    cfg.model.ref_pretrain = other
+    with pytest.raises(ConfigError, match=r"--model.ref_pretrain: .*padded vocab size .* in the reference's"):
+        validate_stage(cfg)
+    cfg.model.ref_pretrain = base_dir
+    validate_stage(cfg)

@@ -233,6 +233,17 @@ def validate_stage(cfg: StageConfig) -> StageConfig:
                   "save_pretrained or point at its directory")
             _check_model_dir(flag, path)
     _need(m.ref_pretrain is None or cfg.stage == "dpo", "--model.ref_pretrain is train-dpo's reference; drop it")
+    if m.ref_pretrain and m.pretrain:
+        from rlhf_sg.data import load_tokenizer
+        from rlhf_sg.distill import padded_vocab_size, tokenizer_differences
+
+        diffs = tokenizer_differences(load_tokenizer(m.pretrain),
+                                      load_tokenizer(m.ref_pretrain, flag="--model.ref_pretrain"),
+                                      padded_vocab_size(m.pretrain), padded_vocab_size(m.ref_pretrain),
+                                      other="reference")
+        _need(not diffs, f"--model.ref_pretrain: {m.ref_pretrain!r} does not share the tokenizer of --model.pretrain "
+                         f"{m.pretrain!r}: {'; '.join(diffs)}. The reference scores the policy's token ids: give a "
+                         "reference saved with the policy's tokenizer and vocab_size (or leave it unset: the policy)")
     _need(m.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {m.dtype!r}")
     _need(bool(d.train_data), "--data.train_data is required: a JSONL / Parquet file or a datasets directory")
     for flag, path in (("--data.train_data", d.train_data), ("--data.eval_data", d.eval_data)):
