@@ -289,6 +289,9 @@ class BackendConfig:
     #: the rank of the LoRA adapters the trainer will load (--lora.sync_mode adapter; 0: none): a backend that
     #: must start its engine ready for adapters (vLLM's enable_lora / max_lora_rank) does so
     lora_adapter_rank: int = 0
+    #: start the engine ready to return ``Completion.routed_experts`` (--train.routing_replay): engines that capture
+    #: routes only when started so (SGLang's enable_return_routed_experts) do
+    routed_experts: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 

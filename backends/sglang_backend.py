@@ -288,6 +288,14 @@ def sglang_engine_kwargs(config: BackendConfig, user_kwargs: dict[str, Any] | No
         )
     if config.memory_fraction is not None:
         kwargs["mem_fraction_static"] = config.memory_fraction
+    if config.routed_experts:
+        if device != "cuda":
+            raise BackendError(
+                "BackendConfig.routed_experts (--train.routing_replay): SGLang captures routed experts on CUDA only "
+                "(its capture pins host memory through CUDA; on CPU its scheduler dies at start, measured with "
+                "sglang 0.5.23); use --rollout.backend hf on CPU"
+            )
+        kwargs["enable_return_routed_experts"] = True
     if config.sleeps_while_training and device == "cuda":
         # release_memory_occupation frees memory only under the memory saver; the weights need no CPU backup,
         # as every wake of the weights is followed by a full sync
@@ -481,11 +489,13 @@ class _EngineDriver:
             return f"{pid} ({name})"
         return None
 
-    def generate(self, input_ids: list[list[int]], sampling: list[dict], inflight: _InFlight) -> list[dict]:
+    def generate(self, input_ids: list[list[int]], sampling: list[dict], inflight: _InFlight,
+                 routed_experts: bool = False) -> list[dict]:
         def generate():
             try:
                 return self.engine.generate(
-                    input_ids=input_ids, sampling_params=sampling, return_logprob=True, logprob_start_len=-1
+                    input_ids=input_ids, sampling_params=sampling, return_logprob=True, logprob_start_len=-1,
+                    return_routed_experts=routed_experts,
                 )
             finally:
                 inflight.done.set()  # on the engine thread: abort callbacks queued after this see it
@@ -742,9 +752,10 @@ class _HTTPDriver:
         futures = [self._pool.submit(self.request, url, endpoint, method, body, timeout_s) for url in self.server_urls]
         return [f.result() for f in futures]
 
-    def generate(self, input_ids: list[list[int]], sampling: list[dict], inflight: _InFlight) -> list[dict]:
+    def generate(self, input_ids: list[list[int]], sampling: list[dict], inflight: _InFlight,
+                 routed_experts: bool = False) -> list[dict]:
         try:
-            return self._generate(input_ids, sampling)
+            return self._generate(input_ids, sampling, routed_experts)
         finally:
             inflight.done.set()
 
@@ -758,7 +769,7 @@ class _HTTPDriver:
                 return
             self.request(url, "abort_request", "POST", {"abort_all": True}, timeout_s=min(self._timeout_s, 60.0))
 
-    def _generate(self, input_ids: list[list[int]], sampling: list[dict]) -> list[dict]:
+    def _generate(self, input_ids: list[list[int]], sampling: list[dict], routed_experts: bool) -> list[dict]:
         if self.router_url is not None:
             futures = [
                 self._pool.submit(
@@ -766,7 +777,8 @@ class _HTTPDriver:
                     self.router_url,
                     "generate",
                     "POST",
-                    {"input_ids": ids, "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1},
+                    {"input_ids": ids, "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1,
+                     "return_routed_experts": routed_experts},
                 )
                 for ids, sp in zip(input_ids, sampling)
             ]
@@ -784,6 +796,7 @@ class _HTTPDriver:
                     "sampling_params": sampling[lo:hi],
                     "return_logprob": True,
                     "logprob_start_len": -1,
+                    "return_routed_experts": routed_experts,
                 },
             )
             for url, lo, hi in zip(self.server_urls, bounds, bounds[1:])
@@ -904,6 +917,25 @@ def _auth_refused(
     return f"SGLang server {base}: {method} /{endpoint} answered {code} ({wants}); {sent}"
 
 
+def decode_routed_experts(value: Any, tokens: int, num_layers: int, top_k: int, moe_layers: list[int]) -> torch.Tensor:
+    """SGLang's ``meta_info["routed_experts"]`` (base64 of int32 ``[tokens, num_layers, top_k]``: every decoder layer,
+    ``tokens`` = prompt + completion - 1) -> ``Completion.routed_experts`` ``[tokens, len(moe_layers), top_k]`` int16,
+    the MoE layers' columns in decoder order. BackendError when it is missing or of another size."""
+    import base64
+
+    import numpy as np
+
+    if value is None:
+        raise BackendError("SGLang returned no routed_experts for a request that asked for them; start the engine "
+                           "with enable_return_routed_experts (servers: --enable-return-routed-experts)")
+    raw = np.frombuffer(base64.b64decode(value), dtype=np.int32) if isinstance(value, str) else np.asarray(value)
+    if raw.size != tokens * num_layers * top_k:
+        raise BackendError(f"SGLang's routed_experts hold {raw.size} values; {tokens} tokens x {num_layers} layers x "
+                           f"top-{top_k} need {tokens * num_layers * top_k}")
+    routes = torch.from_numpy(raw.astype(np.int16).reshape(tokens, num_layers, top_k))
+    return routes[:, moe_layers].contiguous()
+
+
 def _check_answer(what: str, answer: Any) -> None:
     """Raise on SGLang's ``(False, message)`` / ``{"success": False}`` answers."""
     if isinstance(answer, dict) and answer.get("success") is False:
@@ -981,6 +1013,7 @@ class SGLangBackend(RolloutBackend):
     name = "sglang"
     transports = frozenset({"collective", "tensor", "disk"})
     supports_abort = True
+    supports_routed_experts = True  # started with BackendConfig.routed_experts, on CUDA (SGLang's capture)
 
     def __init__(self, config: BackendConfig):
         super().__init__(config)
@@ -1077,7 +1110,11 @@ class SGLangBackend(RolloutBackend):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Sample ``params.n`` completions per prompt; prompt-major, ``len(prompts) * n`` of them."""
         self._check_usable("generate")
-        check_generate_args(prompts, params, self._vocab_size, self._context_len)
+        check_generate_args(prompts, params, self._vocab_size, self._context_len, routed_experts=True)
+        if params.return_routed_experts and not self.config.routed_experts:
+            raise BackendError("generate: SamplingParams.return_routed_experts, but this SGLang backend was started "
+                               "without BackendConfig.routed_experts (SGLang's enable_return_routed_experts); start "
+                               "it with routed_experts=True (servers: --enable-return-routed-experts)")
         if self._update_open:  # buckets came without finish_weight_update; SGLang serves only once the window closes
             self._close_update()
         if self._weights_lost:
@@ -1109,13 +1146,34 @@ class SGLangBackend(RolloutBackend):
         inflight = _InFlight()
         self._inflight = inflight
         try:
-            outputs = self._driver.generate(input_ids, sampling, inflight)
+            outputs = self._driver.generate(input_ids, sampling, inflight, params.return_routed_experts)
         finally:
             inflight.done.set()
             self._inflight = None
         if len(outputs) != len(input_ids):
             raise BackendError(f"SGLang returned {len(outputs)} outputs for {len(input_ids)} requests")
-        return [self._completion(out, row // params.n, inflight.aborted) for row, out in enumerate(outputs)]
+        layout = self._route_layout() if params.return_routed_experts else None
+        completions = [self._completion(out, row // params.n, inflight.aborted) for row, out in enumerate(outputs)]
+        if layout is not None:
+            for row, (out, c) in enumerate(zip(outputs, completions)):
+                c.routed_experts = decode_routed_experts(out["meta_info"].get("routed_experts"),
+                                                         len(input_ids[row]) + len(c.token_ids) - 1, *layout)
+        return completions
+
+    def _route_layout(self) -> tuple[int, int, list[int]]:
+        """(decoder layers, experts per token, MoE layers' indices) of the served model, for
+        :func:`decode_routed_experts` (the layers from a meta-device build of its config: no weights read)."""
+        if getattr(self, "_routes_layout", None) is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            from rlhf_sg.moe import RouteRecorder
+
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.config.model_path))
+            recorder = RouteRecorder(model)
+            layers = int(model.config.get_text_config().num_hidden_layers)
+            self._routes_layout = (layers, recorder.top_k, [layer for _, layer in recorder.layers])
+        return self._routes_layout
 
     def abort_generation(self) -> None:
         """Cut the running ``generate`` short (from another thread; a no-op when none runs), and return once it

@@ -1181,6 +1181,9 @@ def _validate_routing_replay(cfg: Config) -> None:
     _need(getattr(cls, "supports_routed_experts", False),
           f"--train.routing_replay: backend {cfg.rollout.backend!r} does not return the experts it routed each token "
           "to (supports_routed_experts); use --rollout.backend hf, or train without replay")
+    _need(not (getattr(cls, "name", "") == "sglang" and cfg.train.device != "cuda"),
+          "--train.routing_replay with --rollout.backend sglang: SGLang captures routed experts on CUDA only (its "
+          "capture pins host memory through CUDA); on CPU use --rollout.backend hf")
     _need(cfg.agent.env is None,
           "--train.routing_replay with --agent.env: the routes of a multi-turn trajectory's earlier turns are not "
           "carried through its observations yet; train the agent without replay")

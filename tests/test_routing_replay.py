@@ -414,3 +414,99 @@ def test_routes_armed_outside_the_replay_scope_are_refused():
     model = tiny_family_model("qwen3-moe", seed=0)
     with pytest.raises(RuntimeError, match="outside its active"):
         RouteReplay(model).arm(torch.zeros((3, 2, 2), dtype=ROUTE_DTYPE))
+
+
+# ---- SGLang's routed experts (CUDA only) --------------------------------------------------------------------------
+def _sglang_meta_info_routes(routes: torch.Tensor) -> str:
+    """What SGLang 0.5.23 puts in ``meta_info["routed_experts"]`` for a token-id request
+    (``tokenizer_manager.py``: ``pybase64.b64encode(val.numpy().tobytes())`` of the capturer's int32 host rows
+    ``[seqlen - 1, num_hidden_layers, num_experts_per_tok]``)."""
+    import base64
+
+    return base64.b64encode(routes.to(torch.int32).numpy().tobytes()).decode("utf-8")
+
+
+def test_sglangs_routed_experts_decode_to_the_moe_layers_columns():
+    from backends.base import BackendError
+    from backends.sglang_backend import decode_routed_experts
+
+    every_layer = torch.randint(0, 8, (5, 4, 2), generator=torch.Generator().manual_seed(0))
+    out = decode_routed_experts(_sglang_meta_info_routes(every_layer), 5, 4, 2, [1, 3])
+    assert out.dtype == ROUTE_DTYPE and torch.equal(out, every_layer[:, [1, 3]].to(ROUTE_DTYPE))
+    with pytest.raises(BackendError, match="hold 40 values; 6 tokens x 4 layers x top-2 need 48"):
+        decode_routed_experts(_sglang_meta_info_routes(every_layer), 6, 4, 2, [1, 3])
+    with pytest.raises(BackendError, match="returned no routed_experts"):
+        decode_routed_experts(None, 5, 4, 2, [1, 3])
+
+
+def test_sglang_refuses_routing_replay_on_cpu_before_the_engine_starts(tmp_path):
+    """SGLang 0.5.23 started on CPU with enable_return_routed_experts: its scheduler died in
+    ``_cuda_host_register`` ("Torch not compiled with CUDA enabled"). Refused first, naming the way out."""
+    import importlib.util
+
+    from backends.base import BackendConfig, BackendError
+    from rlhf_sg.tiny import save_tiny_model
+
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed here (bash recipes/install/sglang_cpu.sh builds its venv)")
+    from backends.sglang_backend import SGLangBackend
+
+    save_tiny_model(str(tmp_path), model=tiny_family_model("qwen3-moe", seed=0))
+    with pytest.raises(BackendError, match="SGLang captures routed experts on CUDA only"):
+        SGLangBackend(BackendConfig(model_path=str(tmp_path), routed_experts=True, num_threads=1))
+
+
+def test_routing_replay_through_sglang_is_refused_on_cpu_before_ray(tmp_path):
+    from rlhf_sg.config import Config, ConfigError, validate
+    from rlhf_sg.tiny import save_tiny_model
+
+    save_tiny_model(str(tmp_path / "m"), model=tiny_family_model("qwen3-moe", seed=0))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    cfg = Config()
+    cfg.model.pretrain, cfg.data.prompt_data, cfg.data.label_key = str(tmp_path / "m"), str(prompts), "answer"
+    cfg.reward.function, cfg.rollout.backend, cfg.train.routing_replay = "arith_task:addition_reward", "sglang", True
+    with pytest.raises(ConfigError, match="(SGLang captures routed experts on CUDA only|cannot look up)"):
+        validate(cfg)
+
+
+@pytest.mark.gpu
+def test_sglang_on_cuda_returns_the_routes_the_model_takes_on_each_row(tmp_path):
+    """GPU only (SGLang's capture needs CUDA): a bf16 tiny Qwen3-MoE through SGLang with routed experts on; each
+    completion's routes have the contract's shape and agree with the model's own forward on that row alone (bf16
+    kernels may flip a near tie, so 90 % of the routes), and replaying them in the trainer's packed rows brings the
+    trainer no further from the engine than routing live does."""
+    import importlib.util
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None:
+        pytest.skip("needs a CUDA device and sglang")
+    from backends.base import BackendConfig, SamplingParams
+    from backends.sglang_backend import SGLangBackend
+    from rlhf_sg.experience import build_rollout_batch
+    from rlhf_sg.tiny import save_tiny_model
+
+    model = tiny_family_model("qwen3-moe", seed=0, head_dim=32).to(torch.bfloat16)
+    save_tiny_model(str(tmp_path), model=model)
+    model = model.cuda().eval()
+    engine = SGLangBackend(BackendConfig(model_path=str(tmp_path), dtype="bfloat16", device="cuda",
+                                         max_model_len=128, memory_fraction=0.3, routed_experts=True))
+    prompts = [[5, 17, 33, 9, 60, 61, 8], [40, 41, 12], [70, 3, 99, 100, 101], [7, 8, 9, 10]]
+    try:
+        out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=16, return_routed_experts=True))
+    finally:
+        engine.shutdown()
+    recorder, agree, total = RouteRecorder(model), 0, 0
+    for c in out:
+        row = prompts[c.prompt_index] + c.token_ids
+        assert c.routed_experts.shape == (len(row) - 1, len(router_layers(model)), recorder.top_k)
+        with torch.no_grad(), recorder.recording():
+            model(torch.tensor([row[:-1]], device="cuda"))
+        (alone,) = recorder.take()
+        same = (c.routed_experts.long().sort(-1).values == alone.cpu().long().sort(-1).values).all(-1)
+        agree, total = agree + int(same.sum()), total + same.numel()
+    assert agree >= 0.9 * total, (agree, total)
+    experience = build_rollout_batch([prompts[c.prompt_index] for c in out], [c.token_ids for c in out],
+                                     [c.logprobs for c in out], 0, routed_experts=[c.routed_experts for c in out])
+    without, _ = _trainer_gap(model, experience, replay=False)
+    with_replay, _ = _trainer_gap(model, experience, replay=True)
+    assert with_replay <= without + 1e-3, (with_replay, without)

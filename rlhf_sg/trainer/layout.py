@@ -201,4 +201,5 @@ class Layout:
             num_threads=self.engine_threads(), memory_fraction=r.memory_fraction,
             sleeps_while_training=sleep_engines(cfg),
             lora_adapter_rank=cfg.lora.rank if cfg.lora.sync_mode == "adapter" else 0,
+            routed_experts=t.routing_replay,
         )
