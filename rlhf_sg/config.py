@@ -935,13 +935,7 @@ def _validate_lora(cfg: Config) -> None:
     _need(lo.sync_mode in LORA_SYNC_MODES,
           f"--lora.sync_mode must be one of {LORA_SYNC_MODES}, got {lo.sync_mode!r}")
     if lo.sync_mode == "adapter":
-        from backends.registry import get_backend_class
-
-        try:
-            cls = get_backend_class(cfg.rollout.backend)
-        except Exception as e:  # an engine not installed here: the run would fail to start it anyway
-            raise ConfigError(f"--lora.sync_mode adapter: cannot look up --rollout.backend "
-                              f"{cfg.rollout.backend!r} ({e})") from e
+        cls = _backend_class(cfg, "--lora.sync_mode adapter")
         _need(getattr(cls, "supports_lora_adapter", False),
               f"--lora.sync_mode adapter: backend {cfg.rollout.backend!r} does not declare it can load a LoRA "
               "adapter (supports_lora_adapter); use --lora.sync_mode merged (every backend)")
@@ -1148,6 +1142,17 @@ def check_gpu_install(cfg: Config) -> None:
                                  f"here and whose JIT build would fail: {clash}")
 
 
+def _backend_class(cfg: Config, flag: str) -> type:
+    """The class of ``--rollout.backend``, for a flag that needs one of its capabilities; a ConfigError naming
+    ``flag`` when it cannot be looked up (an engine not installed here: the run could not start it anyway)."""
+    from backends.registry import get_backend_class
+
+    try:
+        return get_backend_class(cfg.rollout.backend)
+    except Exception as e:
+        raise ConfigError(f"{flag}: cannot look up --rollout.backend {cfg.rollout.backend!r} ({e})") from e
+
+
 def _routing_replay_refusal(path: str) -> str | None:
     """Why routing replay cannot serve the model at ``path`` (its routers, on a model built on the meta device from
     its config: no weights read), or None."""
@@ -1171,13 +1176,7 @@ def _validate_routing_replay(cfg: Config) -> None:
               f"{list(_EXPERT_KEYS)}): there are no routes to replay; drop the flag")
         refusal = _routing_replay_refusal(m.pretrain)
         _need(refusal is None, f"--train.routing_replay: {m.pretrain!r}: {refusal}; train without replay")
-    from backends.registry import get_backend_class
-
-    try:
-        cls = get_backend_class(cfg.rollout.backend)
-    except Exception as e:  # an engine not installed here: the run would fail to start it anyway
-        raise ConfigError(f"--train.routing_replay: cannot look up --rollout.backend {cfg.rollout.backend!r} "
-                          f"({e})") from e
+    cls = _backend_class(cfg, "--train.routing_replay")
     _need(getattr(cls, "supports_routed_experts", False),
           f"--train.routing_replay: backend {cfg.rollout.backend!r} does not return the experts it routed each token "
           "to (supports_routed_experts); use --rollout.backend hf, or train without replay")
