@@ -345,25 +345,32 @@ def test_engine_vs_trainer_metrics_on_a_hand_case():
     assert m["rollout/frac_logp_gap_over_ln2"] == pytest.approx(0.5)
 
 
+def _replay_config(tmp_path, model: str, **changes):
+    """A run with --train.routing_replay on ``model`` through the embedded engine; ``section__name=value`` changes."""
+    from rlhf_sg.config import Config
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    c = Config()
+    c.model.pretrain, c.data.prompt_data, c.data.label_key = model, str(prompts), "answer"
+    c.reward.function = "arith_task:addition_reward"
+    c.rollout.backend, c.train.routing_replay = "hf", True
+    for key, value in changes.items():
+        section, name = key.split("__")
+        setattr(getattr(c, section), name, value)
+    return c
+
+
 def test_routing_replay_is_refused_before_ray_where_it_cannot_run(tmp_path):
-    from rlhf_sg.config import Config, ConfigError, validate
+    from rlhf_sg.config import ConfigError, validate
     from rlhf_sg.tiny import save_tiny_model
 
     moe, dense = str(tmp_path / "moe"), str(tmp_path / "dense")
     save_tiny_model(moe, model=tiny_family_model("qwen3-moe", seed=0))
     save_tiny_model(dense, model=tiny_family_model("qwen3", seed=0))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')
 
     def cfg(model=moe, **changes):
-        c = Config()
-        c.model.pretrain, c.data.prompt_data, c.data.label_key = model, str(prompts), "answer"
-        c.reward.function = "arith_task:addition_reward"
-        c.rollout.backend, c.train.routing_replay = "hf", True
-        for key, value in changes.items():
-            section, name = key.split("__")
-            setattr(getattr(c, section), name, value)
-        return c
+        return _replay_config(tmp_path, model, **changes)
 
     validate(cfg())  # the embedded engine, a MoE model
     with pytest.raises(ConfigError, match="is not a mixture-of-experts model"):
@@ -390,7 +397,7 @@ def _qwen2_moe():
 
 
 def test_a_router_replay_does_not_know_is_refused_by_name_and_the_probe_runs_it_plain(tmp_path):
-    from rlhf_sg.config import Config, ConfigError, validate
+    from rlhf_sg.config import ConfigError, validate
     from rlhf_sg.moe import replay_refusal
     from rlhf_sg.probe import check_packing
     from rlhf_sg.tiny import save_tiny_model
@@ -401,13 +408,8 @@ def test_a_router_replay_does_not_know_is_refused_by_name_and_the_probe_runs_it_
         RouteReplay(model)
     assert check_packing(model, share_prompts=False)["packed"] <= 1e-4  # the probe without replay, as before
     save_tiny_model(str(tmp_path / "m"), model=model)
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    cfg = Config()
-    cfg.model.pretrain, cfg.data.prompt_data, cfg.data.label_key = str(tmp_path / "m"), str(prompts), "answer"
-    cfg.reward.function, cfg.rollout.backend, cfg.train.routing_replay = "arith_task:addition_reward", "hf", True
     with pytest.raises(ConfigError, match="--train.routing_replay: .*Qwen2MoeTopKRouter"):
-        validate(cfg)
+        validate(_replay_config(tmp_path, str(tmp_path / "m")))
 
 
 def test_routes_armed_outside_the_replay_scope_are_refused():
@@ -457,17 +459,12 @@ def test_sglang_refuses_routing_replay_on_cpu_before_the_engine_starts(tmp_path)
 
 
 def test_routing_replay_through_sglang_is_refused_on_cpu_before_ray(tmp_path):
-    from rlhf_sg.config import Config, ConfigError, validate
+    from rlhf_sg.config import ConfigError, validate
     from rlhf_sg.tiny import save_tiny_model
 
     save_tiny_model(str(tmp_path / "m"), model=tiny_family_model("qwen3-moe", seed=0))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    cfg = Config()
-    cfg.model.pretrain, cfg.data.prompt_data, cfg.data.label_key = str(tmp_path / "m"), str(prompts), "answer"
-    cfg.reward.function, cfg.rollout.backend, cfg.train.routing_replay = "arith_task:addition_reward", "sglang", True
     with pytest.raises(ConfigError, match="(SGLang captures routed experts on CUDA only|cannot look up)"):
-        validate(cfg)
+        validate(_replay_config(tmp_path, str(tmp_path / "m"), rollout__backend="sglang"))
 
 
 @pytest.mark.gpu
