@@ -83,12 +83,14 @@ def warm_start(model, tokenizer, steps: int, lr: float = 3e-3, batch_size: int =
 
 
 @torch.no_grad()
-def sample_accuracy(model, tokenizer, samples_per_problem: int = 4, temperature: float = 1.0, seed: int = 0) -> float:
-    """Fraction of sampled answers that are exactly right (the RL objective without shaping)."""
+def sample_accuracy(model, tokenizer, samples_per_problem: int = 4, temperature: float = 1.0, seed: int = 0,
+                    data: list[tuple[str, str]] | None = None) -> float:
+    """Fraction of sampled answers that are exactly right (the RL objective without shaping), over ``data``'s
+    (prompt, answer) pairs (default: this task's problems)."""
     g = torch.Generator().manual_seed(seed)
     eos = tokenizer.eos_token_id
     correct = total = 0
-    for prompt, answer in problems(seed):
+    for prompt, answer in problems(seed) if data is None else data:
         ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]] * samples_per_problem)
         out = [[] for _ in range(samples_per_problem)]
         done = [False] * samples_per_problem

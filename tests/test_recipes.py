@@ -161,3 +161,34 @@ def test_every_gpu_recipe_fits_the_node_it_is_sized_for(recipe_env, recipe):
     for devices, (peak, parts) in _peak_per_device(cfg, memory.load_shape(model), device_bytes).items():
         assert peak <= device_bytes, (f"{os.path.basename(recipe)}: a GPU of {devices} needs {peak / 1e9:.1f} GB "
                                       f"({parts}) of the {device_bytes / 1e9:.0f} GB it is sized for")
+
+
+def test_the_rlhf_pipelines_preferences_hold_out_unseen_pairs_flip_only_training_ones_and_load(tmp_path):
+    """recipes/rlhf_pipeline.py's data: the reward model is judged on pairs it never trained on, label noise flips
+    only training pairs (about the fraction asked), and every file loads through the stages' own loader with
+    nothing dropped or truncated."""
+    sys.path.insert(0, RECIPES)
+    try:
+        import arith_task
+        import rlhf_pipeline
+    finally:
+        sys.path.remove(RECIPES)
+    from rlhf_sg.stages.config import StageDataConfig
+    from rlhf_sg.stages.data import load_stage_rows
+    from rlhf_sg.stages.render import eos_ids
+    from rlhf_sg.tiny import build_tokenizer
+
+    files = rlhf_pipeline.write_data(str(tmp_path), seed=0, label_noise=0.25)
+    read = {k: [json.loads(line) for line in open(files[k])] for k in ("prefs", "prefs_held_out", "sft")}
+    answers = dict(arith_task.problems(0))
+    key = lambda r: (r["prompt"], frozenset((r["chosen"], r["rejected"])))  # noqa: E731
+    train, held = {key(r) for r in read["prefs"]}, {key(r) for r in read["prefs_held_out"]}
+    assert not train & held and len(held) == len(read["prefs_held_out"]) > 0
+    assert all(r["chosen"] == answers[r["prompt"]] for r in read["prefs_held_out"])
+    flipped = sum(r["chosen"] != answers[r["prompt"]] for r in read["prefs"]) / len(read["prefs"])
+    assert 0.15 < flipped < 0.35, flipped
+    tokenizer = build_tokenizer()
+    d = StageDataConfig(max_len=32)
+    for stage, name in (("rm", "prefs"), ("rm", "prefs_held_out"), ("sft", "sft")):
+        rows = load_stage_rows(files[name], stage, tokenizer, eos_ids(tokenizer), d)
+        assert (rows.num_units, rows.dropped, rows.truncated) == (len(read[name]), 0, 0), name

@@ -1,0 +1,180 @@
+"""The RLHF pipeline end to end on a CPU, on the quickstart's task (single-digit addition, ``arith_task.py``):
+
+1. **SFT** (``rlhf_sg.stages.train_sft``): a tiny base model learns the answer format from a few supervised steps, so it
+   is right some of the time (the supervised policy RL starts from);
+2. **reward model** (``train_rm``): Bradley-Terry on synthetic preferences, the right answer preferred over a wrong
+   number or a malformed answer, with label noise (a fraction of the pairs flipped); held-out pair accuracy on the
+   problems RL never sees;
+3. **PPO against the learned reward model** (``--reward.kind model``, the critic started from it): the reward model's
+   score on the training samples, and the *true* rule accuracy on the held-out problems (``--eval.reward_function``,
+   the exact-answer rule), before and after. A reward model that is gamed raises only the first;
+4. **DPO** on the same preferences from the same SFT policy, the alternative to 2 + 3: its held-out preference
+   accuracy and its sampled rule accuracy on the held-out problems before and after.
+
+    python recipes/rlhf_pipeline.py [--out runs/rlhf_pipeline] [--ppo-steps 30] [--seed 0]
+
+Each stage writes its run under ``--out`` (``sft/``, ``rm/``, ``ppo/``, ``dpo/``) and the figures go to
+``<out>/summary.json``; ``<out>/rlhf_pipeline.png`` draws the PPO run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import arith_task  # noqa: E402
+import torch  # noqa: E402
+from quickstart_cpu import held_out_accuracy, make_config  # noqa: E402
+
+from rlhf_sg.plot import plot_run  # noqa: E402
+from rlhf_sg.stages import StageConfig, train_dpo, train_rm, train_sft  # noqa: E402
+from rlhf_sg.tiny import build_tiny_model, build_tokenizer  # noqa: E402
+from rlhf_sg.trainer import train  # noqa: E402
+
+#: the wrong answers a preference pair may reject: every other number the task's sums can take, and malformed
+#: answers a sampling policy produces (so the reward model has seen what PPO's samples can look like)
+MALFORMED = ["+", "=", "1+", "4=", "00", "2 2"]
+
+
+def _write_jsonl(path: str, rows: list[dict]) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def write_data(out: str, seed: int, label_noise: float, held_out_fraction: float = 0.2) -> dict[str, str]:
+    """The stages' data files: SFT rows (every problem: the supervised data stands for pretraining), and preference
+    pairs over every problem, split at random into training pairs (a ``label_noise`` fraction flipped, seeded) and
+    held-out pairs (never flipped): the reward model is judged on pairs it never saw, as a preference dataset's
+    held-out split judges it. The PPO prompt files split the problems as the quickstart does (RL never trains on
+    the held-out problems)."""
+    rng = random.Random(seed)
+    problems = arith_task.problems(seed)
+    sums = sorted({int(answer) for _, answer in problems})
+    pairs = [{"prompt": prompt, "chosen": answer, "rejected": rejected}
+             for prompt, answer in problems
+             for rejected in [str(s) for s in sums if str(s) != answer] + MALFORMED]
+    rng.shuffle(pairs)
+    cut = int(len(pairs) * held_out_fraction)
+    held_pairs, train_pairs = pairs[:cut], pairs[cut:]
+    for row in train_pairs:
+        if rng.random() < label_noise:
+            row["chosen"], row["rejected"] = row["rejected"], row["chosen"]
+    data = os.path.join(out, "data")
+    return {
+        "sft": _write_jsonl(os.path.join(data, "sft.jsonl"),
+                            [{"prompt": p, "completion": a} for p, a in problems]),
+        "prefs": _write_jsonl(os.path.join(data, "prefs.jsonl"), train_pairs),
+        "prefs_held_out": _write_jsonl(os.path.join(data, "prefs_held_out.jsonl"), held_pairs),
+        "prompts": arith_task.write_prompts(os.path.join(data, "prompts.jsonl"), seed=seed),
+        "held_out": arith_task.write_prompts(os.path.join(data, "held_out.jsonl"), seed=seed, part="held_out"),
+    }
+
+
+def stage_config(stage: str, model: str, data: str, out: str, *, eval_data: str | None = None, lr: float,
+                 epochs: int, batch_size: int, seed: int) -> StageConfig:
+    cfg = StageConfig(stage=stage)
+    cfg.model.pretrain, cfg.data.train_data, cfg.data.eval_data = model, data, eval_data
+    cfg.data.max_len = 32
+    cfg.train.lr, cfg.train.epochs, cfg.train.batch_size, cfg.train.seed = lr, epochs, batch_size, seed
+    cfg.log.output_dir, cfg.log.progress_bar = out, False
+    return cfg
+
+
+@torch.no_grad()
+def held_out_rule_accuracy(model_dir: str, seed: int, samples: int = 16) -> float:
+    """The exact-answer rate of ``samples`` samples (temperature 1) per held-out problem."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    held_out = arith_task.problems(seed)[:arith_task.HELD_OUT]
+    return arith_task.sample_accuracy(model, tokenizer, samples_per_problem=samples, seed=seed, data=held_out)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/rlhf_pipeline")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sft-epochs", type=int, default=30)
+    parser.add_argument("--rm-epochs", type=int, default=20)
+    parser.add_argument("--rm-lr", type=float, default=3e-4)
+    parser.add_argument("--dpo-epochs", type=int, default=5)
+    parser.add_argument("--dpo-lr", type=float, default=1e-4)
+    parser.add_argument("--ppo-steps", type=int, default=30)
+    parser.add_argument("--label-noise", type=float, default=0.1)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    out = args.out
+    files = write_data(out, args.seed, args.label_noise)
+    summary: dict = {"seed": args.seed, "label_noise": args.label_noise}
+
+    # the base model: a tiny Qwen2 and a character tokenizer, built locally
+    base = os.path.join(out, "base")
+    if not os.path.isfile(os.path.join(base, "model.safetensors")):
+        build_tiny_model("qwen2", "small", seed=args.seed).save_pretrained(base, safe_serialization=True)
+        build_tokenizer().save_pretrained(base)
+
+    print("== 1. SFT", flush=True)
+    train_sft(stage_config("sft", base, files["sft"], os.path.join(out, "sft"), lr=3e-3, epochs=args.sft_epochs,
+                           batch_size=32, seed=args.seed))
+    sft = os.path.join(out, "sft", "final_hf")
+    summary["sft_held_out_rule_accuracy"] = held_out_rule_accuracy(sft, args.seed)
+
+    print("== 2. reward model", flush=True)
+    rm = train_rm(stage_config("rm", sft, files["prefs"], os.path.join(out, "rm"), eval_data=files["prefs_held_out"],
+                               lr=args.rm_lr, epochs=args.rm_epochs, batch_size=32, seed=args.seed))
+    rm_evals = [r["eval/accuracy"] for r in rm if "eval/accuracy" in r]
+    summary["rm_held_out_pair_accuracy"] = [rm_evals[0], rm_evals[-1]]
+
+    print("== 3. PPO against the reward model", flush=True)
+    ppo_dir = os.path.join(out, "ppo")
+    cfg = make_config(sft, files["prompts"], ppo_dir, args.ppo_steps, "gae", "hf", evaluate=True)
+    cfg.eval.prompt_data = files["held_out"]
+    cfg.eval.reward_function = "arith_task:addition_reward"  # the true rule, not the reward model
+    cfg.eval.interval = 10
+    cfg.reward.kind, cfg.reward.function = "model", None
+    cfg.model.reward_pretrain = os.path.join(out, "rm", "final_hf")
+    history = train(cfg)
+    rm_score = [h["reward/mean"] for h in history]
+    evals = held_out_accuracy(os.path.join(ppo_dir, "metrics.jsonl"))
+    summary["ppo_rm_score_first5_last5"] = [sum(rm_score[:5]) / 5, sum(rm_score[-5:]) / 5]
+    summary["ppo_held_out_rule_pass@1"] = [evals[0][1], evals[-1][1]]
+    plot_run(os.path.join(ppo_dir, "metrics.jsonl"), os.path.join(out, "rlhf_pipeline.png"),
+             title="PPO against the learned reward model (reward: its score; held-out pass@1: the true rule)")
+
+    print("== 4. DPO on the same preferences (instead of 2 + 3)", flush=True)
+    dpo = train_dpo(stage_config("dpo", sft, files["prefs"], os.path.join(out, "dpo"),
+                                 eval_data=files["prefs_held_out"], lr=args.dpo_lr, epochs=args.dpo_epochs,
+                                 batch_size=32, seed=args.seed))
+    dpo_evals = [r["eval/accuracy"] for r in dpo if "eval/accuracy" in r]
+    summary["dpo_held_out_pair_accuracy"] = [dpo_evals[0], dpo_evals[-1]]
+    summary["dpo_held_out_rule_accuracy"] = [summary["sft_held_out_rule_accuracy"],
+                                             held_out_rule_accuracy(os.path.join(out, "dpo", "final_hf"), args.seed)]
+
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print("\n== the pipeline's figures (held out: the problems neither the reward model's pairs nor PPO train on)")
+    print(f"SFT policy: held-out rule accuracy {summary['sft_held_out_rule_accuracy']:.3f}")
+    print("reward model: held-out pair accuracy {:.3f} -> {:.3f}".format(*summary["rm_held_out_pair_accuracy"]))
+    print("PPO: reward-model score (training samples, mean of 5 steps) {:.3f} -> {:.3f}; held-out rule pass@1 "
+          "{:.3f} -> {:.3f}".format(*summary["ppo_rm_score_first5_last5"], *summary["ppo_held_out_rule_pass@1"]))
+    print("DPO: held-out pair accuracy {:.3f} -> {:.3f}; held-out rule accuracy {:.3f} -> {:.3f}".format(
+        *summary["dpo_held_out_pair_accuracy"], *summary["dpo_held_out_rule_accuracy"]))
+    print(f"summary: {os.path.join(out, 'summary.json')}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
