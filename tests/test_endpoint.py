@@ -36,7 +36,11 @@ def _train_tool_model(tok, path):
     enc = lambda text: list(tok.encode(text, add_special_tokens=False))  # noqa: E731
     p1 = list(tok.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True, tokenize=True,
                                       return_dict=False))
-    call = enc(CALL_TEXT)
+    # the call as the engine may sample it: its JSON one character a token, which the tokenizer's merges would
+    # encode otherwise (a re-rendering of the conversation gives other ids; the endpoint must keep these)
+    body = CALL_TEXT[len("<tool_call>"):-len("</tool_call><|im_end|>")]
+    call = enc("<tool_call>") + [i for ch in body for i in enc(ch)] + enc("</tool_call><|im_end|>")
+    assert call != enc(CALL_TEXT)
     glue = enc("\n<|im_start|>user\n<tool_response>\n15846\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     p2 = p1 + call + glue
     answer = enc(ANSWER_TEXT)

@@ -186,10 +186,11 @@ class Endpoint:
                           finish_reason=finish, engine=engine, kind=kind)
 
     def _chat_prompt(self, session: Session, messages: list[dict], tools) -> list[int]:
-        """The prompt ids: the previous chat call's exact ids continued by the rendering of the new messages when
-        they extend that call's conversation and its reply; else the whole conversation rendered."""
-        prev = next((c for c in reversed(session.calls) if c.kind == "chat"), None)
-        if prev is not None and prev.messages is not None and prev.completion_ids and prev.finish_reason == "stop":
+        """The prompt ids: an earlier chat call's exact ids (the latest whose conversation and reply the new messages
+        extend) continued by the rendering of the messages after it; else the whole conversation rendered."""
+        for prev in reversed(session.calls):
+            if prev.kind != "chat" or not prev.completion_ids or prev.finish_reason != "stop":
+                continue
             k = len(prev.messages)
             if (len(messages) > k + 1 and messages[:k] == prev.messages and tools == prev.tools
                     and _same_reply(prev.reply, messages[k])):
