@@ -109,6 +109,7 @@ def test_tool_calls_round_trip_and_the_next_turn_continues_the_sample(served):
     assert first_call.prompt_ids == p1 and first_call.completion_ids == call_ids
     assert second_call.prompt_ids == p1 + call_ids + glue and second_call.completion_ids == answer_ids
     assert (first_call.tool_calls, second_call.tool_calls) == (1, 0)
+    assert first_call.tool_parse_errors == second_call.tool_parse_errors == 0
     (sample,) = session.samples
     assert sample.prompt_ids == p1 and sample.token_ids == call_ids + glue + answer_ids
     assert sample.action_mask == [True] * len(call_ids) + [False] * len(glue) + [True] * len(answer_ids)
@@ -239,7 +240,7 @@ def test_tool_calls_are_found_by_token_id_not_by_text(served):
     # the same characters written as plain text pieces: not a call
     as_text = [i for ch in "<tool_call>" for i in tok.encode(ch, add_special_tokens=False)] + by_id[1:-2]
     parsed = r.parse(as_text)
-    assert parsed.tool_calls == [] and "<tool_call>" in parsed.content
+    assert parsed.tool_calls == [] and "<tool_call>" in parsed.content and parsed.parse_errors == 0
     # a call whose JSON is broken stays in the content, counted
     broken = r.parse([r.open_id] + list(tok.encode('{"name": ', add_special_tokens=False)) + [r.close_id])
     assert broken.tool_calls == [] and broken.parse_errors == 1

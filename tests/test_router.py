@@ -39,6 +39,14 @@ def test_new_sessions_go_to_the_engine_with_fewest_sessions_then_tokens():
     assert r.acquire("e", 1) == placed[0]
 
 
+def test_fewer_sessions_wins_over_fewer_tokens():
+    r = Router(2)
+    assert r.acquire("long", 1000) == 0
+    assert r.acquire("short1", 10) == 1
+    assert r.acquire("short2", 10) == 1  # one session each: the fewer tokens
+    assert r.acquire("next", 10) == 0  # engine 1 has more sessions, though fewer tokens
+
+
 def test_ties_go_to_the_engine_chosen_least_recently_not_the_lowest_index():
     r = Router(4)
     # sessions that start and end while every engine is idle must not all land on engine 0
