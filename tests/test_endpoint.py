@@ -244,3 +244,82 @@ def test_tool_calls_are_found_by_token_id_not_by_text(served):
     # a call whose JSON is broken stays in the content, counted
     broken = r.parse([r.open_id] + list(tok.encode('{"name": ', add_special_tokens=False)) + [r.close_id])
     assert broken.tool_calls == [] and broken.parse_errors == 1
+
+
+# ---- harness runs as rollouts --------------------------------------------------------------------------------------
+
+
+async def calculator_harness(base_url, api_key, prompt):
+    """An agent written with the openai package: call the model, run the tool calls it makes, until it answers."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": prompt}]
+    for _ in range(4):
+        out = await client.chat.completions.create(model="tiny-qwen", messages=messages, tools=TOOLS, temperature=0)
+        message = out.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return 1.0 if "15846" in (message.content or "") else 0.0
+        for call in message.tool_calls:
+            expression = json.loads(call.function.arguments)["expression"]
+            a, b = expression.split("*")
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(int(a) * int(b))})
+    return None
+
+
+def test_harness_runs_become_rows_with_masks_from_provenance_and_the_trainers_logprobs(served):
+    from rlhf_sg.experience import build_rollout_batch
+    from rlhf_sg.serve.harness import run_harnesses
+
+    endpoint, backend, tok, base_url, (p1, call_ids, glue, answer_ids) = served
+    results = run_harnesses(endpoint, base_url, calculator_harness, ["What is 417*38?"], n=2, workers=2,
+                            budget_tokens=200, max_context=512, timeout_s=120)
+    assert [r.prompt_index for r in results] == [0, 0]
+    for r in results:
+        assert r.error is None and r.reward == 1.0 and (r.calls, r.continued, r.forked, r.tool_calls) == (2, 1, 0, 1)
+        assert r.sample.prompt_ids == p1 and r.sample.token_ids == call_ids + glue + answer_ids
+    batch = build_rollout_batch([r.sample.prompt_ids for r in results], [r.sample.token_ids for r in results],
+                                [r.sample.logprobs for r in results], tok.pad_token_id,
+                                action_masks=[r.sample.action_mask for r in results])
+    # the trainer's forward on the row gives the engine's log-probs on every sampled token
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(backend.config.model_path, dtype=torch.float32).eval()
+    sample = results[0].sample
+    ids = torch.tensor([sample.prompt_ids + sample.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+    P = len(sample.prompt_ids)
+    trainer = logp[P - 1:].gather(1, ids[0, P:, None]).squeeze(1)
+    mask = torch.tensor(sample.action_mask)
+    assert torch.allclose(trainer[mask], torch.tensor(sample.logprobs)[mask], atol=1e-4)
+    assert batch.action_mask[0].sum().item() == len(call_ids) + len(answer_ids)
+
+
+def test_harness_pool_is_bounded_and_failures_stay_with_their_sample(served):
+    from rlhf_sg.serve.harness import load_harness, run_harnesses
+
+    endpoint, backend, tok, base_url, _ = served
+    running, peak, keys = 0, 0, []
+
+    async def harness(base_url, api_key, prompt):
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        keys.append(api_key)
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}], max_tokens=3)
+        running -= 1
+        if prompt == "fail":
+            raise RuntimeError("the sandbox died")
+        return None if prompt == "unscored" else 0.5
+
+    results = run_harnesses(endpoint, base_url, harness, ["a", "fail", "unscored"], n=2, workers=2,
+                            budget_tokens=50, max_context=512, timeout_s=120)
+    assert peak == 2
+    assert [r.reward for r in results] == [0.5, 0.5, None, None, None, None]
+    assert [r.error for r in results][2:4] == ["RuntimeError: the sandbox died"] * 2
+    assert all(r.sample is not None and r.calls == 1 for r in results)
+    with pytest.raises(openai.AuthenticationError):  # every session is closed at its run's end
+        client(base_url, keys[0]).models.list()
+    with pytest.raises(ValueError, match="not an async function"):
+        load_harness("json:dumps")
