@@ -323,3 +323,26 @@ def test_harness_pool_is_bounded_and_failures_stay_with_their_sample(served):
         client(base_url, keys[0]).models.list()
     with pytest.raises(ValueError, match="not an async function"):
         load_harness("json:dumps")
+
+
+def test_mistral_tool_calls_are_found_by_the_tool_calls_token():
+    """Mistral's format on a tokenizer that has the [TOOL_CALLS] token (the BPE chat tokenizer plus it: no Mistral
+    tokenizer can be fetched here, so its chat template is not exercised, only the parse by id)."""
+    from tokenizers import AddedToken
+
+    from rlhf_sg.serve.renderer import MistralRenderer
+    from rlhf_sg.tiny import build_chat_tokenizer
+
+    tok = build_chat_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken("[TOOL_CALLS]", special=True)]})
+    r = MistralRenderer(tok)
+    enc = lambda text: list(tok.encode(text, add_special_tokens=False))  # noqa: E731
+    calls = '[{"name": "calculator", "arguments": {"expression": "2*3"}}, {"name": "search", "arguments": {}}]'
+    parsed = r.parse(enc("Let me compute.") + [r.open_id] + enc(calls) + [tok.eos_token_id])
+    assert parsed.content == "Let me compute." and parsed.parse_errors == 0
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls] == [
+        ("calculator", {"expression": "2*3"}), ("search", {})]
+    as_text = r.parse([i for ch in "[TOOL_CALLS]" for i in enc(ch)] + enc(calls))  # the characters, not the token
+    assert as_text.tool_calls == [] and as_text.content.startswith("[TOOL_CALLS]")
+    broken = r.parse([r.open_id] + enc('[{"name": "calculator", "arguments": '))
+    assert broken.tool_calls == [] and broken.parse_errors == 1
