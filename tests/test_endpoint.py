@@ -311,13 +311,18 @@ def test_harness_pool_is_bounded_and_failures_stay_with_their_sample(served):
         running -= 1
         if prompt == "fail":
             raise RuntimeError("the sandbox died")
+        if prompt == "posted":  # the reward reported to the endpoint instead of returned
+            with pytest.raises(openai.BadRequestError, match="finite number"):
+                await client.post("/rl/reward", cast_to=dict, body={"reward": "high"})
+            await client.post("/rl/reward", cast_to=dict, body={"reward": 0.25})
+            return None
         return None if prompt == "unscored" else 0.5
 
-    results = run_harnesses(endpoint, base_url, harness, ["a", "fail", "unscored"], n=2, workers=2,
+    results = run_harnesses(endpoint, base_url, harness, ["a", "fail", "unscored", "posted"], n=2, workers=2,
                             budget_tokens=50, max_context=512, timeout_s=120)
     assert peak == 2
-    assert [r.reward for r in results] == [0.5, 0.5, None, None, None, None]
-    assert [r.error for r in results][2:4] == ["RuntimeError: the sandbox died"] * 2
+    assert [r.reward for r in results] == [0.5, 0.5, None, None, None, None, 0.25, 0.25]
+    assert [r.error for r in results] == [None] * 2 + ["RuntimeError: the sandbox died"] * 2 + [None] * 4
     assert all(r.sample is not None and r.calls == 1 for r in results)
     with pytest.raises(openai.AuthenticationError):  # every session is closed at its run's end
         client(base_url, keys[0]).models.list()

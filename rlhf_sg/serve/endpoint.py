@@ -1,6 +1,7 @@
 """An OpenAI-compatible endpoint in front of the run's engines: agent harnesses point their ``base_url`` here.
 
-``/v1/chat/completions`` (tools included), ``/v1/completions`` and ``/v1/models``, served by FastAPI on uvicorn in
+``/v1/chat/completions`` (tools included), ``/v1/completions``, ``/v1/models`` and ``/v1/rl/reward`` (the
+session's reward, posted by a harness that does not return it), served by FastAPI on uvicorn in
 a thread of the trainer's process (:class:`EndpointServer`), bound to 127.0.0.1 unless told otherwise. The door
 into the trainer is kept shut:
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import threading
 import time
 import uuid
@@ -248,6 +250,15 @@ class Endpoint:
             "usage": self._usage(call),
         }
 
+    async def set_reward(self, session: Session, body: dict) -> dict:
+        """``POST /v1/rl/reward {"reward": float}``: the session's reward, when the harness reports it to the
+        endpoint instead of returning it (a returned value wins)."""
+        value = body.get("reward")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise RequestError(400, f"'reward' must be a finite number, got {value!r}")
+        session.reward = float(value)
+        return {"session": session.session_id, "reward": session.reward}
+
     @staticmethod
     def _common_checks(body: dict) -> None:
         if _int(body, "n", 1) != 1:
@@ -315,6 +326,10 @@ class Endpoint:
         @app.post("/v1/completions")
         async def completions(request: Request):
             return await serve(request, self.complete)
+
+        @app.post("/v1/rl/reward")
+        async def reward(request: Request):
+            return await serve(request, self.set_reward)
 
         @app.get("/v1/models")
         async def models(request: Request):

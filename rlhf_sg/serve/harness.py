@@ -7,8 +7,8 @@ its end, whatever happened (a later call with its key gets 401). The row of a ru
 joined (:class:`rlhf_sg.serve.sessions.Sample`): its prompt ids as the engine prefilled them, then the completions
 (mask 1, the engine's log-probs) and the ids between them (mask 0); samples a run forked away from are counted
 (``HarnessResult.forked``) and left out, so every run gives at most one row. The reward is the function's return
-value; ``None`` (or a harness that raised or timed out: ``error``) marks the row unscored, to be left out of its
-group's baseline. A run that made no call has no row.
+value, else what it posted to ``/v1/rl/reward``; ``None`` (or a harness that raised or timed out: ``error``) marks
+the row unscored, to be left out of its group's baseline. A run that made no call has no row.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ async def _one(endpoint: Endpoint, base_url: str, harness: Callable, prompt, ind
         reward, error = None, None
         try:
             got = await asyncio.wait_for(harness(base_url, key, prompt), timeout_s)
-            reward = None if got is None else float(got)
+            reward = float(got) if got is not None else session.reward  # returned, else posted to /v1/rl/reward
         except asyncio.TimeoutError:
             error = f"timeout: the harness ran past {timeout_s} s"
         except Exception as e:  # noqa: BLE001 - one harness's failure is its sample's, not the rollout's
