@@ -118,6 +118,22 @@ def test_tool_calls_round_trip_and_the_next_turn_continues_the_sample(served):
     endpoint.close_session(session.session_id)
 
 
+def test_a_streaming_client_gets_the_recorded_completion_replayed(served):
+    endpoint, backend, tok, base_url, (p1, call_ids, _, _) = served
+    session, key = endpoint.open_session(budget_tokens=200, max_context=512)
+    stream = client(base_url, key).chat.completions.create(model="tiny-qwen", messages=QUESTION, tools=TOOLS,
+                                                           temperature=0, stream=True,
+                                                           stream_options={"include_usage": True})
+    chunks = list(stream)
+    calls = [c for chunk in chunks for choice in chunk.choices for c in choice.delta.tool_calls or []]
+    finish = [choice.finish_reason for chunk in chunks for choice in chunk.choices if choice.finish_reason]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("calculator", {"expression": "417*38"})]
+    assert finish == ["tool_calls"] and chunks[-1].usage.completion_tokens == len(call_ids)
+    (rec,) = session.calls
+    assert rec.prompt_ids == p1 and rec.completion_ids == call_ids
+
+
 def test_recorded_ids_and_logprobs_are_the_engines_own(served):
     endpoint, backend, tok, base_url, _ = served
     session, key = endpoint.open_session(budget_tokens=200, max_context=512)

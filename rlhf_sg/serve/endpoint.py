@@ -7,6 +7,8 @@ into the trainer is kept shut:
 
 * every request names its session by its API key (``Authorization: Bearer``, :class:`SessionStore`); a wrong,
   closed or expired key gets 401 before the body is read, and nothing is recorded or generated;
+* ``stream: true`` on chat gets the finished completion replayed as server-sent events (every id is recorded
+  before the first byte goes out);
 * a body over ``max_request_bytes`` gets 413, one that is not JSON or not a valid request 400 with a message;
 * a call samples at most the session's budget left and what the context allows; a session with no budget left
   or a prompt that fills the context gets 400 (the openai client retries 429 and 5xx, not 400); a generation
@@ -33,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request  # the annotations of the routes below are resolved from this module
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from rlhf_sg.serve.renderer import Renderer, RenderError, renderer_for
 from rlhf_sg.serve.router import Router
@@ -93,6 +95,31 @@ def _same_reply(sent: dict | None, back: dict) -> bool:
 
     return ((sent.get("content") or "").strip() == (back.get("content") or "").strip()
             and calls(sent) == calls(back))
+
+
+def _replay(response: dict, usage: bool):
+    """A finished chat completion as server-sent events (``stream: true``): the role, the content, each tool call,
+    then the finish reason (and the usage when asked), as OpenAI streams them. The engine generated it whole first:
+    a replay, so streaming clients work and every id was recorded before the first byte goes out."""
+    choice = response["choices"][0]
+    message = choice["message"]
+    head = {k: response[k] for k in ("id", "created", "model")}
+
+    def chunk(delta: dict, finish=None, **extra) -> str:
+        body = {**head, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    if message.get("content"):
+        yield chunk({"content": message["content"]})
+    for i, call in enumerate(message.get("tool_calls") or []):
+        yield chunk({"tool_calls": [{"index": i, **call}]})
+    yield chunk({}, choice["finish_reason"])
+    if usage:
+        last = {**head, "object": "chat.completion.chunk", "choices": [], "usage": response["usage"]}
+        yield f"data: {json.dumps(last)}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 class Endpoint:
@@ -208,7 +235,7 @@ class Endpoint:
             raise RequestError(400, "'messages' must be a non-empty list of objects, each with a 'role'")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise RequestError(400, "'tools' must be a list of objects ({'type': 'function', 'function': {...}})")
-        self._common_checks(body)
+        self._common_checks(body, streams=True)
         try:
             prompt = self._chat_prompt(session, messages, tools)
         except RenderError as e:
@@ -260,11 +287,12 @@ class Endpoint:
         return {"session": session.session_id, "reward": session.reward}
 
     @staticmethod
-    def _common_checks(body: dict) -> None:
+    def _common_checks(body: dict, streams: bool = False) -> None:
         if _int(body, "n", 1) != 1:
             raise RequestError(400, "'n' must be 1: each sample is its own harness run (its own session)")
-        if body.get("stream"):
-            raise RequestError(400, "'stream' is not served: send the request with stream false")
+        if body.get("stream") and not streams:
+            raise RequestError(400, "'stream' is served for /v1/chat/completions only: send this request with stream "
+                                    "false")
         if body.get("stop"):
             raise RequestError(400, "'stop' strings are not served: the model's end-of-turn tokens end a turn")
 
@@ -321,7 +349,18 @@ class Endpoint:
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
-            return await serve(request, self.chat)
+            streamed = {}
+
+            async def chat(session, body):
+                streamed["usage"] = bool(body.get("stream")) and bool((body.get("stream_options") or {}).get(
+                    "include_usage"))
+                streamed["on"] = bool(body.get("stream"))
+                return await self.chat(session, body)
+
+            out = await serve(request, chat)
+            if not streamed.get("on") or not isinstance(out, dict):
+                return out
+            return StreamingResponse(_replay(out, streamed["usage"]), media_type="text/event-stream")
 
         @app.post("/v1/completions")
         async def completions(request: Request):
