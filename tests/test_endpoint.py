@@ -152,6 +152,13 @@ def test_recorded_ids_and_logprobs_are_the_engines_own(served):
     assert out.usage.completion_tokens == len(again.token_ids)
 
 
+def test_completions_with_token_ids_record_the_engines_ids(served):
+    from endpoint_checks import check_recorded_ids_are_the_engines_own
+
+    endpoint, backend, tok, base_url, (p1, _, _, _) = served
+    check_recorded_ids_are_the_engines_own(backend, tok, p1[-20:])
+
+
 def test_a_harness_that_edits_its_history_forks_a_new_sample(served):
     endpoint, backend, tok, base_url, _ = served
     session, key = endpoint.open_session(budget_tokens=400, max_context=512)
