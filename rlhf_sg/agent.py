@@ -35,7 +35,8 @@ action token. An environment may return its own reward (``StepResult.reward``; s
 not called).
 
 Engines: every turn of a trajectory goes to the engine that served its first turn (its prefix, the earlier
-turns, is then in that engine's prefix cache); each turn's generate call gets a seed derived from the run seed,
+turns, is then in that engine's prefix cache), which ``--rollout.routing`` picks per prompt group
+(:mod:`rlhf_sg.serve.router`); each turn's generate call gets a seed derived from the run seed,
 step, draw, engine, turn and budget, so a rerun repeats. Each turn's weight version is recorded; the sample
 carries the oldest (sync mode checks that all are the trainer's).
 """
@@ -375,17 +376,24 @@ def run_agent_rollout(
     context_len: int,
     seed_of: Callable[[int, int, int], int],
     pool: ToolPool | None = None,
+    router=None,
 ) -> list[Trajectory]:
     """``n`` trajectories per prompt, prompt-major (the order of single-turn completions).
 
     prompts: :class:`rlhf_sg.data.Prompt` s; params: the run's SamplingParams (``max_new_tokens`` is the total
     budget; the stop tokens those of the run and ``--agent.stop_token_ids``); generate_many: runs engine calls
-    (:data:`GenerateMany`); env_factory(tokenizer): one environment; num_engines: prompt j's trajectories go to
-    engine j % num_engines; context_len: the engines' context; seed_of(engine, turn, budget): the seed of that
-    call; pool: where environment steps run (None: a :class:`ToolPool` of ``--agent.env_workers`` threads for this
-    call, shut down at its end; a step that never returns is left on its daemon thread).
+    (:data:`GenerateMany`); env_factory(tokenizer): one environment; num_engines: the engines; context_len: the
+    engines' context; seed_of(engine, turn, budget): the seed of that call; pool: where environment steps run (None:
+    a :class:`ToolPool` of ``--agent.env_workers`` threads for this call, shut down at its end; a step that never
+    returns is left on its daemon thread); router: a :class:`rlhf_sg.serve.router.Router` over the engines (None: a
+    fresh round-robin one, prompt j's trajectories on engine j % num_engines). Each prompt's group of ``n``
+    trajectories is one session of the router: it picks the group's engine once, and every turn goes there; the
+    session is released, and each call's prefix-cache hits recorded, by the end of the rollout.
     """
     import dataclasses
+    import uuid
+
+    from rlhf_sg.serve.router import Router
 
     a = agent_cfg
     own_pool = pool is None
@@ -394,12 +402,19 @@ def run_agent_rollout(
     total = params.max_new_tokens
     turn_cap = a.max_turn_tokens or total
     stops = tuple(dict.fromkeys(tuple(params.stop_token_ids) + tuple(a.stop_token_ids)))
+    if router is None:
+        router = Router(num_engines, "round_robin")
+    rollout_key = uuid.uuid4().hex
+    placed: list[tuple[str, int, int]] = []  # (session, engine, tokens) of each prompt's group
     states: list[_State] = []
     for j, p in enumerate(prompts):
+        session, tokens = f"agent/{rollout_key}/{j}", n * (len(p.token_ids) + total)
+        engine = router.acquire(session, tokens)
+        placed.append((session, engine, tokens))
         for _ in range(n):
             env = env_factory(tokenizer)
             env.reset(p)
-            states.append(_State(list(p.token_ids), env, j % num_engines))
+            states.append(_State(list(p.token_ids), env, engine))
 
     def budget(s: _State) -> int:
         used = len(s.row) + len(s.open_turn)
@@ -450,6 +465,7 @@ def run_agent_rollout(
                     s = states[k]
                     s.prompt_tokens_sent += len(s.prompt_ids) + len(s.row) + len(s.open_turn)
                     cached = getattr(c, "cached_tokens", None)
+                    router.record_cache(s.engine, len(s.prompt_ids) + len(s.row) + len(s.open_turn), cached)
                     if cached is not None:
                         s.cached_tokens = (s.cached_tokens or 0) + int(cached)
                     s.open_turn += list(c.token_ids)
@@ -476,6 +492,9 @@ def run_agent_rollout(
                 pass
         if own_pool:
             pool.shutdown()
+        for session, engine, tokens in placed:
+            router.finish(session, engine, tokens)
+            router.release(session)
     out = []
     for k, s in enumerate(states):
         if a.reward_text == "model":

@@ -93,6 +93,9 @@ class RolloutConfig:
     #: async: a weight sync cuts the generations in flight short, and they continue with the new weights
     #: (engines that cannot abort a generate finish it first)
     partial_rollout: bool = True
+    #: which engine serves a session (rlhf_sg.serve.router): "sticky_least_loaded" (a session stays on its engine,
+    #: a new one goes to the least loaded), "round_robin" or "consistent_hash"
+    routing: str = "sticky_least_loaded"
 
 
 @dataclass
@@ -833,6 +836,10 @@ def validate(cfg: Config) -> Config:
     _need(r.weight_transport in ("collective", "tensor", "disk"),
           f"--rollout.weight_transport must be collective, tensor or disk, got {r.weight_transport!r}")
     _need(r.bucket_bytes >= 2**16, f"--rollout.bucket_bytes must be >= 65536, got {r.bucket_bytes}")
+    from rlhf_sg.serve.router import ROUTING_POLICIES
+
+    _need(r.routing in ROUTING_POLICIES,
+          f"--rollout.routing must be one of {list(ROUTING_POLICIES)}, got {r.routing!r}")
     _need(t.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
           "--train.placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
           f"got {t.placement_strategy!r}")

@@ -295,6 +295,29 @@ def test_every_turn_goes_to_the_engine_of_the_first(engine):
         assert t.turn_versions == [0, 0, 0] and t.weight_version == 0
 
 
+def test_the_router_places_each_prompt_group_and_gets_its_sessions_back(engine):
+    """With a sticky-least-loaded router whose engine 0 is busy with a session of its own, both prompt groups go to
+    the idle engines; every turn stays there; the rollout releases its
+    sessions and finishes its calls, and records each call's prompt tokens where the engine reports hits."""
+    from rlhf_sg.serve.router import Router
+
+    backend, tokenizer, _ = engine
+    router = Router(3)
+    assert router.acquire("harness/elsewhere", 500) == 0
+    rec = Recorder([backend] * 3)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, stop_token_ids=(2,))
+    out = run_agent_rollout(prompts_for(tokenizer), 2, params, rec, lambda tok: Calc(tok), tokenizer,
+                            agent_cfg(max_turns=3), 3, 256, lambda e, t, b: turn_seed(0, 0, 0, e, t, b), router=router)
+    assert sorted({t.engine for t in out}) == [1, 2]
+    for t in out:
+        prompt = prompts_for(tokenizer)[t.prompt_index].token_ids
+        engines = {e for e, prompts, _, _ in rec.calls for p in prompts
+                   if p[:len(prompt)] == prompt and p[len(prompt):] == t.token_ids[:len(p) - len(prompt)]}
+        assert engines == {t.engine}
+    assert [(e.sessions, e.calls, e.tokens) for e in router.engines] == [(1, 1, 500), (0, 0, 0), (0, 0, 0)]
+    assert [e.chosen for e in router.engines] == [1, 1, 1]
+
+
 # ---- experience: masks used everywhere, advantages across holes ------------------------------------------------------
 
 

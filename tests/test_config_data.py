@@ -61,6 +61,8 @@ def test_yaml_unknown_key_names_file(tmp_path):
     (["--algo", "ppo2"], "advantage_estimator 'ppo2' unknown"),
     (["--train.kl_estimator", "k9"], "kl_estimator must be one of"),
     (["--rollout.weight_transport", "carrier-pigeon"], "weight_transport must be"),
+    (["--rollout.routing", "least_busy"],
+     r"--rollout.routing must be one of \['sticky_least_loaded', 'round_robin', 'consistent_hash'\], got 'least_busy'"),
     (["--train.actor_num_ranks", "0"], "actor_num_ranks must be >= 1"),
     (["--rollout.prompts_per_step", "3", "--train.num_minibatches", "5"], "num_minibatches 5 must divide"),
     (["--data.max_prompt_len", "4000"], "exceeds --rollout.max_model_len"),

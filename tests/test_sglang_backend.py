@@ -173,6 +173,20 @@ def test_logprobs_are_temperature_scaled_despite_the_environment(engine, llama_d
 
 @needs_sglang
 @pytest.mark.slow
+def test_the_endpoint_records_the_sglang_engines_own_ids(engine, llama_dir):
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from endpoint_checks import check_recorded_ids_are_the_engines_own
+
+    from rlhf_sg.data import load_tokenizer
+
+    # greedy: SGLang's CPU sampler does not honour a seed (the next test)
+    check_recorded_ids_are_the_engines_own(engine, load_tokenizer(llama_dir), PROMPTS[1], temperature=0.0)
+
+
+@needs_sglang
+@pytest.mark.slow
 def test_unseeded_engine_says_so_and_samples_distinct_rows(engine):
     assert engine.honours_seed is False  # CPU: SGLang's seeded sampler needs a GPU attention backend
     out = engine.generate([PROMPTS[0]], SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=3))

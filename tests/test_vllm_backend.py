@@ -217,6 +217,15 @@ def _push(engine, named: dict[str, torch.Tensor]) -> None:
 
 # ---- log-probs: the mode and the hook --------------------------------------------------------------
 @requires_vllm
+def test_the_endpoint_records_the_vllm_engines_own_ids(backend, model_dir):
+    from endpoint_checks import check_recorded_ids_are_the_engines_own
+
+    from rlhf_sg.data import load_tokenizer
+
+    check_recorded_ids_are_the_engines_own(backend, load_tokenizer(model_dir), [BOS_ID] + list(range(10, 30)))
+
+
+@requires_vllm
 def test_truncated_sampling_reports_pre_truncation_logprobs(backend, reference, prompts):
     """With top-p / top-k on, vLLM's processed log-probs are renormalised over the kept tokens; ours are not.
 

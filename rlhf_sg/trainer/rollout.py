@@ -170,6 +170,7 @@ class RolloutMaker:
                 raise ValueError("RolloutMaker: --agent.env needs the tokenizer (pass tokenizer=)")
             self.env_factory = load_env_factory(cfg.agent.env)
             self._env_pool = ToolPool(cfg.agent.env_workers, cfg.agent.max_hung_steps)
+        self.router = None  # which engine serves each prompt group of an agent rollout (made at the first one)
         #: every EOS id (:func:`eos_token_ids`), each a stop token of the engines
         self.eos_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
         self.pad_id, self.restart = pad_id, restart
@@ -227,12 +228,16 @@ class RolloutMaker:
 
     def _agent_generate(self, prompts: list[Prompt], params, step: int, draw: int) -> list:
         from rlhf_sg.agent import check_turn_boundaries, run_agent_rollout, turn_glue, turn_seed
+        from rlhf_sg.serve.router import Router
 
+        if self.router is None:
+            self.router = Router(len(self.engines), self.cfg.rollout.routing)
         seed = self.cfg.train.seed
         trajectories = run_agent_rollout(
             prompts, params.n, params, self._generate_on, self.env_factory, self.tokenizer, self.cfg.agent,
             len(self.engines), self.cfg.rollout.max_model_len,
-            lambda engine, turn, budget: turn_seed(seed, step, draw, engine, turn, budget), self._env_pool)
+            lambda engine, turn, budget: turn_seed(seed, step, draw, engine, turn, budget), self._env_pool,
+            self.router)
         # partial rollout's count: samples with tokens from two weight versions or more (a turn cut by a sync and
         # continued after it, or turns on either side of one)
         self.continued += sum(len(set(t.turn_versions)) > 1 for t in trajectories)
@@ -396,7 +401,7 @@ class RolloutMaker:
         if self.env_factory is None:
             return {}
         return {**agent_metrics(completions), "agent/template_mismatch": float(self.template_mismatches),
-                "agent/hung_steps": float(self._env_pool.hung)}
+                "agent/hung_steps": float(self._env_pool.hung), **(self.router.metrics() if self.router else {})}
 
     def shape_scores(self, scores: torch.Tensor, experience: Experience) -> torch.Tensor:
         """The reward's scores [B] with DAPO's overlong penalty added (``--reward.overlong_buffer_len``):

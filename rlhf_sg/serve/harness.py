@@ -1,0 +1,91 @@
+"""Agent harnesses as rollouts: a user's ``async (base_url, api_key, prompt) -> reward | None`` run once per sample
+against the endpoint, its recorded calls turned into training rows.
+
+Each run gets a session of its own (:meth:`Endpoint.open_session`: its API key, the sample's token budget and
+context), runs in a bounded pool (at most ``workers`` at once) within ``timeout_s``, and its session is closed at
+its end, whatever happened (a later call with its key gets 401). The row of a run is the sample its last call
+joined (:class:`rlhf_sg.serve.sessions.Sample`): its prompt ids as the engine prefilled them, then the completions
+(mask 1, the engine's log-probs) and the ids between them (mask 0); samples a run forked away from are counted
+(``HarnessResult.forked``) and left out, so every run gives at most one row. The reward is the function's return
+value, else what it posted to ``/v1/rl/reward``; ``None`` (or a harness that raised or timed out: ``error``) marks
+the row unscored, to be left out of its group's baseline. A run that made no call has no row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rlhf_sg.serve.endpoint import Endpoint
+from rlhf_sg.serve.sessions import Sample
+
+__all__ = ["HarnessResult", "load_harness", "run_harnesses"]
+
+
+@dataclass
+class HarnessResult:
+    """One harness run: ``sample`` (its row; None when it made no call), ``reward`` (None: unscored), the session's
+    ``calls``, ``continued`` and ``forked`` counts, the tool calls parsed, and ``error`` (why it failed, or None)."""
+
+    prompt_index: int
+    sample: Sample | None
+    reward: float | None
+    calls: int
+    continued: int
+    forked: int
+    tool_calls: int
+    error: str | None = None
+
+
+def load_harness(spec: str) -> Callable:
+    """The async function ``module:function`` names; ValueError saying what is wrong otherwise."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--agent.harness {spec!r}: give module:function (an async function (base_url, api_key, "
+                         "prompt) -> reward or None)")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"--agent.harness {spec!r}: cannot import {module_name!r} ({e}); put it on PYTHONPATH") from e
+    fn = getattr(module, attr, None)
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"--agent.harness {spec!r}: {module_name}.{attr} is not an async function (async def "
+                         f"{attr}(base_url, api_key, prompt) -> float | None)")
+    return fn
+
+
+async def _one(endpoint: Endpoint, base_url: str, harness: Callable, prompt, index: int, pool: asyncio.Semaphore,
+               budget_tokens: int, max_context: int, timeout_s: float) -> HarnessResult:
+    async with pool:
+        session, key = endpoint.open_session(budget_tokens, max_context, ttl_s=timeout_s + 60, prompt_index=index)
+        reward, error = None, None
+        try:
+            got = await asyncio.wait_for(harness(base_url, key, prompt), timeout_s)
+            reward = float(got) if got is not None else session.reward  # returned, else posted to /v1/rl/reward
+        except asyncio.TimeoutError:
+            error = f"timeout: the harness ran past {timeout_s} s"
+        except Exception as e:  # noqa: BLE001 - one harness's failure is its sample's, not the rollout's
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            record = endpoint.close_session(session.session_id)
+    sample = record.samples[record.calls[-1].sample] if record.calls else None
+    return HarnessResult(index, sample, reward, len(record.calls), record.continued, record.forked,
+                         sum(c.tool_calls for c in record.calls), error)
+
+
+def run_harnesses(endpoint: Endpoint, base_url: str, harness: Callable, prompts: list, n: int, workers: int,
+                  budget_tokens: int, max_context: int, timeout_s: float) -> list[HarnessResult]:
+    """``n`` runs of ``harness`` per prompt (prompt-major), at most ``workers`` at once, each within ``timeout_s``
+    with a session of ``budget_tokens`` and ``max_context``; called from a thread with no running event loop."""
+    if workers < 1:
+        raise ValueError(f"run_harnesses: workers must be >= 1, got {workers}")
+
+    async def main():
+        pool = asyncio.Semaphore(workers)
+        return await asyncio.gather(*(_one(endpoint, base_url, harness, p, j, pool, budget_tokens, max_context,
+                                           timeout_s) for j, p in enumerate(prompts) for _ in range(n)))
+
+    return list(asyncio.run(main()))
