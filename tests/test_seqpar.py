@@ -108,8 +108,8 @@ def _models(implementation: str):
     return lm, critic
 
 
-def _batch():
-    ids, mask, T = rollout_batch(PROMPTS, RESPONSES, seed=8)
+def _batch(prompts=PROMPTS, responses=RESPONSES):
+    ids, mask, T = rollout_batch(prompts, responses, seed=8)
     gen = torch.Generator().manual_seed(9)
     action = mask[:, -T:]
     return ids, mask, T, torch.randn(ids.shape[0], T, generator=gen) * action, torch.randn(ids.shape[0], T,
@@ -124,7 +124,7 @@ def _losses(logp, entropy, values, advantages, returns, action):
     return actor, critic
 
 
-def _sp_rank(rank: int, size: int, port: int, implementation: str, perturb: bool) -> dict:
+def _sp_rank(rank: int, size: int, port: int, implementation: str, perturb: bool, lengths: tuple) -> dict:
     """One rank of an SP group of ``size``: the batch's log-probs, entropy, values, losses, and the group's summed
     gradients; with ``perturb`` also the log-probs after changing sequence 1's tokens (row 2, before sequence 3)."""
     os.environ["DS_ACCELERATOR"] = "cpu"
@@ -143,7 +143,7 @@ def _sp_rank(rank: int, size: int, port: int, implementation: str, perturb: bool
         lm, critic = _models(implementation)
         use_ulysses_attention(lm, size)
         use_ulysses_attention(critic, size)
-        ids, mask, T, advantages, returns = _batch()
+        ids, mask, T, advantages, returns = _batch(*lengths)
         logp, entropy = sp_response_logprobs(lm, ids, mask, T, group, with_entropy=True, chunk_tokens=3)
         values = sp_critic_values(critic, ids, mask, T, group)
         actor_loss, critic_loss = _losses(logp, entropy, values, advantages, returns, mask[:, -T:])
@@ -167,12 +167,12 @@ def _sp_rank(rank: int, size: int, port: int, implementation: str, perturb: bool
         dist.destroy_process_group()
 
 
-def _one_rank(implementation: str) -> dict:
+def _one_rank(implementation: str, lengths: tuple = (PROMPTS, RESPONSES)) -> dict:
     """The same on one rank, through the project's packed forwards (rlhf_sg.packing)."""
     from rlhf_sg.packing import critic_values, response_logprobs
 
     lm, critic = _models(implementation)
-    ids, mask, T, advantages, returns = _batch()
+    ids, mask, T, advantages, returns = _batch(*lengths)
     logp, entropy = response_logprobs(lm, ids, mask, T, with_entropy=True)
     values = critic_values(critic, ids, mask, T)
     actor_loss, critic_loss = _losses(logp, entropy, values, advantages, returns, mask[:, -T:])
@@ -186,7 +186,8 @@ def _one_rank(implementation: str) -> dict:
             "padded_values": value_reference(critic, ids, mask, T).detach()}
 
 
-def _run_group(size: int, implementation: str, perturb: bool = False) -> list[dict]:
+def _run_group(size: int, implementation: str, perturb: bool = False, lengths: tuple = (PROMPTS, RESPONSES)
+               ) -> list[dict]:
     from zero3_rank import in_fresh_process
 
     from rlhf_sg.distributed import free_port
@@ -194,7 +195,7 @@ def _run_group(size: int, implementation: str, perturb: bool = False) -> list[di
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(size) as pool:
         futures = [pool.submit(in_fresh_process, _sp_rank, rank, size, port, implementation, perturb,
-                               timeout_s=4 * TIMEOUT_S) for rank in range(size)]
+                               lengths, timeout_s=4 * TIMEOUT_S) for rank in range(size)]
         failed = {rank: f.exception() for rank, f in enumerate(futures)}
     if any(failed.values()):
         pytest.fail("\n".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in failed.items() if e is not None),
@@ -202,9 +203,9 @@ def _run_group(size: int, implementation: str, perturb: bool = False) -> list[di
     return [f.result() for f in futures]
 
 
-def _responses_cross_an_edge(size: int) -> bool:
+def _responses_cross_an_edge(size: int, lengths: tuple = (PROMPTS, RESPONSES)) -> bool:
     """Whether some response's tokens lie on two ranks' columns at this SP size (the test's premise)."""
-    ids, mask, T = rollout_batch(PROMPTS, RESPONSES, seed=8)
+    ids, mask, T = rollout_batch(*lengths, seed=8)
     batch = pack(ids, mask, row_tokens=int(mask.sum(1).max()))
     shards = [shard_packed(batch, size, k) for k in range(size)]
     owner = torch.zeros(batch.num_tokens, dtype=torch.long)
@@ -222,11 +223,23 @@ def test_an_sp_group_equals_one_rank_on_packed_rows(size, implementation):
     """N = 2 and 4 ranks (N = 4 replicates the tiny preset's 2 key/value heads), a response crossing shard edges, a
     row packing two sequences: log-probs, entropy, values, both losses (the same on every rank) and every parameter
     gradient summed over the group equal one rank's packed forward, itself equal to each row alone."""
-    assert _responses_cross_an_edge(size)
-    expected = _one_rank(implementation)
+    _assert_group_equals_one_rank(size, implementation, (PROMPTS, RESPONSES))
+
+
+@pytest.mark.slow
+def test_rows_of_one_sequence_take_causal_attention_over_the_whole_row():
+    """Rows that hold one sequence each (23 and 19 tokens: no two fit a row) pass sdpa no mask: the wrapper asks
+    for causal attention over the whole row, not over the shard's columns; the padded row's extra column comes after
+    the sequence. Equal to one rank on 2 ranks, the response crossing the edge."""
+    _assert_group_equals_one_rank(2, "sdpa", ([3, 9], [20, 10]))
+
+
+def _assert_group_equals_one_rank(size: int, implementation: str, lengths: tuple) -> None:
+    assert _responses_cross_an_edge(size, lengths)
+    expected = _one_rank(implementation, lengths)
     torch.testing.assert_close(expected["logp"], expected["padded_logp"], atol=TOL, rtol=0)
     torch.testing.assert_close(expected["values"], expected["padded_values"], atol=TOL, rtol=0)
-    ranks = _run_group(size, implementation)
+    ranks = _run_group(size, implementation, lengths=lengths)
     for rank, seen in enumerate(ranks):
         for key in ("logp", "entropy", "values"):
             torch.testing.assert_close(seen[key], expected[key], atol=TOL, rtol=0, msg=f"rank {rank} {key}")

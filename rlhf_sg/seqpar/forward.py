@@ -17,6 +17,7 @@ what ZeRO-3 does given SP groups (all-reduce, divided by data-parallel ranks onl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -106,9 +107,9 @@ def _sharded_forward(model: nn.Module, sequences: torch.Tensor, attention_mask: 
         longest = max(batch.max_seqlen, width - batch.num_tokens)
         kwargs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=longest,
                       max_length_k=longest)
+    elif implementation == "sdpa" and batch.input_ids.shape[0] == batch.num_sequences:
+        group = dataclasses.replace(group, causal=True)  # one sequence per row: no [R, 1, L, L] mask
     else:
-        # always a mask, even with one sequence per row: without one the model would build a causal mask of the
-        # shard's columns
         dtype, positions = _model_dtype(module), rows.full_position_ids.to(device)
         kwargs["attention_mask"] = _dense_mask(module, lambda window: _block_causal_mask(positions, dtype, window))
     kwargs[SEQUENCE_PARALLEL_KWARG] = group

@@ -33,11 +33,15 @@ ULYSSES_PREFIX = "rlhf_sg_ulysses_"
 
 @dataclass(frozen=True)
 class SequenceParallelGroup:
-    """An SP group: its process group, size N and this rank's index in it (shard ``rank`` of every row)."""
+    """An SP group: its process group, size N and this rank's index in it (shard ``rank`` of every row). ``causal``
+    (set per forward by :mod:`rlhf_sg.seqpar.forward` on sdpa when every row holds one sequence): causal attention
+    over the whole rows, in place of whatever mask the model built from the shard's columns (its position ids restart
+    at the pad columns, which transformers reads as packed sequences)."""
 
     group: object  # torch.distributed.ProcessGroup
     size: int
     rank: int
+    causal: bool = False
 
     @classmethod
     def of(cls, group) -> SequenceParallelGroup:
@@ -113,6 +117,12 @@ def ulysses_attention(module, query, key, value, attention_mask, *, implementati
         key, value = (x.repeat_interleave(group.size // kv_heads, dim=1) for x in (key, value))
     query, key, value = (sequence_to_heads(x, group) for x in (query, key, value))
     local = _LocalHeads(module, query.shape[1] // key.shape[1])
+    if group.causal:  # one sequence per row, the pad columns after it: causal over the whole rows is exact
+        attention_mask, kwargs["is_causal"] = None, True
+    elif attention_mask is None or attention_mask.shape[-2] != query.shape[2]:
+        raise ValueError(f"sequence parallelism: the attention mask covers "
+                         f"{None if attention_mask is None else attention_mask.shape[-2]} queries, not the full rows' "
+                         f"{query.shape[2]}; pass the full rows' mask (rlhf_sg.seqpar.forward)")
     out, _ = attend(local, query, key, value, attention_mask, **kwargs)
     return heads_to_sequence(out, group), None
 
