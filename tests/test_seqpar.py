@@ -328,3 +328,60 @@ def test_the_flag_is_validated_before_ray(sp_config):
     critic.train.critic_num_ranks = 3
     with pytest.raises(ConfigError, match="--train.critic_num_ranks 3 is not a multiple of it"):
         validate(critic)
+
+
+def _saved_bytes_rank(rank: int, size: int, port: int, length: int) -> int:
+    """Bytes rank ``rank`` of an SP group of ``size`` keeps for the backward (parameters aside) in the log-prob
+    forward of one row of ``length`` tokens (sdpa, half of it response)."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import datetime
+
+    import torch.distributed as dist
+
+    from rlhf_sg.distributed import init_torch_distributed
+    from rlhf_sg.seqpar import SequenceParallelGroup, sp_response_logprobs, use_ulysses_attention
+    from rlhf_sg.tiny import build_tiny_model
+
+    torch.set_num_threads(1)
+    init_torch_distributed(rank, size, "127.0.0.1", port, timeout_s=TIMEOUT_S, local_rank=0)
+    try:
+        group = SequenceParallelGroup.of(dist.new_group(list(range(size)),
+                                                        timeout=datetime.timedelta(seconds=TIMEOUT_S)))
+        lm = build_tiny_model("llama", "tiny", seed=1)
+        lm.set_attn_implementation("sdpa")
+        use_ulysses_attention(lm, size)
+        parameters = {p.untyped_storage().data_ptr() for p in lm.parameters()}
+        ids = torch.randint(3, 90, (1, length), generator=torch.Generator().manual_seed(0))
+        saved: dict[int, int] = {}
+
+        def keep(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in parameters:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            sp_response_logprobs(lm, ids, torch.ones_like(ids), length // 2, group, chunk_tokens=256)
+        return sum(saved.values())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_ranks_saved_activations_for_one_long_row_fall_as_one_over_n():
+    """One row of 1024 tokens: what rank 0 keeps for the backward on 2 ranks is about half what one rank keeps."""
+    from zero3_rank import in_fresh_process
+
+    from rlhf_sg.distributed import free_port
+
+    per_size = {}
+    for size in (1, 2):
+        port = free_port()
+        with concurrent.futures.ThreadPoolExecutor(size) as pool:
+            futures = [pool.submit(in_fresh_process, _saved_bytes_rank, rank, size, port, 1024,
+                                   timeout_s=4 * TIMEOUT_S) for rank in range(size)]
+            per_size[size] = [f.result() for f in futures]
+    print(f"saved for the backward, one row of 1024 tokens: N=1 {per_size[1][0] / 2**20:.2f} MiB, "
+          f"N=2 {per_size[2][0] / 2**20:.2f} / {per_size[2][1] / 2**20:.2f} MiB per rank")
+    for got in per_size[2]:
+        assert 0.45 < got / per_size[1][0] < 0.6
