@@ -130,6 +130,11 @@ class TrainConfig:
     recompute_old_logp: bool | None = None
     #: recompute activations in the backward of actor and critic (less memory, ~30% more compute)
     gradient_checkpointing: bool = False
+    #: sequence parallelism (Ulysses, rlhf_sg/seqpar/): every packed row split over this many ranks of a group, each
+    #: attention computed per head over the whole row; each group's ranks = data-parallel ranks x this. The heads of
+    #: every model must split (checked here). The functions exist (rlhf_sg.seqpar, tested on gloo); the trainer's
+    #: workers do not run them yet, so a size above 1 is refused before Ray starts
+    sequence_parallel_size: int = 1
     #: a model group of one rank under ZeRO-3 too (true) or unpartitioned (false, the default: DeepSpeed stage 0, or
     #: stage 1 with bfloat16, where one rank partitions nothing; no gathers, same numbers); groups of several ranks
     #: stay ZeRO-3. A checkpoint written under the other setting is converted on resume (rlhf_sg/checkpoint_convert.py)
@@ -691,6 +696,46 @@ def _position_dependent_rope(path: str) -> tuple[str, int] | None:
     return None
 
 
+def _heads(path: str) -> tuple[int, int] | None:
+    """(attention heads, key/value heads) from a model directory's config.json (or its text_config); None when
+    it names none."""
+    import json
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    for c in (config, config.get("text_config")):
+        if isinstance(c, dict) and isinstance(c.get("num_attention_heads"), int):
+            return c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
+    return None
+
+
+def _check_sequence_parallel(cfg: Config) -> None:
+    """--train.sequence_parallel_size: it divides every group's ranks and every model's heads split over it."""
+    from rlhf_sg.seqpar.heads import check_sequence_parallel_heads
+
+    m, t, rw = cfg.model, cfg.train, cfg.reward
+    n, flag = t.sequence_parallel_size, "--train.sequence_parallel_size"
+    _need(n >= 1, f"{flag} must be >= 1, got {n}")
+    if n == 1:
+        return
+    critic = t.advantage_estimator == "gae"
+    groups = (("--train.actor_num_ranks", t.actor_num_ranks, m.pretrain, True),
+              ("--train.critic_num_ranks", t.critic_num_ranks, m.critic_pretrain or m.reward_pretrain or m.pretrain,
+               critic),
+              ("--train.ref_num_ranks", t.ref_num_ranks, m.pretrain, t.kl_coef > 0),
+              ("--reward.num_ranks", rw.num_ranks, m.reward_pretrain, rw.kind == "model"))
+    for ranks_flag, ranks, path, used in groups:
+        if not used:
+            continue
+        _need(ranks % n == 0, f"{flag} {n}: {ranks_flag} {ranks} is not a multiple of it (a group's ranks are "
+                              f"data-parallel ranks x {n}); set {ranks_flag} to a multiple of {n}")
+        heads = _heads(path) if path and os.path.isfile(os.path.join(path, "config.json")) else None
+        if heads is not None:
+            check_sequence_parallel_heads(path, *heads, n, flag)
+    _need(False, f"{flag} {n}: the trainer's workers do not run sequence parallelism yet (rlhf_sg.seqpar holds the "
+                 "sharded forwards, tested on gloo, but no group uses them); set it to 1")
+
+
 def validate(cfg: Config) -> Config:
     """Everything checkable without starting Ray; raises ConfigError naming the flag."""
     m, r, t, d, rw = cfg.model, cfg.rollout, cfg.train, cfg.data, cfg.reward
@@ -832,6 +877,7 @@ def validate(cfg: Config) -> Config:
               f"{flag} {ranks}: a step has {samples} samples (prompts_per_step x n_samples_per_prompt), fewer than "
               "the ranks that must each score one; lower it or raise --rollout.prompts_per_step")
     _check_policy_loss(cfg)
+    _check_sequence_parallel(cfg)
     _need(t.tis_cap is None or t.tis_cap > 0, f"--train.tis_cap must be > 0 (got {t.tis_cap})")
     _need(r.weight_transport in ("collective", "tensor", "disk"),
           f"--rollout.weight_transport must be collective, tensor or disk, got {r.weight_transport!r}")

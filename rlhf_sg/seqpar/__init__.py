@@ -1,0 +1,25 @@
+"""Sequence parallelism (Ulysses) for the training groups: one long row split over the N ranks of an SP group.
+
+- :mod:`.heads`: which N a model's attention heads allow (key / value heads fewer than N are replicated).
+- :mod:`.ulysses`: the all-to-all wrapper around the attention function the model runs (sdpa, eager, flash-attention
+  varlen), so the project's own masks apply to the whole rows on each rank's heads.
+- :mod:`.layout`: pack, labels, pad to a multiple of N (pad columns their own segment), slice.
+- :mod:`.forward`: log-probs, entropy and values by an SP group, and the loss convention (its module doc).
+"""
+
+from rlhf_sg.seqpar.forward import sp_critic_values, sp_response_logprobs
+from rlhf_sg.seqpar.heads import check_sequence_parallel_heads, head_counts, sizes_that_split
+from rlhf_sg.seqpar.layout import ShardedRows, padded_width, shard_packed
+from rlhf_sg.seqpar.ulysses import (
+    SEQUENCE_PARALLEL_KWARG,
+    SequenceParallelGroup,
+    heads_to_sequence,
+    sequence_to_heads,
+    use_ulysses_attention,
+    wrapped_implementation,
+)
+
+__all__ = ["SEQUENCE_PARALLEL_KWARG", "SequenceParallelGroup", "ShardedRows", "check_sequence_parallel_heads",
+           "head_counts", "heads_to_sequence", "padded_width", "sequence_to_heads", "shard_packed",
+           "sizes_that_split", "sp_critic_values", "sp_response_logprobs", "use_ulysses_attention",
+           "wrapped_implementation"]

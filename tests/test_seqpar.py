@@ -1,0 +1,387 @@
+"""Sequence parallelism (Ulysses, rlhf_sg.seqpar): N ranks on gloo equal one rank.
+
+The multi-rank tests run each rank in a process of its own (:mod:`zero3_rank`), every collective of the group failing
+after :data:`TIMEOUT_S`. Each rank computes the log-probs, entropy and values of one packed batch, the loss from them
+(the convention of rlhf_sg.seqpar.forward: the whole batch's loss on every rank) and its gradients, which the test sums
+over the SP group (what ZeRO-3 does given SP groups); all of that must equal the one-rank packed forward, itself held
+to each row alone (tests/test_packing.py).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import os
+
+import pytest
+import torch
+from test_packing import TOL, assert_grads_close, padded_reference, rollout_batch, value_reference
+
+from rlhf_sg.config import ConfigError
+from rlhf_sg.packing import pack, pack_values
+from rlhf_sg.seqpar import check_sequence_parallel_heads, padded_width, shard_packed, sizes_that_split
+
+#: prompt and response lengths: rows of 14 tokens (14 | 13 | 7 + 5), so row 2 packs two sequences, and sequence 0's
+#: response (columns 5..13) crosses the shard edges of N = 2 (column 7) and N = 4 (columns 8 and 12 of 16)
+PROMPTS, RESPONSES = [5, 3, 7, 2], [9, 4, 6, 3]
+TIMEOUT_S = 60
+ENTROPY_COEF = 0.1
+
+
+# ---- one process -----------------------------------------------------------------------------------------------
+
+
+def test_sizes_that_split_follow_the_heads():
+    assert sizes_that_split(4, 2) == [1, 2, 4]  # the tiny preset: 4 replicates the 2 key/value heads
+    assert sizes_that_split(10, 5) == [1, 5, 10]
+    assert sizes_that_split(32, 8) == [1, 2, 4, 8, 16, 32]
+    assert sizes_that_split(12, 8) == [1, 2, 4]  # 3 divides the query heads but neither divides 8 nor is a multiple
+    assert sizes_that_split(28, 4) == [1, 2, 4, 28]  # 7 and 14 would split one key/value head's query heads
+
+
+def test_a_size_the_heads_cannot_split_is_refused_naming_model_counts_and_sizes():
+    check_sequence_parallel_heads("Tiny", 4, 2, 4, "--train.sequence_parallel_size")
+    with pytest.raises(ConfigError) as error:
+        check_sequence_parallel_heads("Qwen2ForCausalLM", 10, 5, 4, "--train.sequence_parallel_size")
+    message = str(error.value)
+    for part in ("--train.sequence_parallel_size 4", "Qwen2ForCausalLM", "10 attention heads", "5 key/value heads",
+                 "sizes that work for this model: 1, 5, 10"):
+        assert part in message
+
+
+def test_pad_columns_are_a_segment_of_their_own_and_labels_are_built_before_slicing():
+    ids, mask, _ = rollout_batch(PROMPTS, RESPONSES, seed=1)
+    batch = pack(ids, mask, row_tokens=14)
+    assert batch.input_ids.shape == (3, 14)
+    shards = [shard_packed(batch, 4, k) for k in range(4)]
+    width = padded_width(14, 4)
+    assert width == 16
+    full = shards[0].full_position_ids
+    # the two pad columns restart at 0: a segment of their own (column - position = 14)
+    assert full[:, 14:].tolist() == [[0, 1]] * 3
+    assert torch.equal(torch.cat([s.position_ids for s in shards], dim=1), full)
+    assert torch.equal(torch.cat([s.input_ids for s in shards], dim=1)[:, :14], batch.input_ids)
+    # every real token sits at its padded slot, and each shard's local index finds it
+    flat = torch.cat([s.input_ids for s in shards], dim=1).reshape(-1)
+    assert torch.equal(flat[shards[0].slots], pack_values(ids, batch))
+    owners = torch.zeros(batch.num_tokens, dtype=torch.long)
+    for shard in shards:
+        mine, local = shard.local_index(shard.slots)
+        assert torch.equal(shard.input_ids.reshape(-1)[local], pack_values(ids, batch)[mine])
+        owners[mine] += 1
+    assert owners.eq(1).all()
+    # the token at shard 0's last column (row 0, column 3) keeps the label of the next token, on shard 1
+    row0 = (shards[0].slots < 16).nonzero()[:, 0]
+    at_edge = row0[shards[0].slots[row0] == 3]
+    assert batch.labels[at_edge].item() == shards[1].input_ids[0, 0].item()
+
+
+def test_a_switched_model_without_a_group_is_the_model_it_was():
+    from rlhf_sg.packing import response_logprobs
+    from rlhf_sg.seqpar import use_ulysses_attention
+    from rlhf_sg.tiny import build_tiny_model
+
+    ids, mask, T = rollout_batch(PROMPTS, RESPONSES, seed=2)
+    for implementation in ("sdpa", "eager"):
+        lm = build_tiny_model("llama", "tiny", seed=4)
+        lm.set_attn_implementation(implementation)
+        expected = response_logprobs(lm, ids, mask, T)
+        switched = copy.deepcopy(lm)
+        assert use_ulysses_attention(switched, 4) == implementation
+        assert switched.config._attn_implementation == "rlhf_sg_ulysses_" + implementation
+        got = response_logprobs(switched, ids, mask, T, attn_implementation=implementation)
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+# ---- N ranks ---------------------------------------------------------------------------------------------------
+
+
+def _models(implementation: str):
+    from rlhf_sg.models import ValueHeadModel
+    from rlhf_sg.tiny import build_tiny_model
+
+    lm = build_tiny_model("llama", "tiny", seed=5)
+    lm.set_attn_implementation(implementation)
+    torch.manual_seed(6)
+    critic = ValueHeadModel(build_tiny_model("llama", "tiny", seed=7).model)
+    critic.model.set_attn_implementation(implementation)
+    return lm, critic
+
+
+def _batch(prompts=PROMPTS, responses=RESPONSES):
+    ids, mask, T = rollout_batch(prompts, responses, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    action = mask[:, -T:]
+    return ids, mask, T, torch.randn(ids.shape[0], T, generator=gen) * action, torch.randn(ids.shape[0], T,
+                                                                                          generator=gen) * action
+
+
+def _losses(logp, entropy, values, advantages, returns, action):
+    """The actor's and critic's losses over the whole batch, normalised by its response tokens (once)."""
+    tokens = action.sum()
+    actor = -((logp * advantages).sum() + ENTROPY_COEF * (entropy * action).sum()) / tokens
+    critic = (((values - returns) * action) ** 2).sum() / tokens
+    return actor, critic
+
+
+def _sp_rank(rank: int, size: int, port: int, implementation: str, perturb: bool, lengths: tuple) -> dict:
+    """One rank of an SP group of ``size``: the batch's log-probs, entropy, values, losses, and the group's summed
+    gradients; with ``perturb`` also the log-probs after changing sequence 1's tokens (row 2, before sequence 3)."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import datetime
+
+    import torch.distributed as dist
+
+    from rlhf_sg.distributed import init_torch_distributed
+    from rlhf_sg.seqpar import SequenceParallelGroup, sp_critic_values, sp_response_logprobs, use_ulysses_attention
+
+    torch.set_num_threads(1)
+    init_torch_distributed(rank, size, "127.0.0.1", port, timeout_s=TIMEOUT_S, local_rank=0)
+    try:
+        group = SequenceParallelGroup.of(dist.new_group(list(range(size)),
+                                                        timeout=datetime.timedelta(seconds=TIMEOUT_S)))
+        lm, critic = _models(implementation)
+        use_ulysses_attention(lm, size)
+        use_ulysses_attention(critic, size)
+        ids, mask, T, advantages, returns = _batch(*lengths)
+        logp, entropy = sp_response_logprobs(lm, ids, mask, T, group, with_entropy=True, chunk_tokens=3)
+        values = sp_critic_values(critic, ids, mask, T, group)
+        actor_loss, critic_loss = _losses(logp, entropy, values, advantages, returns, mask[:, -T:])
+        (actor_loss + critic_loss).backward()
+        grads = {}
+        for prefix, model in (("actor.", lm), ("critic.", critic)):
+            for name, param in model.named_parameters():
+                grad = param.grad.clone()
+                dist.all_reduce(grad, group=group.group)
+                grads[prefix + name] = grad
+        seen = {"logp": logp.detach(), "entropy": entropy.detach(), "values": values.detach(),
+                "actor_loss": actor_loss.item(), "critic_loss": critic_loss.item(), "grads": grads}
+        if perturb:
+            changed = ids.clone()
+            changed[1][mask[1].bool()] = (changed[1][mask[1].bool()] + 7) % 90 + 3
+            with torch.no_grad():  # both in one mode: sdpa's kernel may differ with and without autograd
+                seen["unperturbed"] = sp_response_logprobs(lm, ids, mask, T, group)
+                seen["perturbed"] = sp_response_logprobs(lm, changed, mask, T, group)
+        return seen
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_rank(implementation: str, lengths: tuple = (PROMPTS, RESPONSES)) -> dict:
+    """The same on one rank, through the project's packed forwards (rlhf_sg.packing)."""
+    from rlhf_sg.packing import critic_values, response_logprobs
+
+    lm, critic = _models(implementation)
+    ids, mask, T, advantages, returns = _batch(*lengths)
+    logp, entropy = response_logprobs(lm, ids, mask, T, with_entropy=True)
+    values = critic_values(critic, ids, mask, T)
+    actor_loss, critic_loss = _losses(logp, entropy, values, advantages, returns, mask[:, -T:])
+    (actor_loss + critic_loss).backward()
+    grads = {f"{prefix}{name}": p.grad.clone() for prefix, model in (("actor.", lm), ("critic.", critic))
+             for name, p in model.named_parameters()}
+    padded_logp, padded_entropy = padded_reference(lm, ids, mask, T)
+    return {"logp": logp.detach(), "entropy": entropy.detach(), "values": values.detach(),
+            "actor_loss": actor_loss.item(), "critic_loss": critic_loss.item(), "grads": grads,
+            "padded_logp": padded_logp.detach(), "padded_entropy": padded_entropy.detach(),
+            "padded_values": value_reference(critic, ids, mask, T).detach()}
+
+
+def _run_group(size: int, implementation: str, perturb: bool = False, lengths: tuple = (PROMPTS, RESPONSES)
+               ) -> list[dict]:
+    from zero3_rank import in_fresh_process
+
+    from rlhf_sg.distributed import free_port
+
+    port = free_port()
+    with concurrent.futures.ThreadPoolExecutor(size) as pool:
+        futures = [pool.submit(in_fresh_process, _sp_rank, rank, size, port, implementation, perturb,
+                               lengths, timeout_s=4 * TIMEOUT_S) for rank in range(size)]
+        failed = {rank: f.exception() for rank, f in enumerate(futures)}
+    if any(failed.values()):
+        pytest.fail("\n".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in failed.items() if e is not None),
+                    pytrace=False)
+    return [f.result() for f in futures]
+
+
+def _responses_cross_an_edge(size: int, lengths: tuple = (PROMPTS, RESPONSES)) -> bool:
+    """Whether some response's tokens lie on two ranks' columns at this SP size (the test's premise)."""
+    ids, mask, T = rollout_batch(*lengths, seed=8)
+    batch = pack(ids, mask, row_tokens=int(mask.sum(1).max()))
+    shards = [shard_packed(batch, size, k) for k in range(size)]
+    owner = torch.zeros(batch.num_tokens, dtype=torch.long)
+    for k, shard in enumerate(shards):
+        owner[shard.local_index(shard.slots)[0]] = k
+    is_response = pack_values(torch.cat([torch.zeros_like(mask[:, :-T]), mask[:, -T:]], dim=1), batch).bool()
+    starts = batch.cu_seqlens[:-1].long()
+    ends = batch.cu_seqlens[1:].long()
+    return any(len(set(owner[s:e][is_response[s:e]].tolist())) > 1 for s, e in zip(starts, ends))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size,implementation", [(2, "sdpa"), (4, "sdpa"), (2, "eager"), (4, "eager")])
+def test_an_sp_group_equals_one_rank_on_packed_rows(size, implementation):
+    """N = 2 and 4 ranks (N = 4 replicates the tiny preset's 2 key/value heads), a response crossing shard edges, a
+    row packing two sequences: log-probs, entropy, values, both losses (the same on every rank) and every parameter
+    gradient summed over the group equal one rank's packed forward, itself equal to each row alone."""
+    _assert_group_equals_one_rank(size, implementation, (PROMPTS, RESPONSES))
+
+
+@pytest.mark.slow
+def test_rows_of_one_sequence_take_causal_attention_over_the_whole_row():
+    """Rows that hold one sequence each (23 and 19 tokens: no two fit a row) pass sdpa no mask: the wrapper asks
+    for causal attention over the whole row, not over the shard's columns; the padded row's extra column comes after
+    the sequence. Equal to one rank on 2 ranks, the response crossing the edge."""
+    _assert_group_equals_one_rank(2, "sdpa", ([3, 9], [20, 10]))
+
+
+def _assert_group_equals_one_rank(size: int, implementation: str, lengths: tuple) -> None:
+    assert _responses_cross_an_edge(size, lengths)
+    expected = _one_rank(implementation, lengths)
+    torch.testing.assert_close(expected["logp"], expected["padded_logp"], atol=TOL, rtol=0)
+    torch.testing.assert_close(expected["values"], expected["padded_values"], atol=TOL, rtol=0)
+    ranks = _run_group(size, implementation, lengths=lengths)
+    for rank, seen in enumerate(ranks):
+        for key in ("logp", "entropy", "values"):
+            torch.testing.assert_close(seen[key], expected[key], atol=TOL, rtol=0, msg=f"rank {rank} {key}")
+        for key in ("actor_loss", "critic_loss"):  # the whole batch's loss on every rank, not a share of it
+            assert seen[key] == pytest.approx(expected[key], abs=TOL), (rank, key)
+        assert seen["grads"].keys() == expected["grads"].keys()
+        for name, grad in expected["grads"].items():
+            assert grad.abs().max() > 0, name  # every parameter takes part
+            assert_grads_close(seen["grads"][name], grad, f"rank {rank} {name}")
+
+
+@pytest.mark.slow
+def test_no_attention_crosses_segments_in_an_sp_group():
+    """Sequence 3 packs into a row after sequence 1 (FFD: 7 + 5 tokens), so causal attention alone would let it see
+    sequence 1: changing every token of sequence 1 changes its own log-probs and leaves every other sequence's exactly
+    as they were, on 2 ranks."""
+    ids, mask, _ = rollout_batch(PROMPTS, RESPONSES, seed=8)
+    batch = pack(ids, mask, row_tokens=14)
+    row_of = batch.slots[batch.cu_seqlens[:-1].long()] // 14
+    assert row_of[1] == row_of[3] and batch.slots[batch.cu_seqlens[1]] < batch.slots[batch.cu_seqlens[3]]
+    ranks = _run_group(2, "sdpa", perturb=True)
+    for seen in ranks:
+        others = [0, 2, 3]
+        assert torch.equal(seen["perturbed"][others], seen["unperturbed"][others])
+        assert (seen["perturbed"][1] - seen["unperturbed"][1]).abs().max() > 1e-3
+
+
+# ---- the flag ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sp_config(tmp_path_factory):
+    """A valid config maker (the defaults, the tiny model: 4 heads / 2 key/value heads) and a copy of the model whose
+    config.json says 6 heads / 3 key/value heads."""
+    import json
+    import shutil
+
+    from rlhf_sg.config import Config
+    from rlhf_sg.tiny import save_tiny_model
+
+    model = save_tiny_model(str(tmp_path_factory.mktemp("m")))
+    odd = str(tmp_path_factory.mktemp("odd") / "model")
+    shutil.copytree(model, odd)
+    with open(os.path.join(odd, "config.json")) as f:
+        config = json.load(f)
+    config.update(num_attention_heads=6, num_key_value_heads=3)
+    with open(os.path.join(odd, "config.json"), "w") as f:
+        json.dump(config, f)
+    prompts = tmp_path_factory.mktemp("data") / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1="}\n')
+
+    def make(size: int, ranks: int, path: str = model) -> Config:
+        cfg = Config()
+        cfg.model.pretrain, cfg.data.prompt_data, cfg.reward.function = path, str(prompts), "m:f"
+        cfg.train.sequence_parallel_size = size
+        cfg.train.actor_num_ranks = cfg.train.critic_num_ranks = cfg.train.ref_num_ranks = ranks
+        cfg.rollout.prompts_per_step = 8
+        return cfg
+
+    make.odd = odd
+    return make
+
+
+def test_the_flag_is_validated_before_ray(sp_config):
+    from rlhf_sg.config import apply_overrides, validate
+
+    validate(sp_config(1, 2))
+    cfg = sp_config(1, 2)
+    apply_overrides(cfg, {"train.sequence_parallel_size": "2"}, "--train.sequence_parallel_size")
+    assert cfg.train.sequence_parallel_size == 2
+    cases = [
+        (sp_config(0, 2), "--train.sequence_parallel_size must be >= 1, got 0"),
+        (sp_config(4, 2), "--train.sequence_parallel_size 4: --train.actor_num_ranks 2 is not a multiple of it"),
+        (sp_config(4, 4, sp_config.odd), f"--train.sequence_parallel_size 4: {sp_config.odd} has 6 attention heads "
+                                         "and 3 key/value heads"),
+        (sp_config(2, 4), "--train.sequence_parallel_size 2: the trainer's workers do not run sequence "
+                          "parallelism yet"),
+    ]
+    for cfg, message in cases:
+        with pytest.raises(ConfigError) as error:
+            validate(cfg)
+        assert str(error.value).startswith(message), str(error.value)
+    with pytest.raises(ConfigError, match="sizes that work for this model: 1, 3, 6"):
+        validate(sp_config(4, 4, sp_config.odd))
+    critic = sp_config(2, 4)
+    critic.train.critic_num_ranks = 3
+    with pytest.raises(ConfigError, match="--train.critic_num_ranks 3 is not a multiple of it"):
+        validate(critic)
+
+
+def _saved_bytes_rank(rank: int, size: int, port: int, length: int) -> int:
+    """Bytes rank ``rank`` of an SP group of ``size`` keeps for the backward (parameters aside) in the log-prob
+    forward of one row of ``length`` tokens (sdpa, half of it response)."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import datetime
+
+    import torch.distributed as dist
+
+    from rlhf_sg.distributed import init_torch_distributed
+    from rlhf_sg.seqpar import SequenceParallelGroup, sp_response_logprobs, use_ulysses_attention
+    from rlhf_sg.tiny import build_tiny_model
+
+    torch.set_num_threads(1)
+    init_torch_distributed(rank, size, "127.0.0.1", port, timeout_s=TIMEOUT_S, local_rank=0)
+    try:
+        group = SequenceParallelGroup.of(dist.new_group(list(range(size)),
+                                                        timeout=datetime.timedelta(seconds=TIMEOUT_S)))
+        lm = build_tiny_model("llama", "tiny", seed=1)
+        lm.set_attn_implementation("sdpa")
+        use_ulysses_attention(lm, size)
+        parameters = {p.untyped_storage().data_ptr() for p in lm.parameters()}
+        ids = torch.randint(3, 90, (1, length), generator=torch.Generator().manual_seed(0))
+        saved: dict[int, int] = {}
+
+        def keep(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in parameters:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            sp_response_logprobs(lm, ids, torch.ones_like(ids), length // 2, group, chunk_tokens=256)
+        return sum(saved.values())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_ranks_saved_activations_for_one_long_row_fall_as_one_over_n():
+    """One row of 1024 tokens: what rank 0 keeps for the backward on 2 ranks is about half what one rank keeps."""
+    from zero3_rank import in_fresh_process
+
+    from rlhf_sg.distributed import free_port
+
+    per_size = {}
+    for size in (1, 2):
+        port = free_port()
+        with concurrent.futures.ThreadPoolExecutor(size) as pool:
+            futures = [pool.submit(in_fresh_process, _saved_bytes_rank, rank, size, port, 1024,
+                                   timeout_s=4 * TIMEOUT_S) for rank in range(size)]
+            per_size[size] = [f.result() for f in futures]
+    print(f"saved for the backward, one row of 1024 tokens: N=1 {per_size[1][0] / 2**20:.2f} MiB, "
+          f"N=2 {per_size[2][0] / 2**20:.2f} / {per_size[2][1] / 2**20:.2f} MiB per rank")
+    for got in per_size[2]:
+        assert 0.45 < got / per_size[1][0] < 0.6
