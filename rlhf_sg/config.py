@@ -130,9 +130,9 @@ class TrainConfig:
     recompute_old_logp: bool | None = None
     #: recompute activations in the backward of actor and critic (less memory, ~30% more compute)
     gradient_checkpointing: bool = False
-    #: sequence parallelism (Ulysses, rlhf_sg/seqpar/): every packed row split over this many ranks of a group, each
+    #: sequence parallelism (Ulysses, rlhf_sg/parallel/): every packed row split over this many ranks of a group, each
     #: attention computed per head over the whole row; each group's ranks = data-parallel ranks x this. The heads of
-    #: every model must split (checked here). The functions exist (rlhf_sg.seqpar, tested on gloo); the trainer's
+    #: every model must split (checked here). The functions exist (rlhf_sg.parallel, tested on gloo); the trainer's
     #: workers do not run them yet, so a size above 1 is refused before Ray starts
     sequence_parallel_size: int = 1
     #: a model group of one rank under ZeRO-3 too (true) or unpartitioned (false, the default: DeepSpeed stage 0, or
@@ -711,7 +711,7 @@ def _heads(path: str) -> tuple[int, int] | None:
 
 def _check_sequence_parallel(cfg: Config) -> None:
     """--train.sequence_parallel_size: it divides every group's ranks and every model's heads split over it."""
-    from rlhf_sg.seqpar.heads import check_sequence_parallel_heads
+    from rlhf_sg.parallel.heads import check_sequence_parallel_heads
 
     m, t, rw = cfg.model, cfg.train, cfg.reward
     n, flag = t.sequence_parallel_size, "--train.sequence_parallel_size"
@@ -732,7 +732,7 @@ def _check_sequence_parallel(cfg: Config) -> None:
         heads = _heads(path) if path and os.path.isfile(os.path.join(path, "config.json")) else None
         if heads is not None:
             check_sequence_parallel_heads(path, *heads, n, flag)
-    _need(False, f"{flag} {n}: the trainer's workers do not run sequence parallelism yet (rlhf_sg.seqpar holds the "
+    _need(False, f"{flag} {n}: the trainer's workers do not run sequence parallelism yet (rlhf_sg.parallel holds the "
                  "sharded forwards, tested on gloo, but no group uses them); set it to 1")
 
 

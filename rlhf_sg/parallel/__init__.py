@@ -7,10 +7,10 @@
 - :mod:`.forward`: log-probs, entropy and values by an SP group, and the loss convention (its module doc).
 """
 
-from rlhf_sg.seqpar.forward import sp_critic_values, sp_response_logprobs
-from rlhf_sg.seqpar.heads import check_sequence_parallel_heads, head_counts, sizes_that_split
-from rlhf_sg.seqpar.layout import ShardedRows, padded_width, shard_packed
-from rlhf_sg.seqpar.ulysses import (
+from rlhf_sg.parallel.forward import sp_critic_values, sp_response_logprobs
+from rlhf_sg.parallel.heads import check_sequence_parallel_heads, head_counts, sizes_that_split
+from rlhf_sg.parallel.layout import ShardedRows, padded_width, shard_packed
+from rlhf_sg.parallel.ulysses import (
     SEQUENCE_PARALLEL_KWARG,
     SequenceParallelGroup,
     heads_to_sequence,

@@ -1,10 +1,10 @@
-"""Sequence parallelism (Ulysses, rlhf_sg.seqpar): N ranks on gloo equal one rank.
+"""Sequence parallelism (Ulysses, rlhf_sg.parallel): N ranks on gloo equal one rank.
 
 The multi-rank tests run each rank in a process of its own (:mod:`zero3_rank`), every collective of the group failing
 after :data:`TIMEOUT_S`. Each rank computes the log-probs, entropy and values of one packed batch, the loss from them
-(the convention of rlhf_sg.seqpar.forward: the whole batch's loss on every rank) and its gradients, which the test sums
-over the SP group (what ZeRO-3 does given SP groups); all of that must equal the one-rank packed forward, itself held
-to each row alone (tests/test_packing.py).
+(the convention of rlhf_sg.parallel.forward: the whole batch's loss on every rank) and its gradients, which the test
+sums over the SP group (what ZeRO-3 does given SP groups); all of that must equal the one-rank packed forward, itself
+held to each row alone (tests/test_packing.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from test_packing import TOL, assert_grads_close, padded_reference, rollout_batc
 
 from rlhf_sg.config import ConfigError
 from rlhf_sg.packing import pack, pack_values
-from rlhf_sg.seqpar import check_sequence_parallel_heads, padded_width, shard_packed, sizes_that_split
+from rlhf_sg.parallel import check_sequence_parallel_heads, padded_width, shard_packed, sizes_that_split
 
 #: prompt and response lengths: rows of 14 tokens (14 | 13 | 7 + 5), so row 2 packs two sequences, and sequence 0's
 #: response (columns 5..13) crosses the shard edges of N = 2 (column 7) and N = 4 (columns 8 and 12 of 16)
@@ -78,7 +78,7 @@ def test_pad_columns_are_a_segment_of_their_own_and_labels_are_built_before_slic
 
 def test_a_switched_model_without_a_group_is_the_model_it_was():
     from rlhf_sg.packing import response_logprobs
-    from rlhf_sg.seqpar import use_ulysses_attention
+    from rlhf_sg.parallel import use_ulysses_attention
     from rlhf_sg.tiny import build_tiny_model
 
     ids, mask, T = rollout_batch(PROMPTS, RESPONSES, seed=2)
@@ -133,7 +133,7 @@ def _sp_rank(rank: int, size: int, port: int, implementation: str, perturb: bool
     import torch.distributed as dist
 
     from rlhf_sg.distributed import init_torch_distributed
-    from rlhf_sg.seqpar import SequenceParallelGroup, sp_critic_values, sp_response_logprobs, use_ulysses_attention
+    from rlhf_sg.parallel import SequenceParallelGroup, sp_critic_values, sp_response_logprobs, use_ulysses_attention
 
     torch.set_num_threads(1)
     init_torch_distributed(rank, size, "127.0.0.1", port, timeout_s=TIMEOUT_S, local_rank=0)
@@ -339,7 +339,7 @@ def _saved_bytes_rank(rank: int, size: int, port: int, length: int) -> int:
     import torch.distributed as dist
 
     from rlhf_sg.distributed import init_torch_distributed
-    from rlhf_sg.seqpar import SequenceParallelGroup, sp_response_logprobs, use_ulysses_attention
+    from rlhf_sg.parallel import SequenceParallelGroup, sp_response_logprobs, use_ulysses_attention
     from rlhf_sg.tiny import build_tiny_model
 
     torch.set_num_threads(1)

@@ -1,10 +1,10 @@
 """Log-probs, entropy and values of a rollout batch computed by an SP group, each rank on its columns.
 
 Every rank of the group is given the same padded batch; it packs it (:func:`rlhf_sg.packing.pack`, labels included),
-pads and slices the rows (:func:`rlhf_sg.seqpar.layout.shard_packed`), checks that the group's shards are one batch
+pads and slices the rows (:func:`rlhf_sg.parallel.layout.shard_packed`), checks that the group's shards are one batch
 (an all-gather of the shards' token and position ids: ranks given different batches would train on a mix of them),
 and runs the model on its columns with the full rows' mask, the attention going through the Ulysses wrapper
-(:mod:`rlhf_sg.seqpar.ulysses`). Each rank projects only the hidden states of its columns that predict a response
+(:mod:`rlhf_sg.parallel.ulysses`). Each rank projects only the hidden states of its columns that predict a response
 token (the lm_head in chunks, as :func:`rlhf_sg.packing.response_logprobs`), then the group sums the [B, T] blocks
 (each response token is computed on exactly one rank, zero elsewhere), so every rank returns the whole batch's result.
 
@@ -49,8 +49,8 @@ from rlhf_sg.packing import (
     pack,
     pack_values,
 )
-from rlhf_sg.seqpar.layout import ShardedRows, shard_packed
-from rlhf_sg.seqpar.ulysses import SEQUENCE_PARALLEL_KWARG, SequenceParallelGroup, wrapped_implementation
+from rlhf_sg.parallel.layout import ShardedRows, shard_packed
+from rlhf_sg.parallel.ulysses import SEQUENCE_PARALLEL_KWARG, SequenceParallelGroup, wrapped_implementation
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -89,7 +89,7 @@ def _sharded_forward(model: nn.Module, sequences: torch.Tensor, attention_mask: 
     implementation = wrapped_implementation(module)
     if implementation is None:
         raise ValueError(f"{type(module).__name__} is not switched to sequence parallelism; call "
-                         "rlhf_sg.seqpar.use_ulysses_attention(model, size) first")
+                         "rlhf_sg.parallel.use_ulysses_attention(model, size) first")
     reason = one_sequence_per_row_reason(module)
     if reason is not None:
         raise ValueError(f"{type(module).__name__}: {reason}, so its rows cannot be split across ranks; train it with "
@@ -138,7 +138,7 @@ def sp_response_logprobs(
 ):
     """:func:`rlhf_sg.packing.response_logprobs` by an SP group (module doc): ``logp`` [B, T] float32 (and
     ``entropy`` [B, T]), the whole batch's on every rank, equal to one rank's up to float rounding. ``model`` must
-    have been switched (:func:`rlhf_sg.seqpar.use_ulysses_attention`); every rank of ``group`` calls this with the
+    have been switched (:func:`rlhf_sg.parallel.use_ulysses_attention`); every rank of ``group`` calls this with the
     same batch."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlhf_sg.seqpar.heads import check_sequence_parallel_heads, head_counts
+from rlhf_sg.parallel.heads import check_sequence_parallel_heads, head_counts
 
 #: the model-forward keyword that carries a forward's :class:`SequenceParallelGroup` to the attention function
 SEQUENCE_PARALLEL_KWARG = "sequence_parallel"
@@ -34,7 +34,7 @@ ULYSSES_PREFIX = "rlhf_sg_ulysses_"
 @dataclass(frozen=True)
 class SequenceParallelGroup:
     """An SP group: its process group, size N and this rank's index in it (shard ``rank`` of every row). ``causal``
-    (set per forward by :mod:`rlhf_sg.seqpar.forward` on sdpa when every row holds one sequence): causal attention
+    (set per forward by :mod:`rlhf_sg.parallel.forward` on sdpa when every row holds one sequence): causal attention
     over the whole rows, in place of whatever mask the model built from the shard's columns (its position ids restart
     at the pad columns, which transformers reads as packed sequences)."""
 
@@ -122,7 +122,7 @@ def ulysses_attention(module, query, key, value, attention_mask, *, implementati
     elif attention_mask is None or attention_mask.shape[-2] != query.shape[2]:
         raise ValueError(f"sequence parallelism: the attention mask covers "
                          f"{None if attention_mask is None else attention_mask.shape[-2]} queries, not the full rows' "
-                         f"{query.shape[2]}; pass the full rows' mask (rlhf_sg.seqpar.forward)")
+                         f"{query.shape[2]}; pass the full rows' mask (rlhf_sg.parallel.forward)")
     out, _ = attend(local, query, key, value, attention_mask, **kwargs)
     return heads_to_sequence(out, group), None
 
