@@ -1,0 +1,114 @@
+"""M-RoPE positions per sequence, laid into packed rows; the vision tower once per prompt.
+
+Qwen-VL models rotate queries and keys by three position rows (temporal, height, width), which inside an image
+follow its patch grid and after it jump ahead (``get_rope_index``). Packing rows of several sequences must give
+each sequence the positions it has alone, so they are computed for each sequence alone, by the model's own
+``get_rope_index``, and only then laid into the packed slots. The model takes ``position_ids`` [4, R, L]: the
+packed text row (restarting at 0 per sequence, which the attention mask is built from) above the three M-RoPE rows.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from rlhf_sg.vision.data import ImageInputs
+
+log = logging.getLogger("rlhf_sg")
+
+
+def vision_core(module: nn.Module) -> nn.Module:
+    """The model inside a ``...ForConditionalGeneration`` (``.model``): it has ``get_rope_index`` and ``visual``."""
+    core = getattr(module, "model", None)
+    if core is None or not hasattr(core, "get_rope_index") or not hasattr(core, "visual"):
+        raise TypeError(f"{type(module).__name__} is not a Qwen-VL style vision-language model (no "
+                        "model.get_rope_index / model.visual)")
+    return core
+
+
+def image_token_types(ids: torch.Tensor, config) -> torch.Tensor:
+    """``mm_token_type_ids`` of ``ids`` as the processor makes them: 1 on image tokens, 0 on text."""
+    return (ids == config.image_token_id).long()
+
+
+def sequence_positions(module: nn.Module, ids: torch.Tensor, images: ImageInputs | None) -> torch.Tensor:
+    """ids: [L] long, one sequence alone (prompt and response) -> its M-RoPE positions [3, L] long, from the
+    model's own ``get_rope_index``; a sequence without images gets 0..L-1 on all three rows, as the model gives it."""
+    if images is None:
+        return torch.arange(ids.shape[0], device=ids.device).expand(3, -1)
+    core = vision_core(module)
+    grid = images.image_grid_thw.to(ids.device)
+    positions, _ = core.get_rope_index(ids[None], mm_token_type_ids=image_token_types(ids[None], module.config),
+                                       image_grid_thw=grid)
+    return positions[:, 0]
+
+
+def packed_positions(module: nn.Module, batch, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                     images: list[ImageInputs | None]) -> torch.Tensor:
+    """The packed rows' ``position_ids`` [4, R, L]: row 0 ``batch.position_ids`` (text positions restarting per
+    sequence), rows 1-3 each sequence's :func:`sequence_positions` at its slots (pad slots: the text row's)."""
+    rows, width = batch.input_ids.shape
+    text = batch.position_ids.to(sequences.device)
+    mrope = text.reshape(1, -1).repeat(3, 1)
+    mask = attention_mask.bool()
+    starts = batch.cu_seqlens.tolist()
+    slots = batch.slots.to(sequences.device)
+    for b in range(sequences.shape[0]):
+        own = sequence_positions(module, sequences[b][mask[b]], images[b])
+        mrope[:, slots[starts[b]:starts[b + 1]]] = own.to(mrope.dtype)
+    return torch.cat((text[None], mrope.view(3, rows, width)))
+
+
+def packed_order(batch) -> list[int]:
+    """Sequence indices in the order their tokens come in the packed rows (row by row, left to right): the order
+    the model fills image tokens with image features."""
+    firsts = batch.slots[batch.cu_seqlens[:-1].long()].tolist()
+    return sorted(range(len(firsts)), key=firsts.__getitem__)
+
+
+def image_features(module: nn.Module, images: list[ImageInputs | None], order: list[int]):
+    """The image encoder outputs for the sequences in ``order``: the vision tower runs once per distinct
+    :class:`ImageInputs` (a prompt's samples share one), the outputs repeated for each sequence holding it.
+    None when no sequence has images."""
+    core = vision_core(module)
+    computed: dict[int, object] = {}
+    outputs = []
+    for b in order:
+        inputs = images[b]
+        if inputs is None:
+            continue
+        if id(inputs) not in computed:
+            device = next(core.visual.parameters()).device
+            computed[id(inputs)] = core.get_image_features(inputs.pixel_values.to(device),
+                                                           inputs.image_grid_thw.to(device), return_dict=True)
+        outputs.append(computed[id(inputs)])
+    if not outputs:
+        return None
+    first = outputs[0]
+    merged = {"pooler_output": tuple(t for o in outputs for t in o.pooler_output)}
+    deepstack = getattr(first, "deepstack_features", None)
+    if deepstack is not None:  # Qwen3-VL: per tower layer, the features of each image
+        merged["deepstack_features"] = [tuple(t for o in outputs for t in o.deepstack_features[k])
+                                        for k in range(len(deepstack))]
+    return type(first)(**merged)
+
+
+def vision_forward_kwargs(module: nn.Module, batch, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                          images: list[ImageInputs | None]) -> dict:
+    """What a forward on ``batch``'s packed rows needs besides ids and mask: ``position_ids`` [4, R, L]
+    (:func:`packed_positions`) and the image encoder outputs in packed order (:func:`image_features`)."""
+    if len(images) != sequences.shape[0]:
+        raise ValueError(f"images: {len(images)} entries for {sequences.shape[0]} sequences")
+    for b, inputs in enumerate(images):
+        have = int((sequences[b][attention_mask[b].bool()] == module.config.image_token_id).sum())
+        want = 0 if inputs is None else int(
+            (inputs.image_grid_thw.prod(-1) // module.config.vision_config.spatial_merge_size**2).sum())
+        if have != want:
+            raise ValueError(f"sequence {b}: {have} image tokens but its images' grids make {want}")
+    kwargs = {"position_ids": packed_positions(module, batch, sequences, attention_mask, images)}
+    features = image_features(module, images, packed_order(batch))
+    if features is not None:
+        kwargs["mm_encoder_outputs"] = {"image": features}
+    return kwargs
