@@ -1,0 +1,114 @@
+"""The embedded engine with images: the vision tower once per prompt, M-RoPE prefill and decode positions equal
+to the trainer's (log-probs of image rows within 1e-4), image placeholders never sampled."""
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText
+
+from backends.base import BackendConfig, BackendError, SamplingParams
+from backends.embedded import EmbeddedBackend
+from rlhf_sg.packing import response_logprobs
+from rlhf_sg.tiny import VISION_FAMILIES
+from rlhf_sg.vision import ImageInputs, load_processor, save_tiny_vision_model
+
+
+def _image(width, height, seed):
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray(torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8).numpy())
+
+
+@pytest.fixture(scope="module", params=VISION_FAMILIES)
+def engine(request, tmp_path_factory):
+    path = save_tiny_vision_model(str(tmp_path_factory.mktemp(request.param)), request.param)
+    config, processor = load_processor(path)
+    engine = EmbeddedBackend(BackendConfig(model_path=path, max_model_len=256, num_threads=1))
+    engine.trainer_model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    yield request.param, engine, config, processor
+    engine.shutdown()
+
+
+def _prompts(config, processor):
+    """Two image prompts of different grids and a text prompt: (ids, ImageInputs | None) each."""
+    unit = config.vision_config.patch_size * 2
+    out = []
+    for k, (w, h) in enumerate([(3 * unit, 2 * unit), (2 * unit, 4 * unit)]):
+        text = processor.apply_chat_template([{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": f"count {k}"}]}], tokenize=False, add_generation_prompt=True)
+        enc = processor(images=[_image(w, h, k)], text=[text], return_tensors="pt")
+        out.append((enc["input_ids"][0].tolist(), ImageInputs(enc["pixel_values"], enc["image_grid_thw"])))
+    out.append((processor.tokenizer("just text, no image")["input_ids"], None))
+    return out
+
+
+def _rollout(prompts, completions, n):
+    """The trainer's layout of the completions: sequences, mask, response width, images per row."""
+    rows = [(prompts[c.prompt_index], c.token_ids) for c in completions]
+    width_p = max(len(p[0]) for p, _ in rows)
+    width_t = max(len(t) for _, t in rows)
+    seqs = torch.zeros(len(rows), width_p + width_t, dtype=torch.long)
+    mask = torch.zeros_like(seqs)
+    for b, ((ids, _), tokens) in enumerate(rows):
+        seqs[b, width_p - len(ids):width_p] = torch.tensor(ids)
+        seqs[b, width_p:width_p + len(tokens)] = torch.tensor(tokens)
+        mask[b, width_p - len(ids):width_p + len(tokens)] = 1
+    return seqs, mask, width_t, [p[1] for p, _ in rows]
+
+
+def test_engine_log_probs_of_image_rows_equal_the_trainers(engine):
+    name, backend, config, processor = engine
+    prompts = _prompts(config, processor)
+    params = SamplingParams(n=3, max_new_tokens=12, temperature=1.0, seed=7)
+    calls = []
+    hook = backend.model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        completions = backend.generate([p for p, _ in prompts], params, images=[i for _, i in prompts])
+    finally:
+        hook.remove()
+    assert len(calls) == 2  # once per image prompt, not per sample
+    seqs, mask, width, images = _rollout(prompts, completions, 3)
+    with torch.no_grad():
+        trainer = response_logprobs(backend.trainer_model, seqs, mask, width, images=images)
+    engine_logp = torch.zeros_like(trainer)
+    for b, c in enumerate(completions):
+        engine_logp[b, :len(c.logprobs)] = torch.tensor(c.logprobs)
+    gap = (trainer - engine_logp).abs().max()
+    assert gap <= 1e-4, (name, gap)
+    # the images reach the decode: without them (placeholders embedded as tokens) the engine's log-probs differ
+    with torch.no_grad():
+        blind = response_logprobs(backend.trainer_model, seqs, mask, width)
+    assert (blind - engine_logp)[:6].abs().max() > 1e-3
+
+
+def test_placeholders_are_never_sampled(engine, tmp_path):
+    """A model whose logits favour the placeholders at every step (the final norm keeps one hidden dimension, the
+    image pad's head row points along it and vision start's against it): the engine samples none of them."""
+    name, backend, config, processor = engine
+    model = backend.model
+    placeholders = [config.image_token_id, config.video_token_id, config.vision_start_token_id,
+                    config.vision_end_token_id]
+    norm, head = model.model.language_model.norm.weight, model.lm_head.weight
+    saved = norm.detach().clone(), head.detach().clone()
+    try:
+        with torch.no_grad():
+            norm.zero_()[0] = 1.0
+            head.zero_()
+            head[config.image_token_id, 0], head[config.vision_start_token_id, 0] = 1e4, -1e4
+            head[config.video_token_id, 0], head[config.vision_end_token_id, 0] = 1e4, -1e4
+        prompts = _prompts(config, processor)
+        completions = backend.generate([p for p, _ in prompts], SamplingParams(n=4, max_new_tokens=8, seed=1),
+                                       images=[i for _, i in prompts])
+        sampled = {t for c in completions for t in c.token_ids}
+        assert sampled and not sampled & set(placeholders), sampled & set(placeholders)
+    finally:
+        with torch.no_grad():
+            norm.copy_(saved[0])
+            head.copy_(saved[1])
+
+
+def test_image_token_mismatch_and_text_only_images_are_refused(engine):
+    _, backend, config, processor = engine
+    (ids, images), *_ = _prompts(config, processor)
+    with pytest.raises(BackendError, match="image tokens but its images' grids make"):
+        backend.generate([ids[:-3] + [config.image_token_id] + ids[-3:]], SamplingParams(max_new_tokens=2),
+                         images=[images])
