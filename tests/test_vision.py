@@ -211,10 +211,31 @@ def test_the_vision_tower_runs_once_per_prompt(family):
 def test_shared_prompts_fall_back_to_packed_rows_for_images(family, caplog):
     name, model, processor = family
     seqs, mask, width, images = _rollout_batch(model, processor)
+    from rlhf_sg.vision import refuse_shared_prompts
+
+    refuse_shared_prompts.__globals__["_LOGGED"].discard(type(model).__name__)  # said once per class: say it here
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="rlhf_sg"):
         shared = response_logprobs(model, seqs, mask, width, images=images, share_prompts=True)
         alone = _alone(model, seqs, mask, width, images)
     assert (shared - alone).abs().max() <= 1e-5
+    assert "batches with images are packed" in caplog.text
+
+
+def test_parquet_image_columns_load(qwen2_vl_dir, tmp_path):
+    """Parquet (as datasets) stores an image column as {"bytes", "path"} dicts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    config, processor = load_processor(qwen2_vl_dir)
+    png = _png_bytes(_image(56, 84, 6))
+    rows = [{"prompt": "what is <image>", "images": [{"bytes": png, "path": None}], "label": "x"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    (prompt,), _ = load_vision_prompts(str(tmp_path / "d.parquet"), config, processor, label_key="label")
+    assert prompt.images.image_grid_thw.tolist() == [[1, 6, 4]]
+    bad = [{"prompt": "what is <image>", "images": [{"bytes": b"\x89PNG broken", "path": None}]}]
+    pq.write_table(pa.Table.from_pylist(rows + bad), tmp_path / "bad.parquet")
+    assert f"{tmp_path / 'bad.parquet'} row 1 image 0: unreadable image" in _refusal(
+        str(tmp_path / "bad.parquet"), config, processor)
 
 
 def test_packed_positions_are_each_sequences_own(family):
