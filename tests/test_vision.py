@@ -259,3 +259,13 @@ def test_packed_positions_are_each_sequences_own(family):
             own = model.model.get_rope_index(ids, (ids == model.config.image_token_id).long(),
                                              image_grid_thw=images[b].image_grid_thw)[0][:, 0]
         assert torch.equal(flat[1:, batch.slots[starts[b]:starts[b + 1]]], own), b
+
+
+def test_the_trainer_refuses_a_vision_language_policy_before_ray(qwen2_vl_dir, tmp_path):
+    from rlhf_sg.config import Config, ConfigError, validate
+
+    cfg = Config()
+    cfg.model.pretrain, cfg.data.prompt_data, cfg.reward.function = qwen2_vl_dir, _write_rows(
+        tmp_path / "p.jsonl", [{"prompt": "1+1="}]), "m:f"
+    with pytest.raises(ConfigError, match="--model.pretrain: .* is a vision-language model"):
+        validate(cfg)
