@@ -198,14 +198,15 @@ def test_packed_image_rows_equal_each_row_alone(family):
 def test_the_vision_tower_runs_once_per_prompt(family):
     _, model, processor = family
     seqs, mask, width, images = _rollout_batch(model, processor)
-    calls = []
-    hook = model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    patches = []
+    hook = model.model.visual.register_forward_hook(lambda _m, args, _out: patches.append(args[0].shape[0]))
     try:
         with torch.no_grad():
             response_logprobs(model, seqs, mask, width, images=images)
     finally:
         hook.remove()
-    assert len(calls) == 2  # two image prompts, four image samples
+    # one call on the two image prompts' patches, though four samples hold them
+    assert patches == [images[0].pixel_values.shape[0] + images[2].pixel_values.shape[0]]
 
 
 def test_shared_prompts_fall_back_to_packed_rows_for_images(family, caplog):

@@ -59,13 +59,14 @@ def test_engine_log_probs_of_image_rows_equal_the_trainers(engine):
     name, backend, config, processor = engine
     prompts = _prompts(config, processor)
     params = SamplingParams(n=3, max_new_tokens=12, temperature=1.0, seed=7)
-    calls = []
-    hook = backend.model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    patches = []
+    hook = backend.model.model.visual.register_forward_hook(lambda _m, args, _out: patches.append(args[0].shape[0]))
     try:
         completions = backend.generate([p for p, _ in prompts], params, images=[i for _, i in prompts])
     finally:
         hook.remove()
-    assert len(calls) == 2  # once per image prompt, not per sample
+    # each image prompt's patches through the tower once, not once per sample
+    assert sum(patches) == sum(i.pixel_values.shape[0] for _, i in prompts if i is not None)
     seqs, mask, width, images = _rollout(prompts, completions, 3)
     with torch.no_grad():
         trainer = response_logprobs(backend.trainer_model, seqs, mask, width, images=images)

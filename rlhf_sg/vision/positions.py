@@ -69,30 +69,36 @@ def packed_order(batch) -> list[int]:
 
 
 def image_features(module: nn.Module, images: list[ImageInputs | None], order: list[int]):
-    """The image encoder outputs for the sequences in ``order``: the vision tower runs once per distinct
-    :class:`ImageInputs` (a prompt's samples share one), the outputs repeated for each sequence holding it.
-    None when no sequence has images."""
+    """The image encoder outputs for the sequences in ``order``, in that order; None when none has images.
+
+    The vision tower runs once, on the distinct :class:`ImageInputs` (a prompt's samples share one) laid end to
+    end, and each sequence gets its prompt's features: one call per forward whatever the images, so ranks that
+    gather a partitioned tower (ZeRO-3) call it alike."""
     core = vision_core(module)
-    computed: dict[int, object] = {}
-    outputs = []
+    distinct: dict[int, int] = {}  # id of an ImageInputs -> its index among the distinct ones
+    unique: list[ImageInputs] = []
     for b in order:
-        inputs = images[b]
-        if inputs is None:
-            continue
-        if id(inputs) not in computed:
-            device = next(core.visual.parameters()).device
-            computed[id(inputs)] = core.get_image_features(inputs.pixel_values.to(device),
-                                                           inputs.image_grid_thw.to(device), return_dict=True)
-        outputs.append(computed[id(inputs)])
-    if not outputs:
+        if images[b] is not None and id(images[b]) not in distinct:
+            distinct[id(images[b])] = len(unique)
+            unique.append(images[b])
+    if not unique:
         return None
-    first = outputs[0]
-    merged = {"pooler_output": tuple(t for o in outputs for t in o.pooler_output)}
-    deepstack = getattr(first, "deepstack_features", None)
+    device = next(core.visual.parameters()).device
+    pixel_values = torch.cat([u.pixel_values for u in unique]).to(device)
+    grid = torch.cat([u.image_grid_thw for u in unique]).to(device)
+    out = core.get_image_features(pixel_values, grid, return_dict=True)
+    # per distinct prompt, the slice of the tower's per-image outputs that are its images
+    bounds = torch.tensor([0] + [u.num_images for u in unique]).cumsum(0).tolist()
+
+    def per_sequence(per_image) -> tuple:
+        return tuple(t for b in order if images[b] is not None
+                     for t in per_image[bounds[distinct[id(images[b])]]:bounds[distinct[id(images[b])] + 1]])
+
+    merged = {"pooler_output": per_sequence(out.pooler_output)}
+    deepstack = getattr(out, "deepstack_features", None)
     if deepstack is not None:  # Qwen3-VL: per tower layer, the features of each image
-        merged["deepstack_features"] = [tuple(t for o in outputs for t in o.deepstack_features[k])
-                                        for k in range(len(deepstack))]
-    return type(first)(**merged)
+        merged["deepstack_features"] = [per_sequence(layer) for layer in deepstack]
+    return type(out)(**merged)
 
 
 def vision_forward_kwargs(module: nn.Module, batch, sequences: torch.Tensor, attention_mask: torch.Tensor,
