@@ -270,3 +270,32 @@ def test_the_trainer_refuses_a_vision_language_policy_before_ray(qwen2_vl_dir, t
         tmp_path / "p.jsonl", [{"prompt": "1+1="}]), "m:f"
     with pytest.raises(ConfigError, match="--model.pretrain: .* is a vision-language model"):
         validate(cfg)
+
+
+def test_a_frozen_tower_stays_bit_identical_through_training_steps(family):
+    """Three AdamW steps (weight decay on) of a policy-gradient-like loss on packed image rows: the language model
+    moves, the frozen tower does not change by one bit; unfrozen, it moves (the loss reaches it)."""
+    from rlhf_sg.vision import freeze_vision_tower
+
+    name, model, processor = family
+    seqs, mask, width, images = _rollout_batch(model, processor)
+
+    def train(freeze: bool) -> tuple[bool, bool]:
+        trained = tiny_vision_model(name, processor.tokenizer).train()
+        if freeze:
+            assert freeze_vision_tower(trained) == sum(p.numel() for p in trained.model.visual.parameters())
+        tower = {k: v.detach().clone() for k, v in trained.model.visual.state_dict().items()}
+        text = {k: v.detach().clone() for k, v in trained.model.language_model.state_dict().items()}
+        optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=1e-2,
+                                      weight_decay=0.1)
+        for _ in range(3):
+            logp = response_logprobs(trained, seqs, mask, width, images=images)
+            (-logp.sum()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        tower_same = all(torch.equal(v, tower[k]) for k, v in trained.model.visual.state_dict().items())
+        text_same = all(torch.equal(v, text[k]) for k, v in trained.model.language_model.state_dict().items())
+        return tower_same, text_same
+
+    assert train(freeze=True) == (True, False)
+    assert train(freeze=False) == (False, False)

@@ -24,7 +24,8 @@ from rlhf_sg.vision.positions import (
 )
 from rlhf_sg.vision.processor import build_processor, is_vision_config, load_processor, save_tiny_vision_model
 
-__all__ = ["IMAGE_MARKER", "ImageInputs", "VisionPrompt", "build_processor", "image_features", "is_vision_config",
+__all__ = ["IMAGE_MARKER", "ImageInputs", "VisionPrompt", "build_processor", "freeze_vision_tower", "image_features",
+           "is_vision_config",
            "load_processor", "load_vision_prompts", "packed_order", "packed_positions", "process_prompt",
            "refuse_shared_prompts", "save_tiny_vision_model", "sequence_positions", "vision_forward_kwargs"]
 
@@ -41,3 +42,17 @@ def refuse_shared_prompts(module) -> bool:
         log.warning("%s: shared-prompt rows do not carry M-RoPE positions; batches with images are packed "
                     "(each sequence whole) instead of sharing their prompts", name)
     return False
+
+
+def freeze_vision_tower(model) -> int:
+    """Freeze the vision tower (``model.model.visual``: patch embedding, blocks, merger) of a vision-language model,
+    so training moves only the language model; returns how many parameters were frozen. The tower's weights stay
+    bit-identical through optimizer steps (no gradient reaches them, so no optimizer state or weight decay)."""
+    from rlhf_sg.vision.positions import vision_core
+
+    tower = vision_core(model).visual
+    frozen = 0
+    for param in tower.parameters():
+        param.requires_grad_(False)
+        frozen += param.numel()
+    return frozen
