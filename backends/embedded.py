@@ -345,6 +345,7 @@ class EmbeddedBackend(RolloutBackend):
     supports_abort = True
     supports_lora_adapter = True
     supports_routed_experts = True  # for a mixture-of-experts model (others refuse the request at generate)
+    supports_images = True  # for a vision-language model (a text model refuses them at generate)
 
     def __init__(self, config: BackendConfig):
         super().__init__(config)

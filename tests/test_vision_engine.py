@@ -113,3 +113,12 @@ def test_image_token_mismatch_and_text_only_images_are_refused(engine):
     with pytest.raises(BackendError, match="image tokens but its images' grids make"):
         backend.generate([ids[:-3] + [config.image_token_id] + ids[-3:]], SamplingParams(max_new_tokens=2),
                          images=[images])
+
+
+def test_rlhf_sg_backends_says_which_engines_take_images():
+    from backends import available_backends
+
+    status = available_backends()
+    assert status["hf"].endswith("; takes images (vision-language models)")
+    assert all(s.endswith("; text only") for name, s in status.items() if name != "hf" and
+               s.startswith("available")), status
