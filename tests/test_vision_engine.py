@@ -18,24 +18,31 @@ def _image(width, height, seed):
     return Image.fromarray(torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8).numpy())
 
 
-@pytest.fixture(scope="module", params=VISION_FAMILIES)
+@pytest.fixture(scope="module", params=[(f, "sdpa") for f in VISION_FAMILIES] + [("qwen2-vl", "eager")],
+                ids=lambda p: "-".join(p))
 def engine(request, tmp_path_factory):
-    path = save_tiny_vision_model(str(tmp_path_factory.mktemp(request.param)), request.param)
+    """The engine on a tiny model of each family: over its KV buffers (sdpa), and through DynamicCache (eager)."""
+    family, attention = request.param
+    path = save_tiny_vision_model(str(tmp_path_factory.mktemp(family)), family)
     config, processor = load_processor(path)
-    engine = EmbeddedBackend(BackendConfig(model_path=path, max_model_len=256, num_threads=1))
+    engine = EmbeddedBackend(BackendConfig(model_path=path, max_model_len=256, num_threads=1,
+                                           extra={"attn_implementation": attention}))
+    assert engine.kv_buffers == (attention == "sdpa")
     engine.trainer_model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    yield request.param, engine, config, processor
+    yield family, engine, config, processor
     engine.shutdown()
 
 
 def _prompts(config, processor):
-    """Two image prompts of different grids and a text prompt: (ids, ImageInputs | None) each."""
+    """An image prompt, a two-image prompt (other grids) and a text prompt: (ids, ImageInputs | None) each."""
     unit = config.vision_config.patch_size * 2
     out = []
-    for k, (w, h) in enumerate([(3 * unit, 2 * unit), (2 * unit, 4 * unit)]):
-        text = processor.apply_chat_template([{"role": "user", "content": [
-            {"type": "image"}, {"type": "text", "text": f"count {k}"}]}], tokenize=False, add_generation_prompt=True)
-        enc = processor(images=[_image(w, h, k)], text=[text], return_tensors="pt")
+    for k, sizes in enumerate([[(3 * unit, 2 * unit)], [(2 * unit, 4 * unit), (2 * unit, 2 * unit)]]):
+        parts = [{"type": "image"} for _ in sizes] + [{"type": "text", "text": f"count {k}"}]
+        text = processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                             add_generation_prompt=True)
+        enc = processor(images=[_image(w, h, 10 * k + j) for j, (w, h) in enumerate(sizes)], text=[text],
+                        return_tensors="pt")
         out.append((enc["input_ids"][0].tolist(), ImageInputs(enc["pixel_values"], enc["image_grid_thw"])))
     out.append((processor.tokenizer("just text, no image")["input_ids"], None))
     return out
