@@ -485,14 +485,15 @@ class EmbeddedBackend(RolloutBackend):
         if len(images) != len(prompts):
             raise BackendError(f"generate: {len(images)} image entries for {len(prompts)} prompts; give one (or None) "
                                "per prompt")
+        from rlhf_sg.vision import image_token_counts
+
         config = self.model.config
-        merge = config.vision_config.spatial_merge_size
         for i, (prompt, inputs) in enumerate(zip(prompts, images)):
             have = prompt.count(config.image_token_id)
-            want = 0 if inputs is None else int((inputs.image_grid_thw.prod(-1) // merge**2).sum())
+            want = 0 if inputs is None else sum(image_token_counts(config, inputs))
             if have != want:
-                raise BackendError(f"generate: prompt {i} holds {have} image tokens but its images' grids make {want} "
-                                   f"(t·h·w / {merge}²); pass the processor's expanded ids with its images")
+                raise BackendError(f"generate: prompt {i} holds {have} image tokens but the model makes {want} "
+                                   "features of its images; pass the processor's expanded ids with its images")
 
     def abort_generation(self) -> None:
         """Stop the running ``generate`` before its next token (from another thread); a no-op when none runs."""
@@ -596,7 +597,7 @@ class EmbeddedBackend(RolloutBackend):
             if images is not None:
                 position_ids, extra["mm_encoder_outputs"] = self._vision_prefill(
                     input_ids, attention_mask, [images[i] for i in group])
-                next_position[group.start:group.stop] = position_ids.amax(dim=(0, 2)) + 1
+                next_position[group.start:group.stop] = position_ids.reshape(-1, *input_ids.shape).amax(dim=(0, 2)) + 1
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -633,15 +634,18 @@ class EmbeddedBackend(RolloutBackend):
         return _CachedDecode(self.model, cache, pad_mask.repeat_interleave(n, dim=0), next_position), logits
 
     def _vision_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: list):
-        """A left-padded prefill group's M-RoPE ``position_ids`` [3, B, L] (each prompt's own, from the model's
-        ``get_rope_index``; 0 on padding) and its image encoder outputs, the vision tower run once per prompt."""
-        from rlhf_sg.vision import image_features, sequence_positions
+        """A left-padded prefill group's ``position_ids``: M-RoPE [3, B, L] (each prompt's own, from the model's
+        ``get_rope_index``; 0 on padding), or [B, L] for a model with 1-D positions (LLaVA); and its image encoder
+        outputs, the vision tower run once per prompt."""
+        from rlhf_sg.vision import image_features, sequence_positions, uses_mrope
 
+        features = image_features(self.model, images, list(range(len(images))))
+        if not uses_mrope(self.model):  # 1-D positions (LLaVA), as for text
+            return (attention_mask.cumsum(-1) - 1).clamp_(min=0), None if features is None else {"image": features}
         position_ids = torch.zeros((3, *input_ids.shape), dtype=torch.long, device=self._device)
         for r in range(input_ids.shape[0]):
             real = attention_mask[r].bool()
             position_ids[:, r, real] = sequence_positions(self.model, input_ids[r, real], images[r])
-        features = image_features(self.model, images, list(range(len(images))))
         return position_ids, None if features is None else {"image": features}
 
     def _route_recorder(self):

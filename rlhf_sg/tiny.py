@@ -285,8 +285,9 @@ def tiny_family_model(family: str, attn_implementation: str | None = None, seed:
 
 # ---- vision-language families -----------------------------------------------------------------------------
 
-#: the image / video placeholders and the vision start / end marks, as Qwen-VL's tokenizers have them (special)
-VISION_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+#: the image / video placeholders and the vision start / end marks, as Qwen-VL's tokenizers have them, and LLaVA's
+#: image placeholder (all special)
+VISION_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<image>")
 
 
 def build_vision_tokenizer():
@@ -324,6 +325,14 @@ def _vision_family_configs(vocab_size: int, token_ids: dict[str, int], eos_id: i
             vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
                                patch_size=16, spatial_merge_size=2, num_position_embeddings=64,
                                deepstack_visual_indexes=[0]))),
+        # a Llama text model (1-D RoPE) and a CLIP tower on 28x28 images: (28 / 14)² = 4 tokens an image (its CLS
+        # feature dropped, the "default" strategy)
+        "llava": ("LlavaConfig", dict(
+            token_ids, text_config=dict(text, model_type="llama"), vision_feature_layer=-1,
+            vision_feature_select_strategy="default", image_seq_length=4,
+            vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14,
+                               projection_dim=32))),
     }
 
 
@@ -346,9 +355,11 @@ def tiny_vision_model(family: str, tokenizer=None, seed: int = 0):
     if family not in VISION_FAMILIES:
         raise ValueError(f"vision family {family!r} unknown; choose one of {list(VISION_FAMILIES)}")
     tok = tokenizer if tokenizer is not None else build_vision_tokenizer()
-    start, end, image, video = (tok.convert_tokens_to_ids(t) for t in VISION_SPECIAL_TOKENS)
+    start, end, image, video, llava_image = (tok.convert_tokens_to_ids(t) for t in VISION_SPECIAL_TOKENS)
     token_ids = dict(image_token_id=image, video_token_id=video, vision_start_token_id=start,
                      vision_end_token_id=end)
+    if family == "llava":
+        token_ids = dict(image_token_index=llava_image)
     class_name, kwargs = _vision_family_configs(len(tok), token_ids, tok.eos_token_id, tok.pad_token_id)[family]
     config = getattr(transformers, class_name)(**kwargs)
     with torch.random.fork_rng():

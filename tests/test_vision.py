@@ -13,7 +13,7 @@ from PIL import Image
 from rlhf_sg.data import DataError
 from rlhf_sg.packing import _pack_for, response_logprobs
 from rlhf_sg.tiny import VISION_FAMILIES, build_vision_tokenizer, tiny_vision_model
-from rlhf_sg.vision import ImageInputs, load_processor, load_vision_prompts, save_tiny_vision_model
+from rlhf_sg.vision import ImageInputs, load_processor, load_vision_prompts, save_tiny_vision_model, vision_tower
 from rlhf_sg.vision.processor import VISION_CHAT_TEMPLATE, build_processor, tiny_image_processor
 
 
@@ -32,17 +32,24 @@ def family(request):
     return request.param, model, processor
 
 
-def test_the_installed_transformers_builds_the_qwen_vl_families():
-    assert {"qwen2-vl", "qwen2.5-vl"} <= set(VISION_FAMILIES)
+def test_the_installed_transformers_builds_the_qwen_vl_families_and_llava():
+    assert {"qwen2-vl", "qwen2.5-vl", "llava"} <= set(VISION_FAMILIES)
 
 
-def test_one_processor_call_gives_grid_over_merge_squared_image_tokens(family):
+def test_one_processor_call_gives_the_image_tokens_the_model_makes_features_for(family):
+    """Qwen-VL: grid t·h·w / merge²; LLaVA: (image_size / patch)² (its CLS feature dropped)."""
     name, model, processor = family
     unit = model.config.vision_config.patch_size * 2
-    out = processor(images=[_image(3 * unit, 2 * unit, 0)], text=["a <|vision_start|><|image_pad|><|vision_end|> b"],
+    out = processor(images=[_image(3 * unit, 2 * unit, 0)], text=[f"a {processor.image_placeholder} b"],
                     return_tensors="pt")
-    assert out["image_grid_thw"].tolist() == [[1, 4, 6]]
-    assert int((out["input_ids"] == model.config.image_token_id).sum()) == 4 * 6 // 4
+    tokens = int((out["input_ids"] == model.config.image_token_id).sum())
+    if name == "llava":
+        assert "image_grid_thw" not in out and tokens == (28 // 14) ** 2
+    else:
+        assert out["image_grid_thw"].tolist() == [[1, 4, 6]] and tokens == 4 * 6 // 4
+    features = model.model.get_image_features(**ImageInputs(out["pixel_values"], out.get("image_grid_thw"))
+                                              .model_kwargs(), return_dict=True).pooler_output
+    assert sum(f.shape[0] for f in features) == tokens
 
 
 # ---- data rows ---------------------------------------------------------------------------------------------
@@ -125,7 +132,7 @@ def test_a_processor_that_does_not_fit_the_model_is_refused(qwen2_vl_dir, tmp_pa
     processor.image_processor.merge_size = 1  # 4x the image tokens the model's merger makes features for
     _image(56, 56, 4).save(tmp_path / "a.png")
     path = _write_rows(tmp_path / "d.jsonl", [{"prompt": "x <image>", "images": ["a.png"]}])
-    assert "do not match the images' grids" in _refusal(path, config, processor)
+    assert "do not match the features the model makes of the images" in _refusal(path, config, processor)
 
 
 def test_an_overlong_image_prompt_is_refused_or_dropped_never_truncated(qwen2_vl_dir, tmp_path):
@@ -148,9 +155,9 @@ def _rollout_batch(model, processor, seed=0):
     g = torch.Generator().manual_seed(seed)
     prompts = []
     for k, (w, h) in enumerate([(2 * unit, 3 * unit), (4 * unit, 2 * unit)]):
-        out = processor(images=[_image(w, h, 10 + k)], text=[f"q{k} <|vision_start|><|image_pad|><|vision_end|> ?"],
+        out = processor(images=[_image(w, h, 10 + k)], text=[f"q{k} {processor.image_placeholder} ?"],
                         return_tensors="pt")
-        prompts.append((out["input_ids"][0].tolist(), ImageInputs(out["pixel_values"], out["image_grid_thw"])))
+        prompts.append((out["input_ids"][0].tolist(), ImageInputs(out["pixel_values"], out.get("image_grid_thw"))))
     prompts.append((torch.randint(3, 500, (40,), generator=g).tolist(), None))
     samples = [prompts[0], prompts[0], prompts[1], prompts[1], prompts[2]]
     responses = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 3, 6, 4, 5)]
@@ -172,8 +179,9 @@ def _alone(model, seqs, mask, width, images):
         ids = seqs[b][mask[b].bool()][None]
         kwargs = {}
         if images[b] is not None:
-            kwargs = dict(pixel_values=images[b].pixel_values, image_grid_thw=images[b].image_grid_thw,
-                          mm_token_type_ids=(ids == model.config.image_token_id).long())
+            kwargs = images[b].model_kwargs()
+            if images[b].image_grid_thw is not None:  # Qwen-VL computes its M-RoPE positions from these
+                kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).long()
         logits = model(input_ids=ids, **kwargs).logits[0].float().log_softmax(-1)
         n_prompt = int(mask[b, :prompt_width].sum())
         n_resp = int(mask[b, prompt_width:].sum())
@@ -199,7 +207,8 @@ def test_the_vision_tower_runs_once_per_prompt(family):
     _, model, processor = family
     seqs, mask, width, images = _rollout_batch(model, processor)
     patches = []
-    hook = model.model.visual.register_forward_hook(lambda _m, args, _out: patches.append(args[0].shape[0]))
+    tower = vision_tower(model.model)
+    hook = tower.register_forward_hook(lambda _m, args, _out: patches.append(args[0].shape[0]))
     try:
         with torch.no_grad():
             response_logprobs(model, seqs, mask, width, images=images)
@@ -244,7 +253,9 @@ def test_packed_positions_are_each_sequences_own(family):
     per-sequence offset): at each sequence's packed slots, the model's own get_rope_index of that sequence alone."""
     from rlhf_sg.vision import packed_positions
 
-    _, model, processor = family
+    name, model, processor = family
+    if name == "llava":
+        pytest.skip("LLaVA has 1-D positions: packing's own (tests/test_packing.py)")
     seqs, mask, _, images = _rollout_batch(model, processor)
     batch = _pack_for(model, "sdpa", seqs, mask)
     positions = packed_positions(model, batch, seqs, mask, images)
@@ -283,8 +294,8 @@ def test_a_frozen_tower_stays_bit_identical_through_training_steps(family):
     def train(freeze: bool) -> tuple[bool, bool]:
         trained = tiny_vision_model(name, processor.tokenizer).train()
         if freeze:
-            assert freeze_vision_tower(trained) == sum(p.numel() for p in trained.model.visual.parameters())
-        tower = {k: v.detach().clone() for k, v in trained.model.visual.state_dict().items()}
+            assert freeze_vision_tower(trained) == sum(p.numel() for p in vision_tower(trained.model).parameters())
+        tower = {k: v.detach().clone() for k, v in vision_tower(trained.model).state_dict().items()}
         text = {k: v.detach().clone() for k, v in trained.model.language_model.state_dict().items()}
         optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=1e-2,
                                       weight_decay=0.1)
@@ -293,7 +304,7 @@ def test_a_frozen_tower_stays_bit_identical_through_training_steps(family):
             (-logp.sum()).backward()
             optimizer.step()
             optimizer.zero_grad()
-        tower_same = all(torch.equal(v, tower[k]) for k, v in trained.model.visual.state_dict().items())
+        tower_same = all(torch.equal(v, tower[k]) for k, v in vision_tower(trained.model).state_dict().items())
         text_same = all(torch.equal(v, text[k]) for k, v in trained.model.language_model.state_dict().items())
         return tower_same, text_same
 

@@ -10,7 +10,7 @@ from backends.base import BackendConfig, BackendError, SamplingParams
 from backends.embedded import EmbeddedBackend
 from rlhf_sg.packing import response_logprobs
 from rlhf_sg.tiny import VISION_FAMILIES
-from rlhf_sg.vision import ImageInputs, load_processor, save_tiny_vision_model
+from rlhf_sg.vision import ImageInputs, load_processor, save_tiny_vision_model, vision_tower
 
 
 def _image(width, height, seed):
@@ -40,10 +40,10 @@ def _prompts(config, processor):
     for k, sizes in enumerate([[(3 * unit, 2 * unit)], [(2 * unit, 4 * unit), (2 * unit, 2 * unit)]]):
         parts = [{"type": "image"} for _ in sizes] + [{"type": "text", "text": f"count {k}"}]
         text = processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=True, image_placeholder=processor.image_placeholder)
         enc = processor(images=[_image(w, h, 10 * k + j) for j, (w, h) in enumerate(sizes)], text=[text],
                         return_tensors="pt")
-        out.append((enc["input_ids"][0].tolist(), ImageInputs(enc["pixel_values"], enc["image_grid_thw"])))
+        out.append((enc["input_ids"][0].tolist(), ImageInputs(enc["pixel_values"], enc.get("image_grid_thw"))))
     out.append((processor.tokenizer("just text, no image")["input_ids"], None))
     return out
 
@@ -67,7 +67,8 @@ def test_engine_log_probs_of_image_rows_equal_the_trainers(engine):
     prompts = _prompts(config, processor)
     params = SamplingParams(n=3, max_new_tokens=12, temperature=1.0, seed=7)
     patches = []
-    hook = backend.model.model.visual.register_forward_hook(lambda _m, args, _out: patches.append(args[0].shape[0]))
+    hook = vision_tower(backend.model.model).register_forward_hook(
+        lambda _m, args, _out: patches.append(args[0].shape[0]))
     try:
         completions = backend.generate([p for p, _ in prompts], params, images=[i for _, i in prompts])
     finally:
@@ -89,20 +90,21 @@ def test_engine_log_probs_of_image_rows_equal_the_trainers(engine):
 
 
 def test_placeholders_are_never_sampled(engine, tmp_path):
-    """A model whose logits favour the placeholders at every step (the final norm keeps one hidden dimension, the
-    image pad's head row points along it and vision start's against it): the engine samples none of them."""
+    """A model whose logits favour the placeholders (the final norm keeps one hidden dimension, the placeholders'
+    head rows point along it or against it; Qwen-VL's four favour one of them at every step, LLaVA's one wherever
+    that dimension is positive): the engine samples none of them."""
     name, backend, config, processor = engine
     model = backend.model
-    placeholders = [config.image_token_id, config.video_token_id, config.vision_start_token_id,
-                    config.vision_end_token_id]
+    placeholders = [config.image_token_id] + [getattr(config, k) for k in ("video_token_id", "vision_start_token_id",
+                                                                          "vision_end_token_id") if hasattr(config, k)]
     norm, head = model.model.language_model.norm.weight, model.lm_head.weight
     saved = norm.detach().clone(), head.detach().clone()
     try:
         with torch.no_grad():
             norm.zero_()[0] = 1.0
             head.zero_()
-            head[config.image_token_id, 0], head[config.vision_start_token_id, 0] = 1e4, -1e4
-            head[config.video_token_id, 0], head[config.vision_end_token_id, 0] = 1e4, -1e4
+            for k, token in enumerate(placeholders):  # alternate signs: one favoured whichever the hidden's sign
+                head[token, 0] = 1e4 if k % 2 == 0 else -1e4
         prompts = _prompts(config, processor)
         completions = backend.generate([p for p, _ in prompts], SamplingParams(n=4, max_new_tokens=8, seed=1),
                                        images=[i for _, i in prompts])
@@ -117,7 +119,7 @@ def test_placeholders_are_never_sampled(engine, tmp_path):
 def test_image_token_mismatch_and_text_only_images_are_refused(engine):
     _, backend, config, processor = engine
     (ids, images), *_ = _prompts(config, processor)
-    with pytest.raises(BackendError, match="image tokens but its images' grids make"):
+    with pytest.raises(BackendError, match="image tokens but the model makes"):
         backend.generate([ids[:-3] + [config.image_token_id] + ids[-3:]], SamplingParams(max_new_tokens=2),
                          images=[images])
 

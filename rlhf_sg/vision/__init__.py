@@ -14,18 +14,27 @@ from __future__ import annotations
 
 import logging
 
-from rlhf_sg.vision.data import IMAGE_MARKER, ImageInputs, VisionPrompt, load_vision_prompts, process_prompt
+from rlhf_sg.vision.data import (
+    IMAGE_MARKER,
+    ImageInputs,
+    VisionPrompt,
+    image_token_counts,
+    load_vision_prompts,
+    process_prompt,
+)
 from rlhf_sg.vision.positions import (
     image_features,
     packed_order,
     packed_positions,
     sequence_positions,
+    uses_mrope,
     vision_forward_kwargs,
+    vision_tower,
 )
 from rlhf_sg.vision.processor import build_processor, is_vision_config, load_processor, save_tiny_vision_model
 
 __all__ = ["IMAGE_MARKER", "ImageInputs", "VisionPrompt", "build_processor", "freeze_vision_tower", "image_features",
-           "is_vision_config",
+           "image_token_counts", "is_vision_config", "uses_mrope", "vision_tower",
            "load_processor", "load_vision_prompts", "packed_order", "packed_positions", "process_prompt",
            "refuse_shared_prompts", "save_tiny_vision_model", "sequence_positions", "vision_forward_kwargs"]
 
@@ -45,12 +54,13 @@ def refuse_shared_prompts(module) -> bool:
 
 
 def freeze_vision_tower(model) -> int:
-    """Freeze the vision tower (``model.model.visual``: patch embedding, blocks, merger) of a vision-language model,
+    """Freeze the vision tower (Qwen-VL's ``model.model.visual``: patch embedding, blocks, merger; LLaVA's
+    ``model.model.vision_tower``) of a vision-language model,
     so training moves only the language model; returns how many parameters were frozen. The tower's weights stay
     bit-identical through optimizer steps (no gradient reaches them, so no optimizer state or weight decay)."""
-    from rlhf_sg.vision.positions import vision_core
+    from rlhf_sg.vision.positions import vision_core, vision_tower
 
-    tower = vision_core(model).visual
+    tower = vision_tower(vision_core(model))
     frozen = 0
     for param in tower.parameters():
         param.requires_grad_(False)

@@ -26,7 +26,8 @@ import torch
 
 from rlhf_sg.data import DataError, Prompt, _read_rows
 
-__all__ = ["IMAGE_MARKER", "ImageInputs", "VisionPrompt", "load_vision_prompts", "process_prompt"]
+__all__ = ["IMAGE_MARKER", "ImageInputs", "VisionPrompt", "image_token_counts", "load_vision_prompts",
+           "process_prompt"]
 
 log = logging.getLogger("rlhf_sg")
 
@@ -38,17 +39,35 @@ IMAGE_MARKER = "<image>"
 class ImageInputs:
     """One prompt's processor output for its images (what travels with every sample of the prompt).
 
-    pixel_values: [patches, 3 * temporal_patch * patch²] float32, the images' patches one image after another.
-    image_grid_thw: [images, 3] long, each image's (t, h, w) patch grid.
+    pixel_values: Qwen-VL: [patches, 3 * temporal_patch * patch²] float32, the images' patches one image after
+        another; LLaVA: [images, 3, H, W].
+    image_grid_thw: Qwen-VL: [images, 3] long, each image's (t, h, w) patch grid; None for LLaVA (fixed size).
     Identity is the prompt's: samples of one prompt share one object (the vision tower runs once for it).
     """
 
     pixel_values: torch.Tensor
-    image_grid_thw: torch.Tensor
+    image_grid_thw: torch.Tensor | None = None
 
     @property
     def num_images(self) -> int:
-        return int(self.image_grid_thw.shape[0])
+        return int((self.image_grid_thw if self.image_grid_thw is not None else self.pixel_values).shape[0])
+
+    def model_kwargs(self) -> dict[str, torch.Tensor]:
+        """The model forward's image arguments (the processor's names)."""
+        if self.image_grid_thw is None:
+            return {"pixel_values": self.pixel_values}
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
+
+
+def image_token_counts(config, inputs: ImageInputs) -> list[int]:
+    """How many image tokens each image of ``inputs`` is in the prompt, as the model's ``config`` makes features:
+    Qwen-VL t·h·w / merge² of its grid; LLaVA (image_size / patch)² (+1, the CLS feature, under the "full"
+    strategy)."""
+    vision = config.vision_config
+    if inputs.image_grid_thw is not None:
+        return (inputs.image_grid_thw.prod(-1) // vision.spatial_merge_size**2).tolist()
+    per_image = (vision.image_size // vision.patch_size) ** 2 + (config.vision_feature_select_strategy == "full")
+    return [per_image] * inputs.num_images
 
 
 @dataclass
@@ -154,16 +173,11 @@ def _count_images(messages: list[dict]) -> int:
     return sum(p["type"] == "image" for m in messages for p in m["content"])
 
 
-def _placeholder(processor) -> str:
-    """What one image is in a prompt's text before the processor expands it: vision start, image pad, vision end."""
-    return getattr(processor, "vision_start_token", "<|vision_start|>") + processor.image_token + getattr(
-        processor, "vision_end_token", "<|vision_end|>")
-
-
 def _text_of(messages: list[dict], processor, apply_chat_template: bool) -> str:
+    mark = processor.image_placeholder  # set by rlhf_sg.vision.build_processor
     if apply_chat_template:
-        return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    mark = _placeholder(processor)
+        return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             image_placeholder=mark)
     return "".join(p["text"] if p["type"] == "text" else mark for m in messages for p in m["content"])
 
 
@@ -179,24 +193,24 @@ def process_prompt(processor, config, text: str, images: list, where: str) -> tu
     if not images:
         return ids.tolist(), None
     vision = config.vision_config
-    grid = out["image_grid_thw"].long()
-    pixel_values = out["pixel_values"]
-    merge = vision.spatial_merge_size
-    want = (grid.prod(-1) // merge**2).tolist()
-    image_id = config.image_token_id
-    runs = _runs(ids, image_id)
+    grid = out["image_grid_thw"].long() if "image_grid_thw" in out else None
+    inputs = ImageInputs(pixel_values=out["pixel_values"].float(), image_grid_thw=grid)
+    want = image_token_counts(config, inputs)
+    runs = _runs(ids, config.image_token_id)
     if len(runs) != len(images) or runs != want:
-        raise DataError(f"{where}: the prompt's image tokens ({runs}, one run per image) do not match the images' "
-                        f"grids ({want} = t·h·w / {merge}² per image): the processor does not fit the model "
-                        f"({type(processor.image_processor).__name__} merge_size "
-                        f"{getattr(processor.image_processor, 'merge_size', None)}, model spatial_merge_size {merge}); "
-                        "save the model's own image processor next to it")
-    width = 3 * vision.temporal_patch_size * vision.patch_size**2
-    if tuple(pixel_values.shape) != (int(grid.prod(-1).sum()), width):
-        raise DataError(f"{where}: pixel_values {tuple(pixel_values.shape)} do not fit the model's vision tower "
-                        f"({int(grid.prod(-1).sum())} patches of {width} values); the processor does not fit the "
-                        "model: save the model's own image processor next to it")
-    return ids.tolist(), ImageInputs(pixel_values=pixel_values.float(), image_grid_thw=grid)
+        raise DataError(f"{where}: the prompt's image tokens ({runs}, one run per image) do not match the features "
+                        f"the model makes of the images ({want}): the processor does not fit the model "
+                        f"({type(processor.image_processor).__name__}, model {config.model_type}); save the model's "
+                        "own image processor next to it")
+    if grid is not None:
+        shape = (int(grid.prod(-1).sum()), 3 * vision.temporal_patch_size * vision.patch_size**2)
+    else:
+        shape = (len(images), 3, vision.image_size, vision.image_size)
+    if tuple(inputs.pixel_values.shape) != shape:
+        raise DataError(f"{where}: pixel_values {tuple(inputs.pixel_values.shape)} do not fit the model's vision "
+                        f"tower (it takes {shape}); the processor does not fit the model: save the model's own image "
+                        "processor next to it")
+    return ids.tolist(), inputs
 
 
 def _runs(ids: torch.Tensor, token_id: int) -> list[int]:

@@ -1,5 +1,7 @@
 """M-RoPE positions per sequence, laid into packed rows; the vision tower once per prompt.
 
+Models with 1-D positions (LLaVA) take packing's own positions; only their image features come from here.
+
 Qwen-VL models rotate queries and keys by three position rows (temporal, height, width), which inside an image
 follow its patch grid and after it jump ahead (``get_rope_index``). Packing rows of several sequences must give
 each sequence the positions it has alone, so they are computed for each sequence alone, by the model's own
@@ -14,18 +16,30 @@ import logging
 import torch
 from torch import nn
 
-from rlhf_sg.vision.data import ImageInputs
+from rlhf_sg.vision.data import ImageInputs, image_token_counts
 
 log = logging.getLogger("rlhf_sg")
 
 
 def vision_core(module: nn.Module) -> nn.Module:
-    """The model inside a ``...ForConditionalGeneration`` (``.model``): it has ``get_rope_index`` and ``visual``."""
+    """The model inside a ``...ForConditionalGeneration`` (``.model``): it has ``get_image_features`` and a vision
+    tower (:func:`vision_tower`)."""
     core = getattr(module, "model", None)
-    if core is None or not hasattr(core, "get_rope_index") or not hasattr(core, "visual"):
-        raise TypeError(f"{type(module).__name__} is not a Qwen-VL style vision-language model (no "
-                        "model.get_rope_index / model.visual)")
+    if core is None or not hasattr(core, "get_image_features") or vision_tower(core) is None:
+        raise TypeError(f"{type(module).__name__} is not a vision-language model this package knows (no "
+                        "model.get_image_features and model.visual / model.vision_tower)")
     return core
+
+
+def vision_tower(core: nn.Module) -> nn.Module | None:
+    """The image encoder of a vision-language core: Qwen-VL's ``visual`` (merger included), LLaVA's
+    ``vision_tower`` (its projector is the language side's)."""
+    return getattr(core, "visual", None) or getattr(core, "vision_tower", None)
+
+
+def uses_mrope(module: nn.Module) -> bool:
+    """Whether the model rotates by M-RoPE positions of its own (``get_rope_index``: Qwen-VL); else 1-D (LLaVA)."""
+    return hasattr(vision_core(module), "get_rope_index")
 
 
 def image_token_types(ids: torch.Tensor, config) -> torch.Tensor:
@@ -75,6 +89,7 @@ def image_features(module: nn.Module, images: list[ImageInputs | None], order: l
     end, and each sequence gets its prompt's features: one call per forward whatever the images, so ranks that
     gather a partitioned tower (ZeRO-3) call it alike."""
     core = vision_core(module)
+    tower = vision_tower(core)
     distinct: dict[int, int] = {}  # id of an ImageInputs -> its index among the distinct ones
     unique: list[ImageInputs] = []
     for b in order:
@@ -83,10 +98,11 @@ def image_features(module: nn.Module, images: list[ImageInputs | None], order: l
             unique.append(images[b])
     if not unique:
         return None
-    device = next(core.visual.parameters()).device
-    pixel_values = torch.cat([u.pixel_values for u in unique]).to(device)
-    grid = torch.cat([u.image_grid_thw for u in unique]).to(device)
-    out = core.get_image_features(pixel_values, grid, return_dict=True)
+    device = next(tower.parameters()).device
+    kwargs = {"pixel_values": torch.cat([u.pixel_values for u in unique]).to(device)}
+    if unique[0].image_grid_thw is not None:
+        kwargs["image_grid_thw"] = torch.cat([u.image_grid_thw for u in unique]).to(device)
+    out = core.get_image_features(**kwargs, return_dict=True)
     # per distinct prompt, the slice of the tower's per-image outputs that are its images
     bounds = torch.tensor([0] + [u.num_images for u in unique]).cumsum(0).tolist()
 
@@ -109,11 +125,12 @@ def vision_forward_kwargs(module: nn.Module, batch, sequences: torch.Tensor, att
         raise ValueError(f"images: {len(images)} entries for {sequences.shape[0]} sequences")
     for b, inputs in enumerate(images):
         have = int((sequences[b][attention_mask[b].bool()] == module.config.image_token_id).sum())
-        want = 0 if inputs is None else int(
-            (inputs.image_grid_thw.prod(-1) // module.config.vision_config.spatial_merge_size**2).sum())
+        want = 0 if inputs is None else sum(image_token_counts(module.config, inputs))
         if have != want:
-            raise ValueError(f"sequence {b}: {have} image tokens but its images' grids make {want}")
-    kwargs = {"position_ids": packed_positions(module, batch, sequences, attention_mask, images)}
+            raise ValueError(f"sequence {b}: {have} image tokens but the model makes {want} features of its images")
+    kwargs = {}
+    if uses_mrope(module):
+        kwargs["position_ids"] = packed_positions(module, batch, sequences, attention_mask, images)
     features = image_features(module, images, packed_order(batch))
     if features is not None:
         kwargs["mm_encoder_outputs"] = {"image": features}

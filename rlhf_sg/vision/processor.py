@@ -13,16 +13,17 @@ import os
 
 #: processor class in transformers per vision-language ``config.model_type``
 PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
-                     "qwen3_vl": "Qwen3VLProcessor"}
+                     "qwen3_vl": "Qwen3VLProcessor", "llava": "LlavaProcessor"}
 
 #: Qwen-VL's chat format: a string content as text, a list of content parts with each image part (``{"type":
-#: "image"}``) as ``<|vision_start|><|image_pad|><|vision_end|>``, which the processor expands per image
+#: "image"}``) as ``<|vision_start|><|image_pad|><|vision_end|>`` (``image_placeholder`` where the template is given
+#: one: LLaVA's ``<image>``), which the processor expands per image
 VISION_CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string %}{{- message['content'] }}"
     "{%- else %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- if part['type'] == 'image' %}{{- image_placeholder | default('<|vision_start|><|image_pad|><|vision_end|>') }}"
     "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
     "{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
@@ -52,12 +53,27 @@ def image_only(class_name: str) -> type:
                                       "__module__": __name__})
 
 
-def tiny_image_processor(config, min_tokens: int = 4, max_tokens: int = 16):
-    """The Qwen-VL image processor (PIL backend) for ``config``'s vision tower, sized so an image becomes between
-    ``min_tokens`` and ``max_tokens`` merged tokens (a small tower, small images)."""
+def _image_processor_class(model_type: str):
+    """The PIL-backend image processor class of a vision-language model type (no torchvision needed)."""
+    if model_type == "llava":
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+        return CLIPImageProcessorPil
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    return Qwen2VLImageProcessorPil
+
+
+def tiny_image_processor(config, min_tokens: int = 4, max_tokens: int = 16):
+    """The image processor (PIL backend) for ``config``'s vision tower: Qwen-VL's, sized so an image becomes between
+    ``min_tokens`` and ``max_tokens`` merged tokens (a small tower, small images); LLaVA's CLIP processor, resizing
+    and cropping to the tower's ``image_size``."""
     vision = config.vision_config
+    if config.model_type == "llava":
+        side = vision.image_size
+        return _image_processor_class("llava")(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
     unit = (vision.patch_size * vision.spatial_merge_size) ** 2  # pixels per merged token
     return Qwen2VLImageProcessorPil(size={"shortest_edge": unit * min_tokens, "longest_edge": unit * max_tokens},
                                     patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
@@ -70,8 +86,16 @@ def build_processor(config, tokenizer, image_processor, chat_template: str | Non
     if name is None:
         raise ValueError(f"no processor for model type {getattr(config, 'model_type', None)!r}; vision-language "
                          f"models supported: {sorted(PROCESSOR_CLASSES)}")
-    return image_only(name)(image_processor=image_processor, tokenizer=tokenizer,
-                            chat_template=chat_template or getattr(tokenizer, "chat_template", None))
+    extra = {}
+    if config.model_type == "llava":  # its processor expands <image> to the tower's patches, +1 for CLIP's CLS
+        extra = dict(patch_size=config.vision_config.patch_size, image_token="<image>", num_additional_image_tokens=1,
+                     vision_feature_select_strategy=config.vision_feature_select_strategy)
+    processor = image_only(name)(image_processor=image_processor, tokenizer=tokenizer,
+                                 chat_template=chat_template or getattr(tokenizer, "chat_template", None), **extra)
+    #: one image in a prompt's text before the processor expands it
+    processor.image_placeholder = (processor.image_token if config.model_type == "llava"
+                                   else "<|vision_start|>" + processor.image_token + "<|vision_end|>")
+    return processor
 
 
 def save_tiny_vision_model(path: str, family: str, seed: int = 0, model=None) -> str:
@@ -109,7 +133,5 @@ def load_processor(path: str, flag: str = "--model.pretrain"):
         raise ConfigError(f"{flag}: {path!r} is a vision-language model ({config.model_type}) without an image "
                           "processor (preprocessor_config.json); save it next to the model "
                           "(image_processor.save_pretrained)")
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
+    image_processor = _image_processor_class(config.model_type).from_pretrained(path)
     return config, build_processor(config, load_tokenizer(path, flag), image_processor)
