@@ -121,10 +121,17 @@ def test_bad_image_rows_are_refused_naming_file_row_and_image(qwen2_vl_dir, tmp_
 
 
 def test_an_image_for_a_text_only_model_is_refused(tmp_path):
+    """By the vision loader, and by the text prompts' loader (the trainer's and evaluation's, before Ray)."""
     from transformers import Qwen2Config
 
-    path = _write_rows(tmp_path / "d.jsonl", [{"prompt": "x <image>", "images": ["a.png"]}])
-    assert "is text-only" in _refusal(path, Qwen2Config(), None)
+    from rlhf_sg.data import load_prompts
+    from rlhf_sg.tiny import build_chat_tokenizer
+
+    path = _write_rows(tmp_path / "v.jsonl", [{"prompt": "x <image>", "images": ["a.png"]}])
+    assert "line 1: the row has 1 image(s) but the model (qwen2) is text-only" in _refusal(path, Qwen2Config(), None)
+    path = _write_rows(tmp_path / "d.jsonl", [{"prompt": "plain"}, {"prompt": "x <image>", "images": ["a.png"]}])
+    with pytest.raises(DataError, match="d.jsonl line 2: the row has images .* but the model is text-only"):
+        load_prompts(path, build_chat_tokenizer())
 
 
 def test_a_processor_that_does_not_fit_the_model_is_refused(qwen2_vl_dir, tmp_path):
