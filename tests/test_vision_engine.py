@@ -131,3 +131,33 @@ def test_rlhf_sg_backends_says_which_engines_take_images():
     assert status["hf"].endswith("; takes images (vision-language models)")
     assert all(s.endswith("; text only") for name, s in status.items() if name != "hf" and
                s.startswith("available")), status
+
+
+def test_a_trained_towers_weights_reach_the_engine(engine, tmp_path):
+    """Train the whole model (tower included) a step on image rows, hand the weights to the engine (disk transport,
+    HF names): the engine's tower equals the trainer's and its log-probs on image rows match the trained model's.
+    (Runs last for each engine: it leaves the trained weights loaded.)"""
+    name, backend, config, processor = engine
+    prompts = _prompts(config, processor)
+    params = SamplingParams(n=2, max_new_tokens=6, seed=3)
+    completions = backend.generate([p for p, _ in prompts], params, images=[i for _, i in prompts])
+    seqs, mask, width, images = _rollout(prompts, completions, 2)
+    trained = AutoModelForImageTextToText.from_pretrained(backend.config.model_path, dtype=torch.float32).train()
+    tower = vision_tower(trained.model)
+    before = {k: v.clone() for k, v in tower.state_dict().items()}
+    optimizer = torch.optim.SGD(trained.parameters(), lr=0.5)
+    (-response_logprobs(trained, seqs, mask, width, images=images).sum()).backward()
+    optimizer.step()
+    assert any(not torch.equal(v, before[k]) for k, v in tower.state_dict().items())  # the tower moved
+    trained.eval().save_pretrained(str(tmp_path / "trained"))
+    backend.update_weights_from_disk(str(tmp_path / "trained"))
+    engine_tower = vision_tower(backend.model.model)
+    assert all(torch.equal(v, tower.state_dict()[k]) for k, v in engine_tower.state_dict().items())
+    completions = backend.generate([p for p, _ in prompts], params, images=[i for _, i in prompts])
+    seqs, mask, width, images = _rollout(prompts, completions, 2)
+    with torch.no_grad():
+        trainer = response_logprobs(trained, seqs, mask, width, images=images)
+    engine_logp = torch.zeros_like(trainer)
+    for b, c in enumerate(completions):
+        engine_logp[b, :len(c.logprobs)] = torch.tensor(c.logprobs)
+    assert (trainer - engine_logp).abs().max() <= 1e-4, (name, (trainer - engine_logp).abs().max())
