@@ -314,6 +314,8 @@ class RolloutBackend(abc.ABC):
     supports_routed_experts: ClassVar[bool] = False
     #: whether :meth:`load_lora_adapter` serves a LoRA adapter sent as its own tensors (--lora.sync_mode adapter)
     supports_lora_adapter: ClassVar[bool] = False
+    #: whether ``generate`` takes ``images=`` (each prompt's processor output) for a vision-language model
+    supports_images: ClassVar[bool] = False
 
     def __init__(self, config: BackendConfig):
         self.config = config

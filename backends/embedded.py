@@ -37,6 +37,13 @@ draws do not depend on its batch); an engine whose budget cannot hold one row of
 refuses to start. Models that decode through ``DynamicCache`` are cut into the same waves, but that cache grows
 by concatenation, so only the buffers are held to the budget byte for byte.
 
+Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): ``generate(..., images=)`` takes each prompt's
+processor output (:class:`rlhf_sg.vision.ImageInputs`) beside its expanded ids. The vision tower runs once per
+prompt in its prefill (the ``n`` samples share the cache), the prefill's M-RoPE positions are each prompt's own
+(the model's ``get_rope_index``), decoding continues from the prompt's largest position + 1, and the placeholder
+tokens (image / video pad, vision start / end) are never sampled (a truncation, like top-k: the log-prob reported
+is the untruncated one, as the trainer computes it).
+
 Engine-specific keys in ``BackendConfig.extra``:
 
 * ``max_batch_size`` (int, default 256): completion rows decoded together, at most;
@@ -80,6 +87,8 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EXTRA_KEYS = {"max_batch_size", "attn_implementation", "kv_cache_bytes"}
+#: a vision-language config's placeholder token ids, which the engine never samples
+_PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 _MASK64 = (1 << 64) - 1
 
 
@@ -97,7 +106,8 @@ def row_seed(seed: int, prompt_index: int, sample_index: int) -> int:
 
 
 def sample_next_tokens(
-    logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_k: int, top_p: float
+    logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_k: int, top_p: float,
+    banned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row by inverse-CDF lookup of a given uniform draw.
 
@@ -107,15 +117,20 @@ def sample_next_tokens(
     convention). ``temperature == 0`` is greedy and its log-prob uses temperature 1.
     Top-k keeps the k most likely tokens; top-p then keeps the smallest prefix of those, by
     descending probability, whose renormalised mass reaches ``top_p``.
+    ``banned`` [K] long: token ids never sampled (a vision-language model's image placeholders); like top-k / top-p
+    a truncation of the sampling distribution, so the log-prob stays the untruncated one.
     """
     logits = logits.float()
     if temperature == 0:
         logp_all = torch.log_softmax(logits, dim=-1)
-        tokens = logits.argmax(dim=-1)
+        tokens = (logits if banned is None else logits.index_fill(-1, banned, -math.inf)).argmax(dim=-1)
         return tokens, logp_all.gather(1, tokens[:, None]).squeeze(1)
 
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
-    probs = logp_all.exp()
+    if banned is None:
+        probs = logp_all.exp()
+    else:  # renormalised in log space: the allowed tokens keep their odds even where the banned take all the mass
+        probs = torch.softmax(logits.index_fill(-1, banned, -math.inf) / temperature, dim=-1)
     vocab = probs.shape[-1]
     if 0 < top_k < vocab or top_p < 1.0:
         if 0 < top_k < vocab:
@@ -330,6 +345,7 @@ class EmbeddedBackend(RolloutBackend):
     supports_abort = True
     supports_lora_adapter = True
     supports_routed_experts = True  # for a mixture-of-experts model (others refuse the request at generate)
+    supports_images = True  # for a vision-language model (a text model refuses them at generate)
 
     def __init__(self, config: BackendConfig):
         super().__init__(config)
@@ -360,24 +376,29 @@ class EmbeddedBackend(RolloutBackend):
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
 
-        from transformers import AutoModelForCausalLM, DynamicCache
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache
         from transformers.cache_utils import DynamicLayer
 
         load_kw = {}
         if "attn_implementation" in config.extra:
             load_kw["attn_implementation"] = config.extra["attn_implementation"]
-        self.model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=_DTYPES[config.dtype], **load_kw).to(
-            self._device
-        )
+        #: a vision-language model: generate takes each prompt's images (rlhf_sg.vision.ImageInputs)
+        self.vision = getattr(AutoConfig.from_pretrained(config.model_path), "vision_config", None) is not None
+        auto = AutoModelForImageTextToText if self.vision else AutoModelForCausalLM
+        self.model = auto.from_pretrained(config.model_path, dtype=_DTYPES[config.dtype], **load_kw).to(self._device)
         self.model.eval().requires_grad_(False)
         self._checkpoint_renames = saved_as(self.model,
                                             [(n, p.shape, p.dtype) for n, p in self.model.named_parameters()])
         model_config = self.model.config
-        self._vocab_size = int(model_config.vocab_size)
-        self._pad_id = model_config.pad_token_id if model_config.pad_token_id is not None else 0
+        text_config = model_config.get_text_config()
+        self._vocab_size = int(text_config.vocab_size)
+        self._pad_id = text_config.pad_token_id if text_config.pad_token_id is not None else 0
         self._eos_ids = _as_id_set(getattr(self.model.generation_config, "eos_token_id", None))
-        self._eos_ids |= _as_id_set(model_config.eos_token_id)
-        model_len = getattr(model_config, "max_position_embeddings", None)
+        self._eos_ids |= _as_id_set(text_config.eos_token_id)
+        #: placeholder ids never sampled (image / video pads, vision start / end), None for a text model
+        placeholders = sorted({getattr(model_config, key, None) for key in _PLACEHOLDER_KEYS} - {None})
+        self._banned = torch.tensor(placeholders, device=self._device) if placeholders else None
+        model_len = getattr(text_config, "max_position_embeddings", None)
         self._context_len = min(config.max_model_len, model_len) if model_len else config.max_model_len
         self._context_note = (
             f"BackendConfig.max_model_len={config.max_model_len}, model max_position_embeddings={model_len}"
@@ -412,11 +433,17 @@ class EmbeddedBackend(RolloutBackend):
         self._lora_hooks: list = []  # forward hooks serving the loaded LoRA adapter
 
     # ---- rollout -------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Sample ``params.n`` completions per prompt; prompt-major, ``len(prompts) * n`` of them."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, images: list | None = None
+                 ) -> list[Completion]:
+        """Sample ``params.n`` completions per prompt; prompt-major, ``len(prompts) * n`` of them.
+
+        ``images``: for a vision-language model, each prompt's :class:`rlhf_sg.vision.ImageInputs` (None for a text
+        prompt), the processor's output whose expanded image tokens the prompt holds. The vision tower runs once
+        per prompt, each prompt's M-RoPE positions are its own, and decoding continues them."""
         self._check_usable("generate")
         check_generate_args(prompts, params, self._vocab_size, self._context_len, self._context_note,
                             routed_experts=True)
+        self._check_images(prompts, images)
         if params.return_routed_experts and self._route_recorder() is None:
             raise BackendError(f"generate: SamplingParams.return_routed_experts, but the model "
                                f"({type(self.model).__name__}) has no mixture-of-experts router")
@@ -438,7 +465,8 @@ class EmbeddedBackend(RolloutBackend):
                     for i in chunk:
                         results[i] += [Completion([], [], "abort", self._weight_version, i) for _ in samples]
                     continue
-                for i, completions in zip(chunk, self._decode(prompts, chunk, samples, params, seed, stop_ids)):
+                for i, completions in zip(chunk, self._decode(prompts, chunk, samples, params, seed, stop_ids,
+                                                              images)):
                     results[i] += completions
         finally:
             with self._abort_lock:
@@ -446,6 +474,26 @@ class EmbeddedBackend(RolloutBackend):
                 self._abort.clear()
                 self.decode_steps = 0
         return [c for i in range(len(prompts)) for c in results[i]]
+
+    def _check_images(self, prompts: list[list[int]], images: list | None) -> None:
+        """Images only for a vision-language model, one entry per prompt, each prompt's image tokens those its
+        images' grids make (t·h·w / merge² per image)."""
+        if images is None:
+            return
+        if not self.vision:
+            raise BackendError(f"generate: images given, but the model ({type(self.model).__name__}) is text-only")
+        if len(images) != len(prompts):
+            raise BackendError(f"generate: {len(images)} image entries for {len(prompts)} prompts; give one (or None) "
+                               "per prompt")
+        from rlhf_sg.vision import image_token_counts
+
+        config = self.model.config
+        for i, (prompt, inputs) in enumerate(zip(prompts, images)):
+            have = prompt.count(config.image_token_id)
+            want = 0 if inputs is None else sum(image_token_counts(config, inputs))
+            if have != want:
+                raise BackendError(f"generate: prompt {i} holds {have} image tokens but the model makes {want} "
+                                   "features of its images; pass the processor's expanded ids with its images")
 
     def abort_generation(self) -> None:
         """Stop the running ``generate`` before its next token (from another thread); a no-op when none runs."""
@@ -520,14 +568,16 @@ class EmbeddedBackend(RolloutBackend):
         return False
 
     def _start_decode(self, prompts: list[list[int]], n: int, max_new: int,
-                      prompt_routes: list | None = None) -> tuple[_DecodeState, torch.Tensor]:
+                      prompt_routes: list | None = None, images: list | None = None
+                      ) -> tuple[_DecodeState, torch.Tensor]:
         """Prefill the prompts (sorted by length), each for ``n`` sample rows; returns the decode state and the
         logits of every row's next token [len(prompts) * n, V]. ``prompt_routes``: a list to append each prompt's
         routes to (``[len(prompt), moe_layers, top_k]``), while the route recorder records.
 
         Prompts of similar length are prefilled together and left-padded into one cache, so little prefill
         compute goes to padding; models whose cache layers are not plain dynamic layers (sliding windows,
-        linear attention) are prefilled as one padded batch.
+        linear attention) are prefilled as one padded batch. ``images``: each prompt's ImageInputs (or None) for a
+        vision-language model (:meth:`_vision_prefill`).
         """
         groups = _length_groups([len(p) for p in prompts]) if self._mergeable_cache else [range(len(prompts))]
         width = len(prompts[-1])
@@ -535,6 +585,7 @@ class EmbeddedBackend(RolloutBackend):
         buffers = (KVBuffers(pad_mask, self._num_layers, width + max_new, self.model.dtype, n=n,
                              budget_bytes=self.kv_budget_bytes) if self.kv_buffers else None)
         caches, logits = [], []
+        next_position = pad_mask.sum(-1)
         for group in groups:
             group_prompts = [prompts[i] for i in group]
             input_ids, attention_mask = self._left_pad(group_prompts, len(group_prompts[-1]))
@@ -542,10 +593,15 @@ class EmbeddedBackend(RolloutBackend):
             if buffers is not None:
                 buffers.prefill = (slice(group.start * n, group.stop * n), width - input_ids.shape[1], n)
                 extra["kv_buffers"] = buffers
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp_(min=0)
+            if images is not None:
+                position_ids, extra["mm_encoder_outputs"] = self._vision_prefill(
+                    input_ids, attention_mask, [images[i] for i in group])
+                next_position[group.start:group.stop] = position_ids.reshape(-1, *input_ids.shape).amax(dim=(0, 2)) + 1
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                position_ids=(attention_mask.cumsum(-1) - 1).clamp_(min=0),
+                position_ids=position_ids,
                 use_cache=buffers is None,
                 logits_to_keep=1,
                 **extra,
@@ -557,7 +613,7 @@ class EmbeddedBackend(RolloutBackend):
                 routes = routes.reshape(len(group_prompts), input_ids.shape[1], *routes.shape[1:])
                 prompt_routes += [routes[r, input_ids.shape[1] - len(p):] for r, p in enumerate(group_prompts)]
         logits = torch.cat(logits).repeat_interleave(n, dim=0)
-        next_position = pad_mask.sum(-1).repeat_interleave(n, dim=0)
+        next_position = next_position.repeat_interleave(n, dim=0)
         if buffers is not None:
             buffers.prefill = None
             return _BufferedDecode(self.model, buffers, next_position), logits
@@ -576,6 +632,21 @@ class EmbeddedBackend(RolloutBackend):
         if n > 1:  # one prefill per prompt, its cache shared by the n samples
             _select_cache_rows(cache, torch.arange(len(prompts), device=self._device).repeat_interleave(n))
         return _CachedDecode(self.model, cache, pad_mask.repeat_interleave(n, dim=0), next_position), logits
+
+    def _vision_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: list):
+        """A left-padded prefill group's ``position_ids``: M-RoPE [3, B, L] (each prompt's own, from the model's
+        ``get_rope_index``; 0 on padding), or [B, L] for a model with 1-D positions (LLaVA); and its image encoder
+        outputs, the vision tower run once per prompt."""
+        from rlhf_sg.vision import image_features, sequence_positions, uses_mrope
+
+        features = image_features(self.model, images, list(range(len(images))))
+        if not uses_mrope(self.model):  # 1-D positions (LLaVA), as for text
+            return (attention_mask.cumsum(-1) - 1).clamp_(min=0), None if features is None else {"image": features}
+        position_ids = torch.zeros((3, *input_ids.shape), dtype=torch.long, device=self._device)
+        for r in range(input_ids.shape[0]):
+            real = attention_mask[r].bool()
+            position_ids[:, r, real] = sequence_positions(self.model, input_ids[r, real], images[r])
+        return position_ids, None if features is None else {"image": features}
 
     def _route_recorder(self):
         """The :class:`rlhf_sg.moe.RouteRecorder` of this model (made once), or None for a model without routers."""
@@ -597,17 +668,19 @@ class EmbeddedBackend(RolloutBackend):
     @torch.inference_mode()
     def _decode(
         self, prompts: list[list[int]], chunk: list[int], samples: range, params: SamplingParams, seed: int,
-        stop_ids: set[int],
+        stop_ids: set[int], images: list | None = None,
     ) -> list[list[Completion]]:
         """Decode the rows ``samples`` (sample indices) of each prompt index in ``chunk``; one list per prompt."""
         recording = params.return_routed_experts
         with self._recorder.recording() if recording else contextlib.nullcontext():
-            return self._decode_rows(prompts, chunk, samples, params, seed, stop_ids, recording)
+            return self._decode_rows(prompts, chunk, samples, params, seed, stop_ids, recording, images)
 
-    def _decode_rows(self, prompts, chunk, samples, params, seed, stop_ids, recording: bool) -> list[list[Completion]]:
+    def _decode_rows(self, prompts, chunk, samples, params, seed, stop_ids, recording: bool,
+                     images: list | None = None) -> list[list[Completion]]:
         device, n, max_new = self._device, len(samples), params.max_new_tokens
         prompt_routes: list | None = [] if recording else None
-        state, logits = self._start_decode([prompts[i] for i in chunk], n, max_new, prompt_routes)
+        state, logits = self._start_decode([prompts[i] for i in chunk], n, max_new, prompt_routes,
+                                           None if images is None else [images[i] for i in chunk])
 
         num_rows = len(chunk) * n
         decode_routes = None  # [num_rows, max_new, moe_layers, top_k]: the routes of each fed sampled token
@@ -635,7 +708,7 @@ class EmbeddedBackend(RolloutBackend):
                 aborted[rows[~done]] = True
                 break
             token, logp = sample_next_tokens(
-                logits, uniforms[rows, step], params.temperature, params.top_k, params.top_p
+                logits, uniforms[rows, step], params.temperature, params.top_k, params.top_p, self._banned
             )
             self.decode_steps += 1
             # Rows already done also write here; everything past a row's length is ignored.

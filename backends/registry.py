@@ -69,13 +69,14 @@ def available_backends() -> dict[str, str]:
     status = {}
     for name in _BUILTINS:
         try:
-            _load_builtin(name)
+            cls = _load_builtin(name)
         except BackendError as exc:
             status[name] = f"unavailable: {exc}"
             continue
         status[name] = "available"
         if name == "hf" and not torch.cuda.is_available():
             status[name] = "available (CPU only: torch sees no CUDA device)"
+        status[name] += "; takes images (vision-language models)" if cls.supports_images else "; text only"
     for name, entry_point in _entry_points().items():
         try:
             _load_plugin(name, entry_point)

@@ -674,6 +674,16 @@ def _has_experts(path: str) -> bool:
                for c in (config, config.get("text_config")))
 
 
+def _is_vision_language(path: str) -> bool:
+    """Whether the model directory's config.json has a vision tower (``vision_config``)."""
+    import json
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return False
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        return isinstance(json.load(f).get("vision_config"), dict)
+
+
 def _position_dependent_rope(path: str) -> tuple[str, int] | None:
     """(rope type, original_max_position_embeddings) when the model directory's RoPE picks its frequencies per
     forward from the longest sequence (``longrope``, ``dynamic``: see :func:`rlhf_sg.packing.check_rope_regime`)."""
@@ -747,6 +757,12 @@ def validate(cfg: Config) -> Config:
                   f"{flag}: {path!r} is not a model directory (no config.json there); save the model with "
                   "save_pretrained or point at its directory")
             _check_model_dir(flag, path)
+    for flag, path in (("--model.pretrain", m.pretrain), ("--model.critic_pretrain", m.critic_pretrain),
+                       ("--model.reward_pretrain", m.reward_pretrain), ("--distill.teacher", cfg.distill.teacher)):
+        _need(not (path and _is_vision_language(path)),
+              f"{flag}: {path!r} is a vision-language model; the trainer does not carry images through its steps yet "
+              "(rlhf_sg.vision gives their data, packed log-probs and the embedded engine's generation: README "
+              "'Vision-language policies'); train a text model")
     if (t.router_aux_loss_coef or 0) > 0 and m.pretrain and os.path.isfile(os.path.join(m.pretrain, "config.json")):
         _need(_has_experts(m.pretrain),
               f"--train.router_aux_loss_coef {t.router_aux_loss_coef}: {m.pretrain!r} is not a mixture-of-experts "

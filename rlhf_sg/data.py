@@ -15,6 +15,8 @@ __all__ = ["DataError", "Prompt", "PromptStream", "load_prompts"]
 
 log = logging.getLogger("rlhf_sg")
 
+#: the row key that lists a prompt's images (rlhf_sg.vision); a text model's prompts have none
+IMAGE_KEY = "images"
 #: files a model directory's tokenizer is made from (or a *.tiktoken file)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model")
@@ -194,6 +196,9 @@ def _make_prompt(raw, path, unit, i, tokenizer, input_key, label_key, apply_chat
         raise DataError(f"{where}: key {input_key!r} missing (keys: {', '.join(map(str, raw))}); set --data.input_key")
     if label_key is not None and label_key not in raw:
         raise DataError(f"{where}: key {label_key!r} missing (keys: {', '.join(map(str, raw))}); set --data.label_key")
+    if raw.get(IMAGE_KEY):  # these prompts are a text model's: its tokenizer would take the images' markers as text
+        raise DataError(f"{where}: the row has images ({IMAGE_KEY!r}) but the model is text-only; use a "
+                        "vision-language model (rlhf_sg.vision) or drop the images")
     content = raw[input_key]
     if isinstance(content, str) and not content.strip() or isinstance(content, list) and not content:
         raise DataError(f"{where}: {input_key!r} is empty; give it text, or drop the row (or --data.skip_bad_rows)")

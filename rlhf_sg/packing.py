@@ -1096,9 +1096,11 @@ def packed_forward(
             f"{_FLASH_IMPLEMENTATIONS + _MASKED_IMPLEMENTATIONS} (model.set_attn_implementation(...)), or "
             "pass attn_implementation= naming the convention your attention function follows"
         )
+    # a vision-language model's M-RoPE rows come in forward_kwargs ([4, R, L], the text row first)
+    position_ids = forward_kwargs.pop("position_ids", batch.position_ids)
     return model(
         input_ids=batch.input_ids.to(device),
-        position_ids=batch.position_ids.to(device),
+        position_ids=position_ids.to(device),
         use_cache=False,
         **kwargs,
         **forward_kwargs,
@@ -1283,6 +1285,7 @@ def response_logprobs(
     router=None,
     routes: torch.Tensor | None = None,
     replay=None,
+    images=None,
 ):
     """Log-probs (and entropy) of the response tokens under a causal LM, computed on packed rows.
 
@@ -1310,6 +1313,9 @@ def response_logprobs(
     :meth:`~rlhf_sg.moe.RouteReplay.active` scope holds this call and the backward after it: the routes are laid
     into the packed rows and armed for the forward (routing replay). Each sequence then computes its own prompt
     (``share_prompts`` is not applied: the routes are per sample).
+    ``images``: a vision-language model's :class:`rlhf_sg.vision.ImageInputs` (or None) per row; each sequence's
+    M-RoPE positions are its own (:func:`rlhf_sg.vision.vision_forward_kwargs`), and such a batch is packed, not
+    shared (``share_prompts`` falls back, logged once).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -1327,6 +1333,10 @@ def response_logprobs(
     impl = _attn_implementation(module, attn_implementation)
     if routes is not None and replay is None:
         raise ValueError("response_logprobs: routes need the RouteReplay whose active() scope replays them")
+    if images is not None and share_prompts:
+        from rlhf_sg.vision import refuse_shared_prompts
+
+        share_prompts = refuse_shared_prompts(module)
     groups = None if routes is not None else _shared_groups(module, share_prompts, sequences, attention_mask,
                                                             response_width)
     captured: dict[str, torch.Tensor] = {}
@@ -1348,7 +1358,12 @@ def response_logprobs(
                 batch = _pack_for(module, impl, sequences, attention_mask)
                 if routes is not None:
                     replay.arm(_packed_routes(routes, batch).to(device))
-                packed_forward(model, batch, impl, logits_to_keep=no_logits)
+                extra = {}
+                if images is not None:
+                    from rlhf_sg.vision import vision_forward_kwargs
+
+                    extra = vision_forward_kwargs(module, batch, sequences, attention_mask, images)
+                packed_forward(model, batch, impl, logits_to_keep=no_logits, **extra)
     finally:
         hook.remove()
     if router is not None:

@@ -281,3 +281,88 @@ def tiny_family_model(family: str, attn_implementation: str | None = None, seed:
         config, attn_implementation=attn_implementation, dtype=torch.float32
     )
     return model.eval()
+
+
+# ---- vision-language families -----------------------------------------------------------------------------
+
+#: the image / video placeholders and the vision start / end marks, as Qwen-VL's tokenizers have them, and LLaVA's
+#: image placeholder (all special)
+VISION_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<image>")
+
+
+def build_vision_tokenizer():
+    """:func:`build_chat_tokenizer` with :data:`VISION_SPECIAL_TOKENS` added (special) at the end of its vocabulary,
+    as the Qwen-VL processors need them (``<|image_pad|>`` is what an image expands into)."""
+    from tokenizers import AddedToken
+
+    tok = build_chat_tokenizer()
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_SPECIAL_TOKENS],
+                   special_tokens=True)
+    return tok
+
+
+def _vision_family_configs(vocab_size: int, token_ids: dict[str, int], eos_id: int, pad_id: int) -> dict:
+    """vision family -> (config class name in transformers, kwargs): a 2-layer text model of hidden size 32 with
+    M-RoPE (``mrope_section`` [2, 1, 1] of the head's 4 frequency pairs) and a 2-block vision tower whose merger
+    outputs the text hidden size; ``token_ids``: the config's image / video / vision start / end ids."""
+    text = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=eos_id, pad_token_id=pad_id,
+                bos_token_id=None)
+    mrope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    return {
+        "qwen2-vl": ("Qwen2VLConfig", dict(
+            token_ids, text_config=dict(text, rope_parameters=mrope),
+            vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                               spatial_merge_size=2, temporal_patch_size=2))),
+        # window attention over 2x2 merged patches (window_size / patch_size / merge), full attention in block 1
+        "qwen2.5-vl": ("Qwen2_5_VLConfig", dict(
+            token_ids, text_config=dict(text, rope_parameters=mrope),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
+                               patch_size=14, spatial_merge_size=2, window_size=56, fullatt_block_indexes=[1]))),
+        # patch 16, interleaved M-RoPE, a learned 8x8 position grid and deepstack features from block 0
+        "qwen3-vl": ("Qwen3VLConfig", dict(
+            token_ids, text_config=dict(text, head_dim=8, rope_parameters=dict(mrope, mrope_interleaved=True)),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
+                               patch_size=16, spatial_merge_size=2, num_position_embeddings=64,
+                               deepstack_visual_indexes=[0]))),
+        # a Llama text model (1-D RoPE) and a CLIP tower on 28x28 images: (28 / 14)² = 4 tokens an image (its CLS
+        # feature dropped, the "default" strategy)
+        "llava": ("LlavaConfig", dict(
+            token_ids, text_config=dict(text, model_type="llama"), vision_feature_layer=-1,
+            vision_feature_select_strategy="default", image_seq_length=4,
+            vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14,
+                               projection_dim=32))),
+    }
+
+
+def _vision_config_classes() -> dict:
+    import transformers
+
+    return {name: cls for name, (cls, _) in _vision_family_configs(1, {}, 0, 0).items() if hasattr(transformers, cls)}
+
+
+#: the vision-language families the installed transformers can build
+VISION_FAMILIES = tuple(_vision_config_classes())
+
+
+def tiny_vision_model(family: str, tokenizer=None, seed: int = 0):
+    """A random-weight float32 vision-language model of ``family`` (one of :data:`VISION_FAMILIES`), in eval
+    mode, its vocabulary and image / vision start / end ids those of ``tokenizer`` (default
+    :func:`build_vision_tokenizer`)."""
+    import transformers
+
+    if family not in VISION_FAMILIES:
+        raise ValueError(f"vision family {family!r} unknown; choose one of {list(VISION_FAMILIES)}")
+    tok = tokenizer if tokenizer is not None else build_vision_tokenizer()
+    start, end, image, video, llava_image = (tok.convert_tokens_to_ids(t) for t in VISION_SPECIAL_TOKENS)
+    token_ids = dict(image_token_id=image, video_token_id=video, vision_start_token_id=start,
+                     vision_end_token_id=end)
+    if family == "llava":
+        token_ids = dict(image_token_index=llava_image)
+    class_name, kwargs = _vision_family_configs(len(tok), token_ids, tok.eos_token_id, tok.pad_token_id)[family]
+    config = getattr(transformers, class_name)(**kwargs)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    return model.eval()
