@@ -52,18 +52,25 @@ def _write_jsonl(path: str, rows: list[dict]) -> str:
     return path
 
 
-def write_data(out: str, seed: int, label_noise: float, held_out_fraction: float = 0.2) -> dict[str, str]:
+def write_data(out: str, seed: int, label_noise: float, held_out_fraction: float = 0.2,
+               policy_samples: dict[str, list[str]] | None = None) -> dict[str, str]:
     """The stages' data files: SFT rows (every problem: the supervised data stands for pretraining), and preference
     pairs over every problem, split at random into training pairs (a ``label_noise`` fraction flipped, seeded) and
     held-out pairs (never flipped): the reward model is judged on pairs it never saw, as a preference dataset's
-    held-out split judges it. The PPO prompt files split the problems as the quickstart does (RL never trains on
-    the held-out problems)."""
+    held-out split judges it. The right answer is preferred over every other number and the malformed answers, and
+    over each wrong answer in ``policy_samples`` (prompt -> the SFT policy's sampled answers, repeats kept:
+    preferences over the policy's own samples, weighted as often as it makes each mistake, which PPO will sample).
+    The PPO prompt files split the problems as the quickstart does (RL never trains on the held-out problems)."""
     rng = random.Random(seed)
     problems = arith_task.problems(seed)
     sums = sorted({int(answer) for _, answer in problems})
-    pairs = [{"prompt": prompt, "chosen": answer, "rejected": rejected}
-             for prompt, answer in problems
-             for rejected in [str(s) for s in sums if str(s) != answer] + MALFORMED]
+    policy_samples = policy_samples or {}
+    pairs = []
+    for prompt, answer in problems:
+        synthetic = [str(s) for s in sums if str(s) != answer] + MALFORMED
+        # one pair per wrong sample, repeats kept: the mistakes the policy makes most weigh most
+        sampled = [a for a in policy_samples.get(prompt, []) if a.strip() and a != answer]
+        pairs += [{"prompt": prompt, "chosen": answer, "rejected": rejected} for rejected in synthetic + sampled]
     rng.shuffle(pairs)
     cut = int(len(pairs) * held_out_fraction)
     held_pairs, train_pairs = pairs[:cut], pairs[cut:]
@@ -89,6 +96,29 @@ def stage_config(stage: str, model: str, data: str, out: str, *, eval_data: str 
     cfg.train.lr, cfg.train.epochs, cfg.train.batch_size, cfg.train.seed = lr, epochs, batch_size, seed
     cfg.log.output_dir, cfg.log.progress_bar = out, False
     return cfg
+
+
+@torch.no_grad()
+def sample_answers(model_dir: str, seed: int, samples: int = 16) -> dict[str, list[str]]:
+    """``samples`` answers (temperature 1, at most 3 tokens) the model at ``model_dir`` gives to every problem."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    answers = {}
+    for prompt, _ in arith_task.problems(seed):
+        ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]] * samples)
+        out, done = [[] for _ in range(samples)], [False] * samples
+        for _ in range(3):
+            nxt = torch.multinomial(torch.softmax(model(input_ids=ids).logits[:, -1, :], -1), 1, generator=g)
+            for i, t in enumerate(nxt.flatten().tolist()):
+                done[i] = done[i] or t == tokenizer.eos_token_id
+                if not done[i]:
+                    out[i].append(t)
+            ids = torch.cat([ids, nxt], dim=1)
+        answers[prompt] = [tokenizer.decode(o) for o in out]
+    return answers
 
 
 @torch.no_grad()
@@ -131,6 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
                            batch_size=32, seed=args.seed))
     sft = os.path.join(out, "sft", "final_hf")
     summary["sft_held_out_rule_accuracy"] = held_out_rule_accuracy(sft, args.seed)
+    # the preferences compare the right answer with the SFT policy's own wrong samples too
+    files = write_data(out, args.seed, args.label_noise, policy_samples=sample_answers(sft, args.seed))
 
     print("== 2. reward model", flush=True)
     rm = train_rm(stage_config("rm", sft, files["prefs"], os.path.join(out, "rm"), eval_data=files["prefs_held_out"],

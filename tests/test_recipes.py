@@ -192,3 +192,12 @@ def test_the_rlhf_pipelines_preferences_hold_out_unseen_pairs_flip_only_training
     for stage, name in (("rm", "prefs"), ("rm", "prefs_held_out"), ("sft", "sft")):
         rows = load_stage_rows(files[name], stage, tokenizer, eos_ids(tokenizer), d)
         assert (rows.num_units, rows.dropped, rows.truncated) == (len(read[name]), 0, 0), name
+    # the SFT policy's own wrong samples join the pairs, one per sample (repeats kept), its right ones do not
+    prompt, answer = arith_task.problems(0)[0]
+    wrong = str((int(answer) + 1) % 9)
+    files = rlhf_pipeline.write_data(str(tmp_path / "sampled"), seed=0, label_noise=0.0,
+                                     policy_samples={prompt: [wrong, wrong, answer, "7+"]})
+    rows = [json.loads(line) for k in ("prefs", "prefs_held_out") for line in open(files[k])]
+    of_prompt = [r["rejected"] for r in rows if r["prompt"] == prompt]
+    assert (of_prompt.count(wrong), of_prompt.count("7+"), of_prompt.count(answer)) == (3, 1, 0)
+    assert len(rows) == sum(len(read[k]) for k in ("prefs", "prefs_held_out")) + 3
