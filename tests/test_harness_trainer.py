@@ -22,7 +22,9 @@ async def two_calls(base_url, api_key, prompt):
     k = next(_runs)  # runs start in the order the pool takes them: prompt-major
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
     calls = seen_by_client.setdefault(api_key, [])
-    first = await client.completions.create(model="policy", prompt=prompt.token_ids, max_tokens=3)
+    # a prompt of the harness's own (one id more than the dataset's): the row must carry it, not the dataset's
+    first = await client.completions.create(model="policy", prompt=prompt.token_ids[:1] + prompt.token_ids,
+                                            max_tokens=3)
     c1 = first.choices[0].token_ids
     calls.append((first.prompt_token_ids, c1))
     second = await client.completions.create(model="policy", prompt=first.prompt_token_ids + c1 + prompt.token_ids[:2],
@@ -76,7 +78,7 @@ def test_harness_rows_are_the_engines_records_with_masks_rewards_and_trainer_log
             # the row: the prompt ids the engine prefilled, its completions and the observation, token-exact
             row = exp.sequences[i][exp.attention_mask[i].bool()].tolist()
             assert row == p1 + c1 + obs + c2
-            assert exp.sequences[i, P - len(p1):P].tolist() == p1
+            assert exp.sequences[i, P - len(p1):P].tolist() == p1 and exp.attention_mask[i, :P].sum() == len(p1)
             mask = [True] * len(c1) + [False] * len(obs) + [True] * len(c2)
             assert exp.action_mask[i].tolist() == mask + [False] * (T - len(mask))
             assert exp.weight_version[i].item() == step
