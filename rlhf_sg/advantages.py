@@ -46,7 +46,9 @@ class AdvantageInputs:
     per-token KL estimate (zeros when the KL penalty is not in the rewards); kl_coef: its coefficient
     in the rewards (0 when the penalty is in the loss or off); values: [B, T] critic values (estimators
     registered with ``needs_critic``) or None; gamma, lam: the run's discount and GAE lambda; norm: how the
-    whitened estimators normalise (``--train.advantage_norm``: whiten, center or none).
+    whitened estimators normalise (``--train.advantage_norm``: whiten, center or none); scored: [B] bool, the
+    samples with a score (None: all; an agent harness may leave a sample unscored), the group estimators' baselines
+    are taken over these only.
     """
 
     scores: torch.Tensor
@@ -58,6 +60,7 @@ class AdvantageInputs:
     lam: float = 1.0
     values: torch.Tensor | None = None
     norm: str = "whiten"
+    scored: torch.Tensor | None = None
 
     def token_rewards(self, sequence_scores: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T] rewards: ``sequence_scores`` ([B], default :attr:`scores`) on each row's last action token
@@ -144,7 +147,7 @@ def _reinforce(inputs: AdvantageInputs):
 def _register_group(kind: str) -> None:
     # group estimators take gamma = 1: the baseline is a sequence-level quantity
     def group(inputs: AdvantageInputs):
-        baselined = algo.group_advantages(inputs.scores, inputs.group_size, kind)
+        baselined = algo.group_advantages(inputs.scores, inputs.group_size, kind, inputs.scored)
         return algo.discounted_returns(inputs.token_rewards(baselined), inputs.action_mask, 1.0), None
 
     group.__doc__ = f"{kind}: :func:`rlhf_sg.algorithms.group_advantages` shaped into token rewards, returns (gamma 1)"

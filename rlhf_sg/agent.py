@@ -251,6 +251,8 @@ class Trajectory:
     prompt_tokens_sent: int = 0  #: prompt tokens of every turn's generate call, summed (prefill work asked)
     cached_tokens: int | None = None  #: of those, the engine's prefix-cache hits (None: the engine does not say)
     info: list[dict] = field(default_factory=list)
+    #: the row's own prompt ids (an agent harness's, exactly as the engine prefilled them); None: the prompt's
+    prompt_ids: list[int] | None = None
 
 
 def sampled_versions(completions: list) -> list[int]:

@@ -355,7 +355,8 @@ def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: 
     return returns
 
 
-def group_advantages(scores: torch.Tensor, group_size: int, kind: str = "grpo") -> torch.Tensor:
+def group_advantages(scores: torch.Tensor, group_size: int, kind: str = "grpo",
+                     scored: torch.Tensor | None = None) -> torch.Tensor:
     """Sequence-level advantages from the scores of groups of samples of the same prompt.
 
     scores: [B] with B = num_prompts * group_size and each prompt's samples contiguous.
@@ -366,7 +367,8 @@ def group_advantages(scores: torch.Tensor, group_size: int, kind: str = "grpo") 
       reinforce_baseline  s - mean_g (the baselined score; :func:`reinforce_baseline_advantages`
                           adds the KL penalty, takes returns and whitens over the batch's tokens)
     Returns [B] float32; a group of equal scores gets 0 everywhere. Broadcast to tokens with
-    ``adv[:, None] * action_mask``.
+    ``adv[:, None] * action_mask``. ``scored`` ([B] bool, None: all): the samples that have a score; the others
+    (an agent harness that returned None, failed or timed out) are left out of their group's statistics and get 0.
     """
     _check_kind("group_advantages", "kind", kind, GROUP_KINDS)
     if scores.dim() != 1:
@@ -381,6 +383,8 @@ def group_advantages(scores: torch.Tensor, group_size: int, kind: str = "grpo") 
             "each prompt needs exactly group_size samples"
         )
     s = scores.float().view(-1, group_size)
+    if scored is not None:
+        return _scored_group_advantages(s, scored.bool().view(-1, group_size), kind).reshape(-1)
     mean = s.mean(dim=1, keepdim=True)
     if kind == "grpo":
         adv = (s - mean) / (s.std(dim=1, keepdim=True) + _GROUP_STD_EPS)
@@ -391,6 +395,23 @@ def group_advantages(scores: torch.Tensor, group_size: int, kind: str = "grpo") 
     else:
         adv = s - mean
     return adv.reshape(-1)
+
+
+def _scored_group_advantages(s: torch.Tensor, scored: torch.Tensor, kind: str) -> torch.Tensor:
+    """:func:`group_advantages` over each group's scored samples only ([G, n] scores and mask); 0 elsewhere. A group
+    with too few scored samples for its statistic (one for grpo's std or rloo's others, none for a mean) gets 0."""
+    m = scored.float()
+    k = m.sum(dim=1, keepdim=True)
+    total = (s * m).sum(dim=1, keepdim=True)
+    mean = total / k.clamp(min=1)
+    if kind == "grpo":
+        var = (((s - mean) * m) ** 2).sum(dim=1, keepdim=True) / (k - 1).clamp(min=1)
+        adv = torch.where(k > 1, (s - mean) / (var.sqrt() + _GROUP_STD_EPS), torch.zeros_like(s))
+    elif kind == "rloo":
+        adv = torch.where(k > 1, s - (total - s) / (k - 1).clamp(min=1), torch.zeros_like(s))
+    else:
+        adv = s - mean
+    return adv * m
 
 
 def reinforce_baseline_advantages(

@@ -395,6 +395,14 @@ class AgentConfig:
     reward_text: str = "model"
     #: the environment's own reward: "ignore", "add" (to the reward function's score) or "replace" it
     env_reward: str = "ignore"
+    #: agent harness rollouts: an async function, module:function, (base_url, api_key, prompt) -> reward | None, run
+    #: once per sample against the trainer's OpenAI-compatible endpoint (rlhf_sg.serve.harness); its calls become
+    #: the rows and its return value (or the reward it posted) the score. Exclusive with env
+    harness: str | None = None
+    #: harness runs at once, at most
+    harness_workers: int = 8
+    #: one harness run at most this long; then its sample is unscored
+    harness_timeout_s: float = 600.0
     #: compare each turn boundary with the tokenizer's chat template (the glue after the end-of-turn token at the
     #: start of the observation): "off", "warn" (log and count, agent/template_mismatch) or "strict" (stop the run)
     template_check: str = "warn"
@@ -919,7 +927,7 @@ def validate(cfg: Config) -> Config:
     _need(os.path.exists(d.prompt_data), f"--data.prompt_data: {d.prompt_data!r} does not exist")
     _need(rw.kind in ("function", "model", "remote"),
           f"--reward.kind must be function, model or remote, got {rw.kind!r}")
-    if rw.kind == "function" and not (distill_only(cfg) and rw.function is None):
+    if rw.kind == "function" and not (distill_only(cfg) and rw.function is None) and cfg.agent.harness is None:
         from rlhf_sg.verifiable import BUILTIN_REWARDS, is_builtin_spec
 
         _need(bool(rw.function), "--reward.function is required with --reward.kind function (module:function)")
@@ -1102,8 +1110,31 @@ def _validate_eval(cfg: Config) -> None:
                                                "this run has none (--distill.only); set --eval.reward_function")
 
 
+def _validate_harness(cfg: Config) -> None:
+    a = cfg.agent
+    _need(a.env is None, f"--agent.harness and --agent.env are exclusive: a sample is either a harness run against "
+                         f"the endpoint or an environment's trajectory; drop one (got env {a.env!r})")
+    _need(a.harness_workers >= 1, f"--agent.harness_workers must be >= 1, got {a.harness_workers}")
+    _need(a.harness_timeout_s > 0, f"--agent.harness_timeout_s must be > 0, got {a.harness_timeout_s}")
+    _need(not rollout_is_async(cfg), "--agent.harness runs with --rollout.mode sync only: the async producer does "
+                                     "not drive the endpoint yet")
+    _need(cfg.eval.prompt_data is None, "--agent.harness: evaluation (--eval.prompt_data) does not run harnesses "
+                                        "yet; drop --eval.prompt_data")
+    try:
+        from rlhf_sg.serve.harness import load_harness
+    except ImportError as e:
+        raise ConfigError(f"--agent.harness needs the agents extra (fastapi, uvicorn): pip install -e "
+                          f"\".[agents]\" ({e})") from None
+    try:
+        load_harness(a.harness)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _validate_agent(cfg: Config) -> None:
     a = cfg.agent
+    if a.harness is not None:
+        _validate_harness(cfg)
     if a.env is None:
         return
     from rlhf_sg.agent import load_env_factory
@@ -1255,6 +1286,8 @@ def _validate_routing_replay(cfg: Config) -> None:
     _need(cfg.agent.env is None,
           "--train.routing_replay with --agent.env: the routes of a multi-turn trajectory's earlier turns are not "
           "carried through its observations yet; train the agent without replay")
+    _need(cfg.agent.harness is None, "--train.routing_replay with --agent.harness: the endpoint does not record "
+                                     "routed experts; train the harness without replay")
     _need(not (rollout_is_async(cfg) and cfg.rollout.partial_rollout),
           "--train.routing_replay with --rollout.mode async and --rollout.partial_rollout: a completion continued "
           "after a weight sync is not yet given the routes of both its parts; set --rollout.partial_rollout false")

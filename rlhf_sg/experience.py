@@ -45,6 +45,9 @@ class Experience:
     #: aligned with ``sequences``; -1 where none (padding, each sample's last token)
     routes: torch.Tensor | None = None
     scores: torch.Tensor | None = None  #: [B] float32, the reward of each completion
+    #: [B] bool, the rows with a reward (None: all); the others (--agent.harness runs that returned None, failed or
+    #: timed out) are out of their group's baseline and, through ``loss_rows``, out of the losses
+    scored: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None  #: [B, T] reference model log-probs
     teacher_logp: torch.Tensor | None = None  #: [B, T] the distillation teacher's log-probs (--distill.teacher)
     values: torch.Tensor | None = None  #: [B, T] critic values before the update

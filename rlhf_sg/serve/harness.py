@@ -89,3 +89,50 @@ def run_harnesses(endpoint: Endpoint, base_url: str, harness: Callable, prompts:
                                            timeout_s) for j, p in enumerate(prompts) for _ in range(n)))
 
     return list(asyncio.run(main()))
+
+
+class ActorEngine:
+    """A rollout engine actor (:class:`rlhf_sg.engine_actor.EngineActor`) seen as a backend by the endpoint:
+    ``generate(prompts, params)`` waits for the actor at most ``timeout_s`` (then ``GetTimeoutError``, the call's
+    500)."""
+
+    def __init__(self, actor, timeout_s: float):
+        self.actor, self.timeout_s = actor, timeout_s
+
+    def generate(self, prompts: list[list[int]], params) -> list:
+        import ray
+
+        return ray.get(self.actor.generate.remote(prompts, params), timeout=self.timeout_s)
+
+
+def serve_and_run(endpoint: Endpoint, harness: Callable, prompts: list, n: int, workers: int, budget_tokens: int,
+                  max_context: int, timeout_s: float, host: str = "127.0.0.1") -> list[HarnessResult]:
+    """One rollout of harness runs: the endpoint served on ``host`` (an ephemeral port) for the runs' time, then
+    stopped; :func:`run_harnesses` in between."""
+    from rlhf_sg.serve.endpoint import EndpointServer
+
+    server = EndpointServer(endpoint, host=host)
+    base_url = server.start()
+    try:
+        return run_harnesses(endpoint, base_url, harness, prompts, n, workers, budget_tokens, max_context, timeout_s)
+    finally:
+        server.stop()
+
+
+def as_trajectory(result: HarnessResult, prompt_ids: list[int], filler_id: int):
+    """A harness run as a training row (:class:`rlhf_sg.agent.Trajectory`): its sample's prompt ids as the engine
+    prefilled them (``prompt_ids``, the dataset's, for a run that made no call), its response block with the
+    engine's log-probs and the mask from provenance (completions 1, the ids between them 0), ``env_reward`` its
+    reward (None: unscored). A run without a call gets one ``filler_id`` token (mask 1 with log-prob 0.0, since a
+    row needs an action token; unscored, so out of the losses and of the engine-vs-trainer metrics)."""
+    from rlhf_sg.agent import Trajectory
+
+    s = result.sample
+    if s is None:
+        return Trajectory([filler_id], [0.0], [True], "stop", -1, result.prompt_index, env_reward=None,
+                          turn_versions=[], prompt_ids=list(prompt_ids), info=[{"harness_error": result.error}])
+    return Trajectory(
+        token_ids=list(s.token_ids), logprobs=list(s.logprobs), action_mask=list(s.action_mask),
+        finish_reason=s.finish_reason, weight_version=min(s.versions), prompt_index=result.prompt_index,
+        turns=s.calls, turn_versions=list(s.versions), tool_calls=result.tool_calls, env_reward=result.reward,
+        prompt_ids=list(s.prompt_ids), info=[{"harness_error": result.error}] if result.error else [])

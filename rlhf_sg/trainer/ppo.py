@@ -409,7 +409,8 @@ class PPOTrainer:
             experience.old_logp = self.cluster.actor.forward(ref, plans, B, temperature, self.share_prompts)
             self._count("actor_logprob", "actor", experience, plans)
         mask = experience.action_mask
-        metrics = algo.engine_vs_trainer_metrics(experience.rollout_logp, experience.old_logp, mask)
+        trained = mask if experience.scored is None else mask & experience.scored[:, None]  # harness filler out
+        metrics = algo.engine_vs_trainer_metrics(experience.rollout_logp, experience.old_logp, trained)
         if self.uses_ref:
             kl = algo.approx_kl(experience.old_logp, experience.ref_logp, kl_estimator(self.cfg))
             experience.kl = torch.where(mask, kl, 0.0)
@@ -443,7 +444,7 @@ class PPOTrainer:
             scores=scores.float(), action_mask=experience.action_mask,
             kl=experience.kl if kl_in_reward else torch.zeros_like(experience.rollout_logp),
             kl_coef=self.kl_ctl.value if kl_in_reward else 0.0, group_size=self.cfg.rollout.n_samples_per_prompt,
-            gamma=t.gamma, lam=t.lam, values=experience.values, norm=t.advantage_norm,
+            gamma=t.gamma, lam=t.lam, values=experience.values, norm=t.advantage_norm, scored=experience.scored,
         )
         if distill_only(self.cfg):  # the scores are logged, not trained on; the KL penalty stays per token
             base, experience.returns = inputs.token_rewards(torch.zeros_like(inputs.scores)), None

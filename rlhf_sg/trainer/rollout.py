@@ -140,6 +140,32 @@ def reward_metrics(scores: torch.Tensor) -> dict[str, float]:
     return {"reward/mean": scores.mean().item(), "reward/std": scores.std().item()}
 
 
+def harness_scores(trajectories: list, n: int) -> torch.Tensor:
+    """The harness runs' rewards [B]; an unscored run (``env_reward`` None) gets its group's mean over the scored
+    runs (0.0 when none is), so statistics that do not know ``Experience.scored`` (reward metrics, dynamic
+    sampling, the non-group estimators) see it as neutral."""
+    rewards = [t.env_reward for t in trajectories]
+    out = []
+    for g in range(0, len(rewards), n):
+        group = rewards[g : g + n]
+        got = [r for r in group if r is not None]
+        fill = sum(got) / len(got) if got else 0.0
+        out += [fill if r is None else float(r) for r in group]
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def harness_metrics(results: list) -> dict[str, float]:
+    """Per rollout: unscored runs (``agent/unscored``: None, an exception or a timeout), those that failed
+    (``agent/harness_errors``), calls that continued a sample by token-id prefix and those that forked one (summed),
+    and tool calls parsed per call."""
+    calls = sum(r.calls for r in results)
+    return {"agent/unscored": float(sum(r.reward is None for r in results)),
+            "agent/harness_errors": float(sum(r.error is not None for r in results)),
+            "agent/calls_continued": float(sum(r.continued for r in results)),
+            "agent/calls_forked": float(sum(r.forked for r in results)),
+            "agent/tool_calls_per_call": sum(r.tool_calls for r in results) / calls if calls else 0.0}
+
+
 class EngineFailure(RuntimeError):
     """An engine died more times in a row than ``--rollout.max_engine_restarts`` allows."""
 
@@ -170,6 +196,14 @@ class RolloutMaker:
                 raise ValueError("RolloutMaker: --agent.env needs the tokenizer (pass tokenizer=)")
             self.env_factory = load_env_factory(cfg.agent.env)
             self._env_pool = ToolPool(cfg.agent.env_workers, cfg.agent.max_hung_steps)
+        #: agent harness rollouts (--agent.harness): the user's async function; the last rollout's runs
+        self.harness, self.harness_results = None, []
+        if cfg.agent.harness is not None:
+            from rlhf_sg.serve.harness import load_harness
+
+            if tokenizer is None:
+                raise ValueError("RolloutMaker: --agent.harness needs the tokenizer (pass tokenizer=)")
+            self.harness = load_harness(cfg.agent.harness)
         self.router = None  # which engine serves each prompt group of an agent rollout (made at the first one)
         #: every EOS id (:func:`eos_token_ids`), each a stop token of the engines
         self.eos_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
@@ -205,6 +239,8 @@ class RolloutMaker:
         params = self.sampling_params()
         if self.env_factory is not None:
             return self._agent_generate(prompts, params, step, draw)
+        if self.harness is not None:
+            return self._harness_generate(prompts, params)
         completions = self._generate([p.token_ids for p in prompts], params, step, draw)
         calls, spanning = 0, set()
         while True:
@@ -248,6 +284,26 @@ class RolloutMaker:
             if self._glue is not None:
                 self.template_mismatches = check_turn_boundaries(trajectories, self._glue, mode)
         return trajectories
+
+    def _harness_generate(self, prompts: list[Prompt], params) -> list:
+        """``n`` runs of the harness per prompt against the endpoint, served over the engines for this rollout and
+        routed by ``--rollout.routing``; each run's sample as a :class:`rlhf_sg.agent.Trajectory` row (its prompt
+        ids as prefilled, its reward in ``env_reward``, None when unscored)."""
+        from rlhf_sg.serve.endpoint import Endpoint
+        from rlhf_sg.serve.harness import ActorEngine, as_trajectory, serve_and_run
+        from rlhf_sg.serve.router import Router
+
+        a, r, t = self.cfg.agent, self.cfg.rollout, self.cfg.train
+        if self.router is None:
+            self.router = Router(len(self.engines), r.routing)
+        endpoint = Endpoint([ActorEngine(e, t.timeout_s) for e in self.engines], self.tokenizer,
+                            self.cfg.model.pretrain, router=self.router, stop_token_ids=params.stop_token_ids,
+                            generate_timeout_s=t.timeout_s)
+        # a row is its last call's prompt and completion: the context bounds it, and so does one micro-batch
+        context = min(r.max_model_len, t.max_tokens_per_microbatch)
+        self.harness_results = serve_and_run(endpoint, self.harness, prompts, params.n, a.harness_workers,
+                                             params.max_new_tokens, context, a.harness_timeout_s)
+        return [as_trajectory(res, prompts[res.prompt_index].token_ids, self.pad_id) for res in self.harness_results]
 
     def _generate_on(self, calls: list[tuple[int, list[list[int]], object]]) -> list[list]:
         """Each call ``(engine index, prompts, params)`` on that engine (affinity: never another), the engines
@@ -368,7 +424,8 @@ class RolloutMaker:
         experience = self._experience(prompts, [c for g in chosen for c in groups[g][1]])
         experience.scores = torch.cat([groups[g][2] for g in chosen])
         # filler groups run through the forwards but stay out of the losses and their normaliser
-        experience.loss_rows = torch.tensor([signal[g] for g in chosen for _ in range(n)])
+        signal_rows = torch.tensor([signal[g] for g in chosen for _ in range(n)])
+        experience.loss_rows = signal_rows if experience.loss_rows is None else experience.loss_rows & signal_rows
         metrics = {**reward_metrics(torch.cat([sc for _, _, sc in groups])), **agent_stats}
         metrics.update({"rollout/sample_draws": draws, "rollout/groups_kept_frac": sum(signal) / len(signal),
                         "rollout/unfiltered_groups": filler})
@@ -376,19 +433,26 @@ class RolloutMaker:
 
     def _experience(self, prompts: list[Prompt], completions: list) -> Experience:
         n = self.cfg.rollout.n_samples_per_prompt
-        return build_rollout_batch(
-            [prompts[i // n].token_ids for i in range(len(completions))],
+        agent = self.env_factory is not None or self.harness is not None
+        experience = build_rollout_batch(
+            [getattr(c, "prompt_ids", None) or prompts[i // n].token_ids for i, c in enumerate(completions)],
             [c.token_ids for c in completions],
             [c.logprobs for c in completions],
             self.pad_id,
             weight_versions=[c.weight_version for c in completions],
             finish_reasons=[c.finish_reason for c in completions],
-            action_masks=[c.action_mask for c in completions] if self.env_factory is not None else None,
+            action_masks=[c.action_mask for c in completions] if agent else None,
             routed_experts=[c.routed_experts for c in completions] if self.cfg.train.routing_replay else None,
         )
+        if self.harness is not None:  # unscored harness runs: out of the group baselines and the losses
+            experience.scored = torch.tensor([c.env_reward is not None for c in completions])
+            experience.loss_rows = experience.scored.clone()
+        return experience
 
     def _agent_scores(self, prompts: list[Prompt], completions: list, experience: Experience) -> torch.Tensor:
         """The reward function's scores, with the environments' rewards as ``--agent.env_reward`` says."""
+        if self.harness is not None:
+            return harness_scores(completions, self.cfg.rollout.n_samples_per_prompt)
         how = self.cfg.agent.env_reward if self.env_factory is not None else "ignore"
         if how == "ignore":
             return self.score(prompts, completions, experience)
@@ -398,6 +462,8 @@ class RolloutMaker:
     def _agent_stats(self, completions: list) -> dict[str, float]:
         from rlhf_sg.agent import agent_metrics
 
+        if self.harness is not None:
+            return {**agent_metrics(completions), **harness_metrics(self.harness_results), **self.router.metrics()}
         if self.env_factory is None:
             return {}
         return {**agent_metrics(completions), "agent/template_mismatch": float(self.template_mismatches),
