@@ -77,6 +77,10 @@ class ModelShape:
 PRESETS = {
     "qwen2.5-7b": ModelShape(num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4, head_dim=128,
                              intermediate_size=18944, vocab_size=152064, dtype="bfloat16", qkv_bias=True),
+    # Qwen/Qwen2.5-32B's config.json: 64 layers, hidden 5120, 40 heads / 8 key-value heads of 128, intermediate
+    # 27648, vocab 152064, untied, bf16
+    "qwen2.5-32b": ModelShape(num_layers=64, hidden_size=5120, num_heads=40, num_kv_heads=8, head_dim=128,
+                              intermediate_size=27648, vocab_size=152064, dtype="bfloat16", qkv_bias=True),
     "llama-3.1-70b": ModelShape(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
                                 intermediate_size=28672, vocab_size=128256, dtype="bfloat16"),
 }
@@ -199,7 +203,18 @@ def layer_activation_bytes_per_token(shape: ModelShape) -> int:
     down_proj's input."""
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     attention = shape.dtype_bytes * (2 * q + 2 * kv) + 4 * shape.num_heads
-    return 2 * _norm_bytes_per_token(shape) + attention + 4 * shape.dtype_bytes * shape.intermediate_size
+    return outside_attention_bytes_per_token(shape) + attention
+
+
+def outside_attention_bytes_per_token(shape: ModelShape) -> int:
+    """The part of :func:`layer_activation_bytes_per_token` outside the attention call (its two norms and the MLP),
+    which every token keeps on the rank that holds its column, with or without sequence parallelism."""
+    return 2 * _norm_bytes_per_token(shape) + 4 * shape.dtype_bytes * shape.intermediate_size
+
+
+def final_norm_bytes_per_token(shape: ModelShape) -> int:
+    """The final norm's saved tensors per token (as :func:`saved_activation_bytes` counts them)."""
+    return 4 * shape.hidden_size + 4 + shape.dtype_bytes * shape.hidden_size
 
 
 def saved_activation_bytes(shape: ModelShape, tokens: int, gradient_checkpointing: bool) -> int:
@@ -207,7 +222,7 @@ def saved_activation_bytes(shape: ModelShape, tokens: int, gradient_checkpointin
     checkpointing only every layer's input; and the final norm's."""
     per_layer = (shape.dtype_bytes * shape.hidden_size if gradient_checkpointing
                  else layer_activation_bytes_per_token(shape))
-    return tokens * (shape.num_layers * per_layer + 4 * shape.hidden_size + 4 + shape.dtype_bytes * shape.hidden_size)
+    return tokens * (shape.num_layers * per_layer + final_norm_bytes_per_token(shape))
 
 
 def activation_bytes(shape: ModelShape, tokens: int, gradient_checkpointing: bool) -> int:

@@ -1,10 +1,11 @@
 """Sequence parallelism (Ulysses, rlhf_sg.parallel): N ranks on gloo equal one rank.
 
 The multi-rank tests run each rank in a process of its own (:mod:`zero3_rank`), every collective of the group failing
-after :data:`TIMEOUT_S`. Each rank computes the log-probs, entropy and values of one packed batch, the loss from them
-(the convention of rlhf_sg.parallel.forward: the whole batch's loss on every rank) and its gradients, which the test
-sums over the SP group (what ZeRO-3 does given SP groups); all of that must equal the one-rank packed forward, itself
-held to each row alone (tests/test_packing.py).
+after :data:`TIMEOUT_S`; one group of each size is spawned for the whole module and computes every check at that size
+(:data:`GROUP_CASES`), each test asserting on its share. Each rank computes the log-probs, entropy and values of one
+packed batch, the loss from them (the convention of rlhf_sg.parallel.forward: the whole batch's loss on every rank)
+and its gradients, which the test sums over the SP group (what ZeRO-3 does given SP groups); all of that must equal
+the one-rank packed forward, itself held to each row alone (tests/test_packing.py).
 """
 
 from __future__ import annotations
@@ -124,44 +125,75 @@ def _losses(logp, entropy, values, advantages, returns, action):
     return actor, critic
 
 
-def _sp_rank(rank: int, size: int, port: int, implementation: str, perturb: bool, lengths: tuple) -> dict:
-    """One rank of an SP group of ``size``: the batch's log-probs, entropy, values, losses, and the group's summed
-    gradients; with ``perturb`` also the log-probs after changing sequence 1's tokens (row 2, before sequence 3)."""
+def _group_checks(group, implementation: str, perturb: bool, lengths: tuple) -> dict:
+    """On one rank of ``group``: the batch's log-probs, entropy, values, losses, and the group's summed gradients;
+    with ``perturb`` also the log-probs after changing sequence 1's tokens (row 2, before sequence 3)."""
+    import torch.distributed as dist
+
+    from rlhf_sg.parallel import sp_critic_values, sp_response_logprobs, use_ulysses_attention
+
+    lm, critic = _models(implementation)
+    use_ulysses_attention(lm, group.size)
+    use_ulysses_attention(critic, group.size)
+    ids, mask, T, advantages, returns = _batch(*lengths)
+    logp, entropy = sp_response_logprobs(lm, ids, mask, T, group, with_entropy=True, chunk_tokens=3)
+    values = sp_critic_values(critic, ids, mask, T, group)
+    actor_loss, critic_loss = _losses(logp, entropy, values, advantages, returns, mask[:, -T:])
+    (actor_loss + critic_loss).backward()
+    grads = {}
+    for prefix, model in (("actor.", lm), ("critic.", critic)):
+        for name, param in model.named_parameters():
+            grad = param.grad.clone()
+            dist.all_reduce(grad, group=group.group)
+            grads[prefix + name] = grad
+    seen = {"logp": logp.detach(), "entropy": entropy.detach(), "values": values.detach(),
+            "actor_loss": actor_loss.item(), "critic_loss": critic_loss.item(), "grads": grads}
+    if perturb:
+        changed = ids.clone()
+        changed[1][mask[1].bool()] = (changed[1][mask[1].bool()] + 7) % 90 + 3
+        with torch.no_grad():  # both in one mode: sdpa's kernel may differ with and without autograd
+            seen["unperturbed"] = sp_response_logprobs(lm, ids, mask, T, group)
+            seen["perturbed"] = sp_response_logprobs(lm, changed, mask, T, group)
+    return seen
+
+
+#: one row of this many tokens for the saved-activation measurement
+LONG_ROW = 1024
+#: the layouts one spawned group of each size computes (every check of this module at that size), so the ranks
+#: start and initialise once per size: (implementation, lengths, perturb, the sizes checked)
+GROUP_CASES = {
+    "packed-sdpa": ("sdpa", (PROMPTS, RESPONSES), True, (2, 4)),
+    "packed-eager": ("eager", (PROMPTS, RESPONSES), False, (2, 4)),
+    "one-sequence-rows-sdpa": ("sdpa", ([3, 9], [20, 10]), False, (2,)),
+}
+#: the SP size whose group also measures the bytes kept for one long row (and rank 0 those of one rank alone)
+SAVED_BYTES_SIZE = 2
+
+
+def _sp_rank(rank: int, size: int, port: int) -> dict:
+    """One rank of an SP group of ``size``, in a process of its own: every case of :data:`GROUP_CASES` on the group,
+    and the bytes it keeps for the backward of one long row; rank 0 also measures that on a group of its own (N =
+    1), in the same process."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import datetime
 
     import torch.distributed as dist
 
     from rlhf_sg.distributed import init_torch_distributed
-    from rlhf_sg.parallel import SequenceParallelGroup, sp_critic_values, sp_response_logprobs, use_ulysses_attention
+    from rlhf_sg.parallel import SequenceParallelGroup
 
     torch.set_num_threads(1)
     init_torch_distributed(rank, size, "127.0.0.1", port, timeout_s=TIMEOUT_S, local_rank=0)
     try:
-        group = SequenceParallelGroup.of(dist.new_group(list(range(size)),
-                                                        timeout=datetime.timedelta(seconds=TIMEOUT_S)))
-        lm, critic = _models(implementation)
-        use_ulysses_attention(lm, size)
-        use_ulysses_attention(critic, size)
-        ids, mask, T, advantages, returns = _batch(*lengths)
-        logp, entropy = sp_response_logprobs(lm, ids, mask, T, group, with_entropy=True, chunk_tokens=3)
-        values = sp_critic_values(critic, ids, mask, T, group)
-        actor_loss, critic_loss = _losses(logp, entropy, values, advantages, returns, mask[:, -T:])
-        (actor_loss + critic_loss).backward()
-        grads = {}
-        for prefix, model in (("actor.", lm), ("critic.", critic)):
-            for name, param in model.named_parameters():
-                grad = param.grad.clone()
-                dist.all_reduce(grad, group=group.group)
-                grads[prefix + name] = grad
-        seen = {"logp": logp.detach(), "entropy": entropy.detach(), "values": values.detach(),
-                "actor_loss": actor_loss.item(), "critic_loss": critic_loss.item(), "grads": grads}
-        if perturb:
-            changed = ids.clone()
-            changed[1][mask[1].bool()] = (changed[1][mask[1].bool()] + 7) % 90 + 3
-            with torch.no_grad():  # both in one mode: sdpa's kernel may differ with and without autograd
-                seen["unperturbed"] = sp_response_logprobs(lm, ids, mask, T, group)
-                seen["perturbed"] = sp_response_logprobs(lm, changed, mask, T, group)
+        timeout = datetime.timedelta(seconds=TIMEOUT_S)
+        group = SequenceParallelGroup.of(dist.new_group(list(range(size)), timeout=timeout))
+        alone = [dist.new_group([k], timeout=timeout) for k in range(size)]  # every rank creates every group
+        seen = {case: _group_checks(group, implementation, perturb, lengths)
+                for case, (implementation, lengths, perturb, sizes) in GROUP_CASES.items() if size in sizes}
+        if size == SAVED_BYTES_SIZE:
+            seen["saved_bytes"] = _saved_bytes(group, LONG_ROW)
+            if rank == 0:
+                seen["saved_bytes_alone"] = _saved_bytes(SequenceParallelGroup.of(alone[0]), LONG_ROW)
         return seen
     finally:
         dist.destroy_process_group()
@@ -186,21 +218,27 @@ def _one_rank(implementation: str, lengths: tuple = (PROMPTS, RESPONSES)) -> dic
             "padded_values": value_reference(critic, ids, mask, T).detach()}
 
 
-def _run_group(size: int, implementation: str, perturb: bool = False, lengths: tuple = (PROMPTS, RESPONSES)
-               ) -> list[dict]:
-    from zero3_rank import in_fresh_process
+#: each size's ranks' results, or the failure of its group (not spawned again by the next test)
+_GROUPS: dict[int, list[dict] | str] = {}
 
-    from rlhf_sg.distributed import free_port
 
-    port = free_port()
-    with concurrent.futures.ThreadPoolExecutor(size) as pool:
-        futures = [pool.submit(in_fresh_process, _sp_rank, rank, size, port, implementation, perturb,
-                               lengths, timeout_s=4 * TIMEOUT_S) for rank in range(size)]
-        failed = {rank: f.exception() for rank, f in enumerate(futures)}
-    if any(failed.values()):
-        pytest.fail("\n".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in failed.items() if e is not None),
-                    pytrace=False)
-    return [f.result() for f in futures]
+def _run_group(size: int) -> list[dict]:
+    """Every rank's :func:`_sp_rank` of an SP group of ``size``, spawned once per size for the whole module."""
+    if size not in _GROUPS:
+        from zero3_rank import in_fresh_process
+
+        from rlhf_sg.distributed import free_port
+
+        port = free_port()
+        with concurrent.futures.ThreadPoolExecutor(size) as pool:
+            futures = [pool.submit(in_fresh_process, _sp_rank, rank, size, port, timeout_s=4 * TIMEOUT_S)
+                       for rank in range(size)]
+            failed = {rank: f.exception() for rank, f in enumerate(futures)}
+        _GROUPS[size] = ("\n".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in failed.items()
+                                   if e is not None) if any(failed.values()) else [f.result() for f in futures])
+    if isinstance(_GROUPS[size], str):
+        pytest.fail(_GROUPS[size], pytrace=False)
+    return _GROUPS[size]
 
 
 def _responses_cross_an_edge(size: int, lengths: tuple = (PROMPTS, RESPONSES)) -> bool:
@@ -223,7 +261,7 @@ def test_an_sp_group_equals_one_rank_on_packed_rows(size, implementation):
     """N = 2 and 4 ranks (N = 4 replicates the tiny preset's 2 key/value heads), a response crossing shard edges, a
     row packing two sequences: log-probs, entropy, values, both losses (the same on every rank) and every parameter
     gradient summed over the group equal one rank's packed forward, itself equal to each row alone."""
-    _assert_group_equals_one_rank(size, implementation, (PROMPTS, RESPONSES))
+    _assert_group_equals_one_rank(size, f"packed-{implementation}")
 
 
 @pytest.mark.slow
@@ -231,16 +269,18 @@ def test_rows_of_one_sequence_take_causal_attention_over_the_whole_row():
     """Rows that hold one sequence each (23 and 19 tokens: no two fit a row) pass sdpa no mask: the wrapper asks
     for causal attention over the whole row, not over the shard's columns; the padded row's extra column comes after
     the sequence. Equal to one rank on 2 ranks, the response crossing the edge."""
-    _assert_group_equals_one_rank(2, "sdpa", ([3, 9], [20, 10]))
+    _assert_group_equals_one_rank(2, "one-sequence-rows-sdpa")
 
 
-def _assert_group_equals_one_rank(size: int, implementation: str, lengths: tuple) -> None:
+def _assert_group_equals_one_rank(size: int, case: str) -> None:
+    implementation, lengths, _, sizes = GROUP_CASES[case]
+    assert size in sizes
     assert _responses_cross_an_edge(size, lengths)
     expected = _one_rank(implementation, lengths)
     torch.testing.assert_close(expected["logp"], expected["padded_logp"], atol=TOL, rtol=0)
     torch.testing.assert_close(expected["values"], expected["padded_values"], atol=TOL, rtol=0)
-    ranks = _run_group(size, implementation, lengths=lengths)
-    for rank, seen in enumerate(ranks):
+    for rank, ranks_seen in enumerate(_run_group(size)):
+        seen = ranks_seen[case]
         for key in ("logp", "entropy", "values"):
             torch.testing.assert_close(seen[key], expected[key], atol=TOL, rtol=0, msg=f"rank {rank} {key}")
         for key in ("actor_loss", "critic_loss"):  # the whole batch's loss on every rank, not a share of it
@@ -260,8 +300,8 @@ def test_no_attention_crosses_segments_in_an_sp_group():
     batch = pack(ids, mask, row_tokens=14)
     row_of = batch.slots[batch.cu_seqlens[:-1].long()] // 14
     assert row_of[1] == row_of[3] and batch.slots[batch.cu_seqlens[1]] < batch.slots[batch.cu_seqlens[3]]
-    ranks = _run_group(2, "sdpa", perturb=True)
-    for seen in ranks:
+    for ranks_seen in _run_group(2):
+        seen = ranks_seen["packed-sdpa"]
         others = [0, 2, 3]
         assert torch.equal(seen["perturbed"][others], seen["unperturbed"][others])
         assert (seen["perturbed"][1] - seen["unperturbed"][1]).abs().max() > 1e-3
@@ -330,58 +370,37 @@ def test_the_flag_is_validated_before_ray(sp_config):
         validate(critic)
 
 
-def _saved_bytes_rank(rank: int, size: int, port: int, length: int) -> int:
-    """Bytes rank ``rank`` of an SP group of ``size`` keeps for the backward (parameters aside) in the log-prob
-    forward of one row of ``length`` tokens (sdpa, half of it response)."""
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    import datetime
-
-    import torch.distributed as dist
-
-    from rlhf_sg.distributed import init_torch_distributed
-    from rlhf_sg.parallel import SequenceParallelGroup, sp_response_logprobs, use_ulysses_attention
+def _saved_bytes(group, length: int) -> int:
+    """Bytes this rank of ``group`` keeps for the backward (parameters aside) in the log-prob forward of one row of
+    ``length`` tokens (sdpa, half of it response)."""
+    from rlhf_sg.parallel import sp_response_logprobs, use_ulysses_attention
     from rlhf_sg.tiny import build_tiny_model
 
-    torch.set_num_threads(1)
-    init_torch_distributed(rank, size, "127.0.0.1", port, timeout_s=TIMEOUT_S, local_rank=0)
-    try:
-        group = SequenceParallelGroup.of(dist.new_group(list(range(size)),
-                                                        timeout=datetime.timedelta(seconds=TIMEOUT_S)))
-        lm = build_tiny_model("llama", "tiny", seed=1)
-        lm.set_attn_implementation("sdpa")
-        use_ulysses_attention(lm, size)
-        parameters = {p.untyped_storage().data_ptr() for p in lm.parameters()}
-        ids = torch.randint(3, 90, (1, length), generator=torch.Generator().manual_seed(0))
-        saved: dict[int, int] = {}
+    lm = build_tiny_model("llama", "tiny", seed=1)
+    lm.set_attn_implementation("sdpa")
+    use_ulysses_attention(lm, group.size)
+    parameters = {p.untyped_storage().data_ptr() for p in lm.parameters()}
+    ids = torch.randint(3, 90, (1, length), generator=torch.Generator().manual_seed(0))
+    saved: dict[int, int] = {}
 
-        def keep(t):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in parameters:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
+    def keep(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
 
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            sp_response_logprobs(lm, ids, torch.ones_like(ids), length // 2, group, chunk_tokens=256)
-        return sum(saved.values())
-    finally:
-        dist.destroy_process_group()
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        sp_response_logprobs(lm, ids, torch.ones_like(ids), length // 2, group, chunk_tokens=256)
+    return sum(saved.values())
 
 
 @pytest.mark.slow
 def test_a_ranks_saved_activations_for_one_long_row_fall_as_one_over_n():
-    """One row of 1024 tokens: what rank 0 keeps for the backward on 2 ranks is about half what one rank keeps."""
-    from zero3_rank import in_fresh_process
-
-    from rlhf_sg.distributed import free_port
-
-    per_size = {}
-    for size in (1, 2):
-        port = free_port()
-        with concurrent.futures.ThreadPoolExecutor(size) as pool:
-            futures = [pool.submit(in_fresh_process, _saved_bytes_rank, rank, size, port, 1024,
-                                   timeout_s=4 * TIMEOUT_S) for rank in range(size)]
-            per_size[size] = [f.result() for f in futures]
-    print(f"saved for the backward, one row of 1024 tokens: N=1 {per_size[1][0] / 2**20:.2f} MiB, "
-          f"N=2 {per_size[2][0] / 2**20:.2f} / {per_size[2][1] / 2**20:.2f} MiB per rank")
-    for got in per_size[2]:
-        assert 0.45 < got / per_size[1][0] < 0.6
+    """One row of 1024 tokens: what rank 0 keeps for the backward on 2 ranks is about half what one rank keeps (an
+    SP group of one rank, measured in rank 0's process of the 2-rank group, after that group's checks)."""
+    ranks = _run_group(SAVED_BYTES_SIZE)
+    alone, per_rank = ranks[0]["saved_bytes_alone"], [seen["saved_bytes"] for seen in ranks]
+    print(f"saved for the backward, one row of {LONG_ROW} tokens: N=1 {alone / 2**20:.2f} MiB, "
+          f"N=2 {per_rank[0] / 2**20:.2f} / {per_rank[1] / 2**20:.2f} MiB per rank")
+    for got in per_rank:
+        assert 0.45 < got / alone < 0.6

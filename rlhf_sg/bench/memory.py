@@ -17,6 +17,12 @@ are the formulas ``tests/test_memory.py`` holds to real tensors.
 responses after one prompt, one segment as the ranks compute it on the blocks: what they keep for backward a layer
 and a micro-batch, against the same group cut a segment a response with the key / value heads repeated (what the
 blocks kept before a group was one segment however long).
+
+``--sp N [N ...] [--sp-seq-len 32768 65536 131072]``: sequence parallelism (:mod:`rlhf_sg.parallel.memory`) in place
+of the lines above: a table of one rank of an SP group of N among ``--world-size`` ZeRO-3 ranks, ``--rows`` rows of
+each length split over N: the hidden states and the queries / keys / values after the all-to-all a layer, the
+activations at the backward's peak, one logits chunk, the full rows' mask every rank builds on sdpa when a row packs
+several sequences, and the rank's total on sdpa with packed rows and on flash-attention varlen, against the device.
 """
 
 from __future__ import annotations
@@ -92,6 +98,50 @@ def shared_prompt_lines(shape: memory.ModelShape, prompt_len: int, group_size: i
     ]
 
 
+def sp_lines(shape: memory.ModelShape, name: str, seq_lens: list[int], sizes: list[int], rows: int,
+             world_size: int, device_bytes: int, gradient_checkpointing: bool) -> list[str]:
+    """The sequence-parallel table: a row per length and N (module doc)."""
+    from rlhf_sg.parallel import memory as sp_memory
+    from rlhf_sg.parallel.heads import sizes_that_split
+
+    gib = f"{device_bytes / 2**30:.0f} GiB"
+    lines = [
+        f"model {name}: {shape.num_layers} layers, hidden {shape.hidden_size}, {shape.num_heads} heads / "
+        f"{shape.num_kv_heads} KV heads of {shape.head_dim}, vocab {shape.vocab_size}, {shape.dtype}: "
+        f"{memory.param_count(shape) / 1e9:.2f}e9 parameters; one rank of {world_size} (ZeRO-3 over all of them, "
+        f"data-parallel x N), {rows} row(s) split over N, gradient checkpointing "
+        f"{'on' if gradient_checkpointing else 'off'}",
+        "",
+        "| tokens | N | columns a rank | hidden a layer | q/k/v a layer: packed sdpa / flash | activations: packed "
+        f"sdpa / flash | logits chunk | mask (packed sdpa, every rank) | shards + ZeRO-3 buffers | total packed sdpa "
+        f"| total flash varlen | fits {gib}: sdpa / flash |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for seq_len in seq_lens:
+        for size in sizes:
+            if not sp_memory.splits(shape, size):
+                lines.append(f"| {seq_len} | {size} | refused: {shape.num_heads} query / {shape.num_kv_heads} "
+                             f"key-value heads split over "
+                             f"{', '.join(map(str, sizes_that_split(shape.num_heads, shape.num_kv_heads)))} |")
+                continue
+            if world_size % size:
+                lines.append(f"| {seq_len} | {size} | refused: {world_size} ranks are not a multiple of {size} |")
+                continue
+            sdpa, flash = (sp_memory.training_rank_bytes(shape, world_size, rows, seq_len, size,
+                                                          gradient_checkpointing, implementation)
+                           for implementation in ("sdpa", "flash_attention_2"))
+            fixed = sum(sdpa[k] for k in (*memory.RESIDENT, "buffers"))
+            qkv = (sp_memory.qkv_bytes(shape, rows, seq_len, size, masked) for masked in (True, False))
+            fits = ("yes" if sum(b.values()) <= device_bytes else "no" for b in (sdpa, flash))
+            lines.append(
+                f"| {seq_len} | {size} | {sp_memory.rank_columns(seq_len, size)} | "
+                f"{_size(sp_memory.hidden_bytes(shape, rows, seq_len, size))} | {' / '.join(map(_size, qkv))} | "
+                f"{_size(sdpa['activations'])} / {_size(flash['activations'])} | {_size(sdpa['logits'])} | "
+                f"{_size(sdpa['mask'])} | {_size(fixed)} | {_size(sum(sdpa.values()))} | "
+                f"{_size(sum(flash.values()))} | {' / '.join(fits)} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     from rlhf_sg.config import RolloutConfig
 
@@ -110,11 +160,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true", help="--train.gradient_checkpointing true")
     parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"],
                         help="--model.attn_implementation (flash attention keeps no dense mask)")
+    parser.add_argument("--sp", type=int, nargs="+", metavar="N",
+                        help="sequence parallelism: the table of one rank of an SP group of each N")
+    parser.add_argument("--sp-seq-len", type=int, nargs="+", default=[32768, 65536, 131072], metavar="TOKENS",
+                        help="--sp: the row lengths of the table")
     args = parser.parse_args(argv)
     try:
         shape = memory.load_shape(args.model_config)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.sp:
+        if min(args.sp) < 1 or min(args.sp_seq_len) < 1 or args.rows < 1:
+            parser.error("--sp, --sp-seq-len and --rows must be >= 1")
+        for line in sp_lines(shape, args.model_config, args.sp_seq_len, args.sp, args.rows, args.world_size,
+                             int(args.device_gib * 2**30), args.gradient_checkpointing):
+            print(line)
+        return
     for line in report(shape, args.model_config, args.seq_len, args.rows, args.world_size,
                        int(args.device_gib * 2**30), args.memory_fraction, args.bucket_bytes,
                        args.gradient_checkpointing, args.attn_implementation):

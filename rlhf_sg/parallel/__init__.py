@@ -5,6 +5,7 @@
   varlen), so the project's own masks apply to the whole rows on each rank's heads.
 - :mod:`.layout`: pack, labels, pad to a multiple of N (pad columns their own segment), slice.
 - :mod:`.forward`: log-probs, entropy and values by an SP group, and the loss convention (its module doc).
+- :mod:`.memory`: one rank's bytes on long rows (``python -m rlhf_sg.bench memory --sp N``).
 """
 
 from rlhf_sg.parallel.forward import sp_critic_values, sp_response_logprobs
