@@ -186,8 +186,9 @@ def _messages_ok(content: Any) -> bool:
     )
 
 
-def _make_prompt(raw, path, unit, i, tokenizer, input_key, label_key, apply_chat_template) -> Prompt:
-    where = f"{path} {unit} {i}"
+def check_prompt_row(raw, where: str, input_key: str, label_key: str | None) -> None:
+    """A prompt row is an object with the input key (and the label key when one is set); raises DataError naming
+    ``where`` and the flag to set, or re-raises the row's own read error."""
     if isinstance(raw, DataError):
         raise raw
     if not isinstance(raw, dict):
@@ -196,6 +197,11 @@ def _make_prompt(raw, path, unit, i, tokenizer, input_key, label_key, apply_chat
         raise DataError(f"{where}: key {input_key!r} missing (keys: {', '.join(map(str, raw))}); set --data.input_key")
     if label_key is not None and label_key not in raw:
         raise DataError(f"{where}: key {label_key!r} missing (keys: {', '.join(map(str, raw))}); set --data.label_key")
+
+
+def _make_prompt(raw, path, unit, i, tokenizer, input_key, label_key, apply_chat_template) -> Prompt:
+    where = f"{path} {unit} {i}"
+    check_prompt_row(raw, where, input_key, label_key)
     if raw.get(IMAGE_KEY):  # these prompts are a text model's: its tokenizer would take the images' markers as text
         raise DataError(f"{where}: the row has images ({IMAGE_KEY!r}) but the model is text-only; use a "
                         "vision-language model (rlhf_sg.vision) or drop the images")

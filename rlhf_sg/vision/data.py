@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rlhf_sg.data import DataError, Prompt, _read_rows
+from rlhf_sg.data import DataError, Prompt, _read_rows, check_prompt_row
 
 __all__ = ["IMAGE_MARKER", "ImageInputs", "VisionPrompt", "image_token_counts", "load_vision_prompts",
            "process_prompt"]
@@ -282,14 +282,7 @@ def load_vision_prompts(
 
 def _vision_row(raw, where, base_dir, config, processor, input_key, label_key, image_key, apply_chat_template,
                 allow_urls, row) -> VisionPrompt:
-    if isinstance(raw, DataError):
-        raise raw
-    if not isinstance(raw, dict):
-        raise DataError(f"{where}: expected an object with key {input_key!r}, got {type(raw).__name__}")
-    if input_key not in raw:
-        raise DataError(f"{where}: key {input_key!r} missing (keys: {', '.join(map(str, raw))}); set --data.input_key")
-    if label_key is not None and label_key not in raw:
-        raise DataError(f"{where}: key {label_key!r} missing (keys: {', '.join(map(str, raw))}); set --data.label_key")
+    check_prompt_row(raw, where, input_key, label_key)
     items = _image_list(raw, image_key, where)
     messages = _messages(raw[input_key], where, input_key)
     marked = _count_images(messages)
