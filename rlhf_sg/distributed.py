@@ -10,11 +10,19 @@ Two kinds of group live side by side in a trainer process:
 
 On CPU, DeepSpeed picks its accelerator when it is first imported, so ``DS_ACCELERATOR=cpu`` must be
 in the environment before that import (for Ray actors: in the actor's ``runtime_env`` env_vars).
+
+DeepSpeed compiles its ops (on CPU its communication op, ``deepspeed_shm_comm``) with torch's JIT extension build,
+cached under one directory per Python version and device kind. The build's command names the sources by their path
+inside the interpreter's environment, so two environments (this project's SGLang and vLLM engines each take a venv
+of their own) sharing that directory rebuild the op every time a process of the other one starts it: a compile of
+30 s or more on CPU, and a wait on the build's lock for every rank meanwhile. :func:`pin_torch_extensions_dir`
+gives each environment a directory of its own unless ``TORCH_EXTENSIONS_DIR`` is set.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import sys
 from typing import Any
@@ -29,11 +37,30 @@ __all__ = [
     "free_port",
     "init_torch_distributed",
     "open_side_group",
+    "pin_torch_extensions_dir",
     "side_broadcast",
     "zero3_config",
 ]
 
 _BACKENDS = ("gloo", "nccl")
+
+
+def pin_torch_extensions_dir() -> str:
+    """The directory torch's JIT extension builds use in this process: ``TORCH_EXTENSIONS_DIR`` when it is set
+    (kept as given), else one of this Python environment's own under torch's default root, which is then put in
+    ``TORCH_EXTENSIONS_DIR`` (children and Ray workers started from here inherit it). Called before DeepSpeed
+    builds or loads an op; see the module's docstring for why one directory per environment."""
+    given = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if given:
+        return given
+    from torch.utils.cpp_extension import get_default_build_root
+
+    kind = "cpu" if torch.version.cuda is None and torch.version.hip is None else "gpu"
+    env = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    path = os.path.join(get_default_build_root(), f"{python}_{kind}-env-{env}")
+    os.environ["TORCH_EXTENSIONS_DIR"] = path
+    return path
 
 
 def init_torch_distributed(
@@ -73,6 +100,7 @@ def init_torch_distributed(
 
         local_rank = this_rank().local_rank
     os.environ["LOCAL_RANK"] = str(local_rank)
+    pin_torch_extensions_dir()
     import deepspeed
 
     where = f"rank {rank} of {world_size} at {master_addr}:{master_port} ({backend})"

@@ -49,7 +49,13 @@ def _guard(module, name: str) -> None:
 
 def pytest_configure(config):
     """The fast tier stays fast by construction: a test not marked ``slow`` (or ``gpu``) whose body or
-    fixtures start a Ray cluster, a DeepSpeed engine or process group, or an engine actor fails, naming it."""
+    fixtures start a Ray cluster, a DeepSpeed engine or process group, or an engine actor fails, naming it.
+    Torch's extension builds go to this Python environment's own directory (``pin_torch_extensions_dir``), for
+    this session and every process it starts (Ray's workers, the op build), including tests that start DeepSpeed
+    without the trainer's workers: the engines' suites run in venvs of their own beside the main one."""
+    from rlhf_sg.distributed import pin_torch_extensions_dir
+
+    pin_torch_extensions_dir()
     for module_name, names in _HEAVY.items():
         try:
             module = importlib.import_module(module_name)

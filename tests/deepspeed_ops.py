@@ -22,7 +22,9 @@ import signal
 import subprocess
 import sys
 
-BUILD = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+#: built in the directory the workers load it from (one per Python environment: rlhf_sg.distributed)
+BUILD = ("from rlhf_sg.distributed import pin_torch_extensions_dir; pin_torch_extensions_dir()\n"
+         "from deepspeed.comm.torch import build_shm_op; build_shm_op()")
 #: run first in the build's process: SIGTERM raises KeyboardInterrupt, so torch's ``finally`` removes its lock
 UNWIND_ON_SIGTERM = "import signal; signal.signal(signal.SIGTERM, signal.default_int_handler)\n"
 

@@ -58,3 +58,28 @@ def test_the_build_starts_only_when_slow_tests_are_selected(pytester, monkeypatc
     assert _started_op_builds(pytester, monkeypatch, "-m", "not slow") == 0  # the fast tier alone
     assert _started_op_builds(pytester, monkeypatch, "-m", "slow") == 0  # its first test builds it
 
+
+
+def test_each_python_environment_builds_torch_extensions_in_a_directory_of_its_own(monkeypatch, tmp_path):
+    """The SGLang and vLLM suites run in venvs of their own beside the main one: sharing torch's extension
+    directory, each venv's first DeepSpeed process group rebuilt the op the other had built (the build's command
+    names the sources by their venv's path). One directory per environment; a directory the user set is kept."""
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from rlhf_sg.distributed import pin_torch_extensions_dir
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    assert pin_torch_extensions_dir() == str(tmp_path / "mine")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # torch's default root, here
+    seen = []
+    for prefix in ("/opt/venv-a", "/opt/venv-b", "/opt/venv-a"):
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+        monkeypatch.setattr(sys, "prefix", prefix)
+        path = pin_torch_extensions_dir()
+        assert os.environ["TORCH_EXTENSIONS_DIR"] == path  # inherited by the processes started from here
+        assert _get_build_directory("deepspeed_shm_comm", False) == os.path.join(path, "deepspeed_shm_comm")
+        seen.append(path)
+    assert seen[0] != seen[1] and seen[0] == seen[2]
+    assert os.path.dirname(seen[0]) == str(tmp_path / "cache" / "torch_extensions")
