@@ -49,6 +49,9 @@ class ModelConfig:
     #: attention implementation for training forwards: "sdpa" (CPU), "flash_attention_2" (GPU), "eager"
     attn_implementation: str = "sdpa"
     dtype: str = "float32"  # "float32" | "bfloat16"
+    #: a vision-language policy's vision tower stays as loaded (no gradient, no optimizer state): training moves
+    #: the language model only
+    freeze_vision_tower: bool = True
 
 
 @dataclass
@@ -271,6 +274,10 @@ class DataConfig:
     #: last max_prompt_len tokens; dropped / truncated prompts are counted in the log
     overlong_prompts: str = "error"
     shuffle: bool = True
+    #: a vision-language policy's rows: the key listing each prompt's images (rlhf_sg.vision.data)
+    image_key: str = "images"
+    #: fetch images named by an http(s) URL (off: such a row is refused, naming it)
+    allow_image_urls: bool = False
 
 
 @dataclass
@@ -682,7 +689,7 @@ def _has_experts(path: str) -> bool:
                for c in (config, config.get("text_config")))
 
 
-def _is_vision_language(path: str) -> bool:
+def is_vision_language(path: str) -> bool:
     """Whether the model directory's config.json has a vision tower (``vision_config``)."""
     import json
 
@@ -690,6 +697,31 @@ def _is_vision_language(path: str) -> bool:
         return False
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         return isinstance(json.load(f).get("vision_config"), dict)
+
+
+#: what a vision-language policy's run does not carry images through yet: (the setting is on, the flag, why)
+_VISION_NOT_YET = (
+    (lambda c: c.rollout.backend != "hf", "--rollout.backend",
+     "only the embedded engine (hf) generates with images so far; use --rollout.backend hf"),
+    (lambda c: uses_critic_model(c), "--train.advantage_estimator",
+     "a critic's values do not take images yet; use a critic-free estimator (grpo, dr_grpo, rloo, reinforce++)"),
+    (lambda c: c.rollout.mode != "sync", "--rollout.mode", "async rollouts do not carry images yet; use sync"),
+    (lambda c: bool(c.agent.env or c.agent.harness), "--agent.env / --agent.harness",
+     "multi-turn rollouts do not carry images yet"),
+    (lambda c: bool(c.eval.prompt_data), "--eval.prompt_data", "held-out evaluation does not read images yet"),
+    (lambda c: c.lora.rank > 0, "--lora.rank", "LoRA on a vision-language policy is not wired yet"),
+    (lambda c: c.reward.kind == "model", "--reward.kind model", "a reward model does not see the images"),
+    (lambda c: c.train.routing_replay, "--train.routing_replay", "routing replay does not carry images yet"),
+    (lambda c: not c.model.freeze_vision_tower and c.train.actor_num_ranks > 1, "--model.freeze_vision_tower false",
+     "a trained vision tower under ZeRO-3 with several ranks needs a gradient-carrying pass on text-only "
+     "micro-batches, not built yet; keep the tower frozen or train on one rank"),
+)
+
+
+def _check_vision_policy(cfg: Config) -> None:
+    """A vision-language policy: the settings whose paths do not carry images yet are refused, naming the flag."""
+    for on, flag, why in _VISION_NOT_YET:
+        _need(not on(cfg), f"{flag}: {cfg.model.pretrain!r} is a vision-language policy and {why}")
 
 
 def _position_dependent_rope(path: str) -> tuple[str, int] | None:
@@ -765,12 +797,13 @@ def validate(cfg: Config) -> Config:
                   f"{flag}: {path!r} is not a model directory (no config.json there); save the model with "
                   "save_pretrained or point at its directory")
             _check_model_dir(flag, path)
-    for flag, path in (("--model.pretrain", m.pretrain), ("--model.critic_pretrain", m.critic_pretrain),
-                       ("--model.reward_pretrain", m.reward_pretrain), ("--distill.teacher", cfg.distill.teacher)):
-        _need(not (path and _is_vision_language(path)),
-              f"{flag}: {path!r} is a vision-language model; the trainer does not carry images through its steps yet "
-              "(rlhf_sg.vision gives their data, packed log-probs and the embedded engine's generation: README "
-              "'Vision-language policies'); train a text model")
+    for flag, path in (("--model.critic_pretrain", m.critic_pretrain), ("--model.reward_pretrain", m.reward_pretrain),
+                       ("--distill.teacher", cfg.distill.teacher)):
+        _need(not (path and is_vision_language(path)),
+              f"{flag}: {path!r} is a vision-language model; only the policy (and its reference) take images in "
+              "this trainer; give a text model here")
+    if m.pretrain and is_vision_language(m.pretrain):
+        _check_vision_policy(cfg)
     if (t.router_aux_loss_coef or 0) > 0 and m.pretrain and os.path.isfile(os.path.join(m.pretrain, "config.json")):
         _need(_has_experts(m.pretrain),
               f"--train.router_aux_loss_coef {t.router_aux_loss_coef}: {m.pretrain!r} is not a mixture-of-experts "

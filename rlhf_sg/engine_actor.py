@@ -96,9 +96,11 @@ class EngineActor:
         }
 
     # ---- rollout -------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """The backend's ``generate``; while an abort holds (:meth:`abort_generation` until
-        :meth:`resume_generation`) every completion comes back at once, empty, with ``finish_reason="abort"``."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, images: list | None = None
+                 ) -> list[Completion]:
+        """The backend's ``generate`` (``images``: a vision-language policy's per-prompt image inputs, for a backend
+        that ``supports_images``); while an abort holds (:meth:`abort_generation` until :meth:`resume_generation`)
+        every completion comes back at once, empty, with ``finish_reason="abort"``."""
         with self._abort_lock:
             if self._aborting:
                 version = self.backend.weight_version
@@ -106,7 +108,9 @@ class EngineActor:
             self._generating = True
             self._generate_done.clear()
         try:
-            return self.backend.generate(prompts, params)
+            if images is None:
+                return self.backend.generate(prompts, params)
+            return self.backend.generate(prompts, params, images=images)
         finally:
             with self._abort_lock:
                 self._generating = False

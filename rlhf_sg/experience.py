@@ -44,6 +44,9 @@ class Experience:
     #: [B, P + T, moe_layers, top_k] int16, the experts the engine routed each token to (--train.routing_replay),
     #: aligned with ``sequences``; -1 where none (padding, each sample's last token)
     routes: torch.Tensor | None = None
+    #: [B] a vision-language policy's prompt images: each row's :class:`rlhf_sg.vision.ImageInputs` (None: a text
+    #: row); the samples of one prompt share one object, so the vision tower runs once for them
+    images: list | None = None
     scores: torch.Tensor | None = None  #: [B] float32, the reward of each completion
     #: [B] bool, the rows with a reward (None: all); the others (--agent.harness runs that returned None, failed or
     #: timed out) are out of their group's baseline and, through ``loss_rows``, out of the losses
@@ -68,14 +71,17 @@ class Experience:
         """The samples at ``index`` (global row indices, in that order), every field that is set."""
         idx = torch.as_tensor(index, dtype=torch.long)
         return dataclasses.replace(self, **{
-            f.name: value.index_select(0, idx.to(value.device))
+            f.name: [value[i] for i in index] if isinstance(value, list)
+            else value.index_select(0, idx.to(value.device))
             for f in dataclasses.fields(self) if (value := getattr(self, f.name)) is not None
         })
 
     def to(self, device: torch.device | str) -> Experience:
-        """Every set field on ``device`` (a no-op for fields already there)."""
+        """Every set field on ``device`` (a no-op for fields already there); rows that shared one prompt's images
+        still share them."""
         return dataclasses.replace(self, **{
-            f.name: value.to(device) for f in dataclasses.fields(self) if (value := getattr(self, f.name)) is not None
+            f.name: _list_to(value, device) if isinstance(value, list) else value.to(device)
+            for f in dataclasses.fields(self) if (value := getattr(self, f.name)) is not None
         })
 
     def require(self, *names: str, why: str) -> None:
@@ -83,6 +89,15 @@ class Experience:
         missing = [n for n in names if getattr(self, n) is None]
         if missing:
             raise ValueError(f"experience: {', '.join(missing)} not set; {why}")
+
+
+def _list_to(items: list, device) -> list:
+    """Per-row objects (images) on ``device``, each distinct object moved once."""
+    moved: dict[int, object] = {}
+    for item in items:
+        if item is not None and id(item) not in moved:
+            moved[id(item)] = item.to(device)
+    return [None if item is None else moved[id(item)] for item in items]
 
 
 @dataclass(frozen=True)

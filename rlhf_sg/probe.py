@@ -88,7 +88,22 @@ def _layout(model: nn.Module, module: nn.Module, sequences: torch.Tensor, mask: 
             replay = RouteReplay(module)
             with replay.active():
                 return response_logprobs(model, sequences, mask, width, routes=routes, replay=replay).float()
-        return response_logprobs(model, sequences, mask, width, share_prompts=share_prompts).float()
+        # a vision-language model: text rows with their explicit (M-RoPE) positions, as the run's forwards give them
+        images = [None] * sequences.shape[0] if getattr(module.config, "vision_config", None) is not None else None
+        return response_logprobs(model, sequences, mask, width, share_prompts=share_prompts, images=images).float()
+
+
+#: config keys of a vision-language model's placeholder tokens (a text row must not hold them)
+_VISION_TOKEN_KEYS = ("image_token_id", "image_token_index", "video_token_id", "vision_start_token_id",
+                      "vision_end_token_id")
+
+
+def _ordinary_vocab(config) -> int:
+    """Token ids below this are ordinary text tokens: the text model's vocabulary, below a vision-language model's
+    first placeholder token."""
+    vocab = config.get_text_config().vocab_size
+    special = [v for k in _VISION_TOKEN_KEYS if isinstance(v := getattr(config, k, None), int)]
+    return min([vocab, *special])
 
 
 def _alone_routes(model: nn.Module, module: nn.Module, sequences: torch.Tensor, mask: torch.Tensor,
@@ -119,7 +134,7 @@ def measure(model: nn.Module, share_prompts: bool) -> dict[str, float]:
     module.eval()
     try:
         device = next(module.parameters()).device
-        sequences, mask, width = probe_batch(module.config.vocab_size, device)
+        sequences, mask, width = probe_batch(_ordinary_vocab(module.config), device)
         from rlhf_sg.moe import has_router, replay_refusal
 
         routes = None

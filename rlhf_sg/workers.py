@@ -51,6 +51,8 @@ class WorkerSpec:
     max_grad_norm: float = 1.0
     offload: bool = False
     gradient_checkpointing: bool = False
+    #: a vision-language model's vision tower frozen (--model.freeze_vision_tower)
+    freeze_vision_tower: bool = True
     disable_dropout: bool = True
     seed: int = 42
     threads: int = 1
@@ -175,7 +177,7 @@ def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate, normalizer
     logp, entropy = response_logprobs(model, mb.sequences, mb.attention_mask, mb.response_width,
                                       update.temperature, with_entropy=True, share_prompts=update.share_prompts,
                                       router=router, routes=mb.routes if replay is not None else None,
-                                      replay=replay)
+                                      replay=replay, images=_images_of(model, mb))
     # a single update on fresh samples: the policy that sampled is the one being trained, so the old
     # log-probs are this forward's own
     old_logp = logp.detach() if update.old_logp_from_update else mb.old_logp
@@ -195,6 +197,16 @@ def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate, normalizer
         loss = loss + coef * aux * (units / normalizer)
         metrics["router_aux_loss"] = aux.detach()
     return loss * scale, metrics
+
+
+def _images_of(model, mb: Experience) -> list | None:
+    """The micro-batch's per-row images for a vision-language policy's forward: its own, or every row None when it
+    holds none (the forward then still runs the vision tower once, as ZeRO-3 needs of every rank:
+    :func:`rlhf_sg.vision.vision_forward_kwargs`); None for a text model."""
+    module = getattr(model, "module", model)
+    if getattr(module.config, "vision_config", None) is None:
+        return None
+    return mb.images if mb.images is not None else [None] * mb.batch_size
 
 
 def router_aux_loss_coef(model, coef: float | None) -> float:
@@ -261,10 +273,12 @@ def load_worker_model(spec: WorkerSpec):
 
     attn = attention_implementation(config, spec.attn_implementation)
     kwargs = dict(config=config, dtype=dtype, attn_implementation=attn)
+    vision = getattr(config, "vision_config", None) is not None
     if spec.role in ("actor", "ref", "teacher"):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        model = AutoModelForCausalLM.from_pretrained(spec.model_path, **kwargs)
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = auto.from_pretrained(spec.model_path, **kwargs)
         model.config.use_cache = False
     else:
         from rlhf_sg.models import ValueHeadModel
@@ -282,6 +296,10 @@ def load_worker_model(spec: WorkerSpec):
 
         model = apply_lora(model, LoraSpec.from_config(spec.lora), spec.disable_dropout,
                            trainable=spec.train)
+    if vision and spec.freeze_vision_tower:
+        from rlhf_sg.vision import freeze_vision_tower
+
+        freeze_vision_tower(model)
     if not spec.train:
         model.requires_grad_(False)
     elif spec.gradient_checkpointing:
@@ -480,7 +498,7 @@ class ModelWorker:
                                             routes=mb.routes, replay=replay)
             elif self.spec.role in ("actor", "ref", "teacher"):
                 out = response_logprobs(self.module, mb.sequences, mb.attention_mask, width, temperature,
-                                        share_prompts=share_prompts)
+                                        share_prompts=share_prompts, images=_images_of(self.module, mb))
             elif self.spec.role == "critic":
                 out = critic_values(self.module, mb.sequences, mb.attention_mask, width, share_prompts=share_prompts)
             else:  # as a trained reward model was saved to score (rlhf_sg.models.REWARD_NORMALIZATION_FILE)

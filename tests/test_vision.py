@@ -280,14 +280,56 @@ def test_packed_positions_are_each_sequences_own(family):
         assert torch.equal(flat[1:, batch.slots[starts[b]:starts[b + 1]]], own), b
 
 
-def test_the_trainer_refuses_a_vision_language_policy_before_ray(qwen2_vl_dir, tmp_path):
+def test_the_trainer_refuses_what_does_not_carry_images_yet_before_ray(qwen2_vl_dir, tmp_path):
+    """A vision-language policy trains with GRPO-like estimators on the embedded engine; every setting whose path
+    does not carry images yet is refused by its flag, and a vision-language critic, reward model or teacher too."""
     from rlhf_sg.config import Config, ConfigError, validate
 
-    cfg = Config()
-    cfg.model.pretrain, cfg.data.prompt_data, cfg.reward.function = qwen2_vl_dir, _write_rows(
-        tmp_path / "p.jsonl", [{"prompt": "1+1="}]), "m:f"
-    with pytest.raises(ConfigError, match="--model.pretrain: .* is a vision-language model"):
-        validate(cfg)
+    def cfg_with(**settings):
+        cfg = Config()
+        cfg.model.pretrain, cfg.data.prompt_data, cfg.reward.function = qwen2_vl_dir, _write_rows(
+            tmp_path / "p.jsonl", [{"prompt": "1+1="}]), "m:f"
+        cfg.train.advantage_estimator = "grpo"
+        for key, value in settings.items():
+            section, name = key.split("__")
+            setattr(getattr(cfg, section), name, value)
+        return cfg
+
+    validate(cfg_with())  # GRPO on the embedded engine
+    for settings, flag in (({"rollout__backend": "vllm"}, "--rollout.backend"),
+                           ({"train__advantage_estimator": "gae"}, "--train.advantage_estimator"),
+                           ({"rollout__mode": "async"}, "--rollout.mode"),
+                           ({"lora__rank": 4}, "--lora.rank"),
+                           ({"model__freeze_vision_tower": False, "train__actor_num_ranks": 2},
+                            "--model.freeze_vision_tower"),
+                           ({"model__critic_pretrain": qwen2_vl_dir}, "--model.critic_pretrain")):
+        with pytest.raises(ConfigError, match=f"{flag}.*vision-language"):
+            validate(cfg_with(**settings))
+    validate(cfg_with(model__freeze_vision_tower=False, train__actor_num_ranks=1))  # a trained tower on one rank
+
+
+def test_a_text_only_micro_batch_runs_a_partitioned_tower_once_and_changes_nothing(family, monkeypatch):
+    """Under ZeRO-3 with several ranks every rank must call the tower as often as the others: a micro-batch
+    without images runs it once on the placeholder image (output unused); its log-probs are the text forward's."""
+    import rlhf_sg.vision.positions as positions
+
+    name, model, processor = family
+    seqs, mask, width, images = _rollout_batch(model, processor)
+    text = [4]  # the text-only row
+    calls = []
+    hook = vision_tower(model.model).register_forward_hook(lambda *_: calls.append(1))
+    try:
+        with torch.no_grad():
+            plain = response_logprobs(model, seqs[text], mask[text], width, images=[None])
+            assert calls == []  # one process: no collective to keep in step
+            monkeypatch.setattr(positions, "_partitioned", lambda tower: True)
+            kept = response_logprobs(model, seqs[text], mask[text], width, images=[None])
+            assert len(calls) == 1, name
+            response_logprobs(model, seqs, mask, width, images=images)  # with images: the one real call
+            assert len(calls) == 2, name
+    finally:
+        hook.remove()
+    assert torch.equal(plain, kept)
 
 
 def test_a_frozen_tower_stays_bit_identical_through_training_steps(family):

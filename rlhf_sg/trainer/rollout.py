@@ -166,6 +166,13 @@ def harness_metrics(results: list) -> dict[str, float]:
             "agent/tool_calls_per_call": sum(r.tool_calls for r in results) / calls if calls else 0.0}
 
 
+def _prompt_images(prompts: list[Prompt]) -> list | None:
+    """Each prompt's image inputs (a vision-language policy's :class:`rlhf_sg.vision.VisionPrompt`), the samples of
+    one prompt sharing its object; None when no prompt has images (text rows)."""
+    images = [getattr(p, "images", None) for p in prompts]
+    return images if any(i is not None for i in images) else None
+
+
 class EngineFailure(RuntimeError):
     """An engine died more times in a row than ``--rollout.max_engine_restarts`` allows."""
 
@@ -241,7 +248,8 @@ class RolloutMaker:
             return self._agent_generate(prompts, params, step, draw)
         if self.harness is not None:
             return self._harness_generate(prompts, params)
-        completions = self._generate([p.token_ids for p in prompts], params, step, draw)
+        images = _prompt_images(prompts)
+        completions = self._generate([p.token_ids for p in prompts], params, step, draw, images=images)
         calls, spanning = 0, set()
         while True:
             cut = [k for k, c in enumerate(completions) if c.finish_reason == "abort"]
@@ -258,7 +266,7 @@ class RolloutMaker:
                 heads = [prompts[k // params.n].token_ids + completions[k].token_ids for k in rows]
                 calls += 1  # every continuation call gets a random stream of its own
                 tails = self._generate(heads, dataclasses.replace(params, n=1, max_new_tokens=room), step, draw,
-                                       calls)
+                                       calls, images=None if images is None else [images[k // params.n] for k in rows])
                 for k, tail in zip(rows, tails):
                     completions[k] = continue_completion(completions[k], tail, params.max_new_tokens)
 
@@ -332,9 +340,11 @@ class RolloutMaker:
             pending = [j for j in pending if j not in results]
         return [results[j] for j in range(len(calls))]
 
-    def _generate(self, prompts: list[list[int]], params, step: int, draw: int, segment: int = 0) -> list:
+    def _generate(self, prompts: list[list[int]], params, step: int, draw: int, segment: int = 0,
+                  images: list | None = None) -> list:
         """``params.n`` completions per token-id prompt, prompt-major, the prompts spread over the engines; an
-        engine that dies is restarted and its prompts generated again."""
+        engine that dies is restarted and its prompts generated again. ``images``: each prompt's image inputs (a
+        vision-language policy), sent with it."""
         from rlhf_sg.engine_actor import EngineDied, wait_engine_calls_or_died
 
         shards = {i: list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))}
@@ -346,6 +356,7 @@ class RolloutMaker:
                 calls = [(i, "generate", self.engines[i].generate.remote(
                     [prompts[j] for j in shard],
                     dataclasses.replace(params, seed=rollout_seed(self.cfg.train.seed, step, draw, i, segment)),
+                    *(() if images is None else ([images[j] for j in shard],)),
                 )) for i, shard in pending.items()]
                 results = wait_engine_calls_or_died(calls, self.cfg.train.timeout_s)
             finally:
@@ -444,6 +455,7 @@ class RolloutMaker:
             action_masks=[c.action_mask for c in completions] if agent else None,
             routed_experts=[c.routed_experts for c in completions] if self.cfg.train.routing_replay else None,
         )
+        experience.images = _prompt_images([prompts[i // n] for i in range(len(completions))])
         if self.harness is not None:  # unscored harness runs: out of the group baselines and the losses
             experience.scored = torch.tensor([c.env_reward is not None for c in completions])
             experience.loss_rows = experience.scored.clone()

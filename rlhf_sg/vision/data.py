@@ -52,6 +52,13 @@ class ImageInputs:
     def num_images(self) -> int:
         return int((self.image_grid_thw if self.image_grid_thw is not None else self.pixel_values).shape[0])
 
+    def to(self, device: torch.device | str) -> ImageInputs:
+        """These inputs on ``device`` (itself when already there)."""
+        if self.pixel_values.device == torch.device(device):
+            return self
+        grid = None if self.image_grid_thw is None else self.image_grid_thw.to(device)
+        return ImageInputs(self.pixel_values.to(device), grid)
+
     def model_kwargs(self) -> dict[str, torch.Tensor]:
         """The model forward's image arguments (the processor's names)."""
         if self.image_grid_thw is None:

@@ -97,6 +97,9 @@ def image_features(module: nn.Module, images: list[ImageInputs | None], order: l
             distinct[id(images[b])] = len(unique)
             unique.append(images[b])
     if not unique:
+        if _partitioned(tower):  # every rank gathers the tower's parameters as often as the others
+            with torch.no_grad():
+                core.get_image_features(**placeholder_image(module).to(next(tower.parameters()).device).model_kwargs())
         return None
     device = next(tower.parameters()).device
     kwargs = {"pixel_values": torch.cat([u.pixel_values for u in unique]).to(device)}
@@ -115,6 +118,30 @@ def image_features(module: nn.Module, images: list[ImageInputs | None], order: l
     if deepstack is not None:  # Qwen3-VL: per tower layer, the features of each image
         merged["deepstack_features"] = [per_sequence(layer) for layer in deepstack]
     return type(out)(**merged)
+
+
+def _partitioned(tower: nn.Module) -> bool:
+    """Whether the tower's parameters are ZeRO-3 partitioned over several ranks (a forward gathers them: a
+    collective every rank of the group must join)."""
+    import torch.distributed as dist
+
+    return (any(hasattr(p, "ds_id") for p in tower.parameters()) and dist.is_initialized()
+            and dist.get_world_size() > 1)
+
+
+def placeholder_image(module: nn.Module) -> ImageInputs:
+    """The smallest input the vision tower takes (one image of zeros: Qwen-VL one merged token's patches, LLaVA the
+    tower's image size). A micro-batch without images runs the tower on it, output unused, when the tower is
+    partitioned over ranks: ZeRO-3 gathers its parameters in a collective, so a rank whose micro-batch has no image
+    must still call it (a frozen tower; a trained one is refused there: rlhf_sg.config)."""
+    vision = module.config.vision_config
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", None) or 3
+    if getattr(vision, "spatial_merge_size", None) is None:  # LLaVA: a fixed-size image
+        side = vision.image_size
+        return ImageInputs(torch.zeros(1, channels, side, side, dtype=module.dtype))
+    merge = vision.spatial_merge_size
+    width = channels * vision.temporal_patch_size * vision.patch_size ** 2
+    return ImageInputs(torch.zeros(merge * merge, width, dtype=module.dtype), torch.tensor([[1, merge, merge]]))
 
 
 def vision_forward_kwargs(module: nn.Module, batch, sequences: torch.Tensor, attention_mask: torch.Tensor,
