@@ -479,6 +479,7 @@ class PPOTrainer:
                 policy_loss=t.policy_loss, ratio_level=ratio_level(self.cfg), clip_low=clip_low, clip_high=clip_high,
                 dual_clip=t.dual_clip, sapo_tau_pos=t.sapo_tau_pos, sapo_tau_neg=t.sapo_tau_neg,
                 tis_cap=tis_cap(self.cfg), tis_low=t.tis_low, tis_mode=t.tis_mode,
+                decoupled=t.decoupled_loss, decoupled_weight_cap=t.decoupled_weight_cap,
                 token_budget=self.cfg.rollout.max_new_tokens, aggregation=loss_aggregation(self.cfg),
                 kl_coef=self.kl_ctl.value if kl_in_loss else 0.0,
                 kl_estimator=kl_estimator(self.cfg), kl_straight_through=t.kl_straight_through,
