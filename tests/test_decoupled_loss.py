@@ -174,3 +174,15 @@ def test_an_async_run_with_the_decoupled_loss_has_no_tis_cap_in_force(make_cfg):
                             train__decoupled_weight_cap=5.0))
     assert tis_cap(cfg) is None
     assert tis_cap(validate(make_cfg(rollout__mode="async"))) == 2.0
+
+
+def test_the_flags_reach_the_workers_loss_configuration(make_cfg, tmp_path):
+    """What the actor workers get (the frozen ActorUpdate.loss) in an async run with the decoupled loss: the loss
+    decoupled with its cap, and no TIS weight on top."""
+    from rlhf_sg.trainer import PPOTrainer
+
+    cfg = make_cfg(rollout__mode="async", rollout__max_staleness=4, train__decoupled_loss=True,
+                   train__decoupled_weight_cap=5.0, train__advantage_estimator="grpo", train__actor_num_ranks=1,
+                   rollout__prompts_per_step=2, rollout__n_samples_per_prompt=2, log__output_dir=str(tmp_path / "run"))
+    loss = PPOTrainer(validate(cfg)).actor_update().loss
+    assert (loss.decoupled, loss.decoupled_weight_cap, loss.tis_cap, loss.policy_loss) == (True, 5.0, None, "ppo")
