@@ -215,6 +215,9 @@ class SideResult:
     #: per measured step, its ``perf/*`` accounting (:mod:`rlhf_sg.flops`), and the ceiling it is held to
     perf: list[dict[str, float]] = field(default_factory=list)
     ceiling: str = ""
+    #: async sides, over the measured steps: the largest sample staleness and the mean token staleness per step
+    staleness_max: list[float] = field(default_factory=list)
+    token_staleness_mean: list[float] = field(default_factory=list)
 
     def add_step(self, seconds: float, phases: dict[str, float], response_len: float,
                  reward: float = float("nan"), perf: dict[str, float] | None = None) -> None:
@@ -542,6 +545,9 @@ def run_ours(side: str, args: argparse.Namespace, model_path: str, prompt_file: 
             if "eval/response_len" in metrics:  # an evaluation ran after this step, inside its wall time
                 result.eval_tokens += metrics["eval/response_len"] * metrics["eval/prompts"] * args.eval_samples
             trajectory.append(metrics["reward/mean"])
+            if "rollout/staleness_max" in metrics:
+                result.staleness_max.append(metrics["rollout/staleness_max"])
+                result.token_staleness_mean.append(metrics.get("rollout/token_staleness_mean", float("nan")))
     finally:
         trainer.shutdown()
         ray.shutdown()
@@ -969,6 +975,9 @@ def main(argv: list[str] | None = None) -> None:
                 if got is None:
                     continue
                 rewards = " ".join(f"{x:.4f}" for x in got.trajectories[-1])
+                if got.staleness_max:
+                    rewards += (f"; staleness max per step {' '.join(f'{x:.0f}' for x in got.staleness_max)}, token "
+                                f"staleness mean {' '.join(f'{x:.2f}' for x in got.token_staleness_mean)}")
                 print(f"  {got.name}: steps {', '.join(f'{s:.2f}' for s in got.step_s)} s; reward per step "
                       f"(warm-up first) {rewards}; {got.threads}; {got.wall_s:.0f} s with start-up", flush=True)
                 results.setdefault(got.name, SideResult(got.name, got.samples_per_step, threads=got.threads)).merge(got)
