@@ -3,7 +3,7 @@ producer (a maker at the engine boundary, no Ray), its restart at a resume witho
 of every token through partial rollouts and multi-turn trajectories. Fast."""
 
 import random
-import threading
+import time
 
 import pytest
 import torch
@@ -101,13 +101,11 @@ class _Maker:
         return [], step, {}
 
 
-def _wait(cond, what):
-    deadline = threading.Event()
-    for _ in range(3000):
-        if cond():
-            return
-        deadline.wait(0.01)
-    raise AssertionError(f"no {what} within 30 s")
+def _wait(cond, what, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("first_step", [0, 7])
