@@ -155,6 +155,9 @@ class Completion:
         each token of the prompt and the completion but the last (the last is never fed to the model):
         ``[len(prompt) + len(token_ids) - 1, moe_layers, top_k]`` int16, layers in decoder order
         (:mod:`rlhf_sg.moe.replay`); else None.
+    token_versions: the weight version of each token of ``token_ids``, where the completion joins generate calls
+        of different weights (partial rollout's continuation after a weight sync; set by the trainer, never by a
+        backend, whose one call samples with one version); None: every token is ``weight_version``'s.
     """
 
     token_ids: list[int]
@@ -164,6 +167,7 @@ class Completion:
     prompt_index: int
     cached_tokens: int | None = None
     routed_experts: torch.Tensor | None = None
+    token_versions: list[int] | None = None
 
 
 @dataclass(frozen=True)

@@ -243,6 +243,8 @@ class Trajectory:
     engine: int = -1
     turns: int = 0
     turn_versions: list[int] = field(default_factory=list)
+    #: the weight version of each token of token_ids (an observation token: that of the model turn before it)
+    token_versions: list[int] | None = None
     tool_calls: int = 0
     tool_errors: dict[str, int] = field(default_factory=dict)
     env_reward: float | None = None
@@ -354,6 +356,7 @@ class _State:
     open_turn: list[int] = field(default_factory=list)  # this turn's tokens so far (partial rollout)
     model_ids: list[list[int]] = field(default_factory=list)  # each turn's ids, for the reward text
     versions: list[int] = field(default_factory=list)
+    sampled_versions: list[int] = field(default_factory=list)  # one per sampled token, as logprobs
     turns: int = 0
     finish: str | None = None
     tool_calls: int = 0
@@ -473,6 +476,7 @@ def run_agent_rollout(
                     s.open_turn += list(c.token_ids)
                     s.logprobs += [float(x) for x in c.logprobs]
                     s.versions.append(int(c.weight_version))
+                    s.sampled_versions += [int(c.weight_version)] * len(c.token_ids)
                     if c.finish_reason == "abort":
                         continue  # partial rollout: the turn goes on from its tokens so far (next round)
                     s.turns += 1
@@ -506,7 +510,8 @@ def run_agent_rollout(
         out.append(Trajectory(
             token_ids=s.row, logprobs=_row_logprobs(s), action_mask=s.mask, finish_reason=s.finish or "stop",
             weight_version=min(s.versions), prompt_index=k // n, engine=s.engine, turns=s.turns,
-            turn_versions=s.versions, tool_calls=s.tool_calls, tool_errors=s.tool_errors, env_reward=s.env_reward,
+            turn_versions=s.versions, token_versions=_row_versions(s), tool_calls=s.tool_calls,
+            tool_errors=s.tool_errors, env_reward=s.env_reward,
             env_time_s=s.env_time_s, reward_text=reward_text, prompt_tokens_sent=s.prompt_tokens_sent,
             cached_tokens=s.cached_tokens, info=s.info,
         ))
@@ -517,6 +522,17 @@ def _row_logprobs(s: _State) -> list[float]:
     """Engine log-probs on the row's action tokens, 0.0 on observation tokens."""
     it = iter(s.logprobs)
     return [next(it) if m else 0.0 for m in s.mask]
+
+
+def _row_versions(s: _State) -> list[int]:
+    """The weight version of each row token: a sampled token's own; an observation token's, the model turn's before
+    it (the first turn's for observations ahead of any turn)."""
+    it, last = iter(s.sampled_versions), min(s.versions)
+    out = []
+    for m in s.mask:
+        last = next(it) if m else last
+        out.append(last)
+    return out
 
 
 def _close_turn(s: _State) -> list[int]:

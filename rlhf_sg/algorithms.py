@@ -33,6 +33,7 @@ __all__ = [
     "approx_kl",
     "approx_kl_straight_through",
     "cispo_loss",
+    "decoupled_policy_loss",
     "discounted_returns",
     "distill_advantages",
     "gae",
@@ -666,12 +667,7 @@ def policy_loss(
     """
     fn = "policy_loss"
     _check_surrogate_inputs(fn, logp, old_logp, advantages, action_mask, rollout_logp)
-    if clip_low < 0 or clip_low >= 1 or clip_high < 0:
-        raise ValueError(
-            f"{fn}: need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}"
-        )
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"{fn}: dual_clip must be > 1 (or None), got {dual_clip}")
+    _check_ppo_clip(fn, clip_low, clip_high, dual_clip)
     _check_tis(fn, rollout_logp, tis_cap, tis_low, tis_mode)
     _check_kind(fn, "ratio_level", ratio_level, RATIO_LEVELS)
     m = _surrogate_mask(fn, action_mask, normalizer)
@@ -679,18 +675,96 @@ def policy_loss(
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
     log_ratio, token_log_ratio = _log_ratio(logp, old_logp, m, ratio_level)
     ratio = torch.exp(log_ratio)
-    adv = torch.where(m, advantages.float(), zero)
+    loss_tok, clipped, dual_active = _ppo_token_loss(ratio, torch.where(m, advantages.float(), zero), clip_low,
+                                                     clip_high, dual_clip)
+    loss, metrics = _finish_surrogate(fn, loss_tok, m, token_log_ratio, ratio, clipped, old_logp, rollout_logp,
+                                      tis_cap, tis_low, tis_mode, aggregation, normalizer, token_budget)
+    metrics["dual_clip_frac"] = masked_mean(dual_active.float(), m).detach()
+    return loss, metrics
+
+
+def _check_ppo_clip(fn: str, clip_low: float, clip_high: float, dual_clip: float | None) -> None:
+    if clip_low < 0 or clip_low >= 1 or clip_high < 0:
+        raise ValueError(
+            f"{fn}: need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}"
+        )
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"{fn}: dual_clip must be > 1 (or None), got {dual_clip}")
+
+
+def _ppo_token_loss(ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float,
+                    dual_clip: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token: (loss [B, T], clipped [B, T] bool, dual-clip active [B, T] bool)."""
     surr1 = ratio * adv
     surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     loss_tok = -torch.minimum(surr1, surr2)
-    dual_active = torch.zeros_like(m)
+    dual_active = torch.zeros_like(adv, dtype=torch.bool)
     if dual_clip is not None:
         cap = -dual_clip * adv
         dual_active = (adv < 0) & (loss_tok > cap)
         loss_tok = torch.where(dual_active, cap, loss_tok)
-    loss, metrics = _finish_surrogate(fn, loss_tok, m, token_log_ratio, ratio, surr2 < surr1, old_logp, rollout_logp,
-                                      tis_cap, tis_low, tis_mode, aggregation, normalizer, token_budget)
-    metrics["dual_clip_frac"] = masked_mean(dual_active.float(), m).detach()
+    return loss_tok, surr2 < surr1, dual_active
+
+
+def decoupled_policy_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    behav_weight_cap: float | None = None,
+    aggregation: str = "token_mean",
+    normalizer: float | None = None,
+    token_budget: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """AReaL's decoupled PPO objective (Fu et al. 2025, arXiv 2505.24298) for samples of older weights, per token
+      r = pi_theta / pi_prox                      the trust region is taken around the proximal policy
+      w = pi_prox / pi_behav   (detached)         the behaviour policy's importance weight
+      loss = -w * min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)    (dual clip on the min as in policy_loss)
+    pi_behav is the policy that sampled the token: the engine's log-probs recorded at generation (a token of a partial
+    rollout carries the weights that sampled it); pi_prox is the trainer's recompute of the old log-probs at the start
+    of the step (the weights about to be trained). The clip then bounds one update's move from recent weights however
+    stale the samples, and w corrects for where they came from. behav_weight_cap c: tokens with w > c count 0 in the
+    loss (AReaL's ``behav_imp_weight_cap``); None: w unbounded. With pi_behav = pi_prox, w = 1 and this is
+    :func:`policy_loss` exactly.
+
+    logp: [B, T] the current policy (carries the gradient); prox_logp, behav_logp, advantages, action_mask: [B, T].
+    Aggregation and normalizer as in :func:`policy_loss` (the masked tokens stay in the normaliser, as AReaL's).
+    Returns (loss, metrics: clip_frac, dual_clip_frac, ppo_kl, ratio_mean (all against pi_prox), behav_weight_mean
+    (of the weights applied), behav_kl (mean log pi_prox - log pi_behav), behav_masked_frac (tokens over the cap)).
+    """
+    fn = "decoupled_policy_loss"
+    _check_2d(fn, "logp", logp)
+    _check_same_shape(fn, logp=logp, prox_logp=prox_logp, behav_logp=behav_logp, advantages=advantages,
+                      action_mask=action_mask)
+    _check_ppo_clip(fn, clip_low, clip_high, dual_clip)
+    if behav_weight_cap is not None and behav_weight_cap <= 0:
+        raise ValueError(f"{fn}: behav_weight_cap must be > 0 (or None), got {behav_weight_cap}")
+    m = _surrogate_mask(fn, action_mask, normalizer)
+
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    token_log_ratio = _token_log_ratio(logp, prox_logp, m)
+    ratio = torch.exp(token_log_ratio)
+    loss_tok, clipped, dual_active = _ppo_token_loss(ratio, torch.where(m, advantages.float(), zero), clip_low,
+                                                     clip_high, dual_clip)
+    behav_log = _token_log_ratio(prox_logp.detach(), behav_logp, m)
+    weight = torch.exp(behav_log)
+    kept = m if behav_weight_cap is None else m & (weight <= behav_weight_cap)
+    weight = torch.where(kept, weight, zero)
+    loss = _aggregate(fn, loss_tok * weight, m, aggregation, normalizer, token_budget)
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": masked_mean(clipped.float(), m),
+            "dual_clip_frac": masked_mean(dual_active.float(), m),
+            "ppo_kl": masked_mean(-token_log_ratio, m),
+            "ratio_mean": masked_mean(ratio, m),
+            "behav_weight_mean": masked_mean(weight, m),
+            "behav_kl": masked_mean(behav_log, m),
+            "behav_masked_frac": masked_mean((m & ~kept).float(), m),
+        }
     return loss, metrics
 
 
@@ -890,6 +964,10 @@ class ActorLossConfig:
     tis_cap: float | None = None
     tis_low: float | None = None
     tis_mode: str = "truncate"
+    #: PPO's loss decoupled (:func:`decoupled_policy_loss`): old_logp is the proximal policy, rollout_logp the
+    #: behaviour policy; tokens whose weight pi_prox / pi_behav exceeds decoupled_weight_cap count 0 (None: no cap)
+    decoupled: bool = False
+    decoupled_weight_cap: float | None = None
     aggregation: str = "token_mean"
     #: the constant divisor of seq_mean_token_sum_norm (--rollout.max_new_tokens)
     token_budget: int | None = None
@@ -912,10 +990,11 @@ def actor_loss(
     ref_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's share of the actor loss: the surrogate ``cfg.policy_loss`` (PPO's clip, GSPO, CISPO, SAPO
-    or GMPO: :func:`policy_loss`, :func:`cispo_loss`, :func:`sapo_loss`, :func:`gmpo_loss`), plus ``kl_coef`` x
-    KL(policy || ref), minus ``entropy_coef`` x entropy, every term reduced by :func:`masked_aggregate` with the step's
-    ``normalizer``, so that the micro-batches of one optimizer step add up to the same loss (and gradient)
-    whatever the split.
+    or GMPO: :func:`policy_loss`, :func:`cispo_loss`, :func:`sapo_loss`, :func:`gmpo_loss`; with ``cfg.decoupled``,
+    :func:`decoupled_policy_loss` against old_logp as the proximal and rollout_logp as the behaviour policy), plus
+    ``kl_coef`` x KL(policy || ref), minus ``entropy_coef`` x entropy, every term reduced by :func:`masked_aggregate`
+    with the step's ``normalizer``, so that the micro-batches of one optimizer step add up to the same loss (and
+    gradient) whatever the split.
 
     logp, entropy: [B, T] of the current policy (carry the gradient); old_logp, advantages, action_mask,
     rollout_logp (needed with tis_cap), ref_logp (needed with kl_coef > 0): [B, T].
@@ -958,6 +1037,13 @@ def _surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Ten
     low, high = LOSS_CLIP_DEFAULTS.get(kind, (None, None))
     low = low if cfg.clip_low is None else cfg.clip_low
     high = high if cfg.clip_high is None else cfg.clip_high
+    if cfg.decoupled:
+        if kind != "ppo" or cfg.tis_cap is not None or rollout_logp is None:
+            raise ValueError(f"{fn}: the decoupled loss is PPO's (policy_loss 'ppo', got {kind!r}), weighs by the "
+                             f"behaviour policy itself (tis_cap must be None, got {cfg.tis_cap}) and needs the "
+                             f"engine's log-probs (rollout_logp {'missing' if rollout_logp is None else 'given'})")
+        return decoupled_policy_loss(logp, old_logp, rollout_logp, advantages, m, low, high, cfg.dual_clip,
+                                     cfg.decoupled_weight_cap, cfg.aggregation, normalizer, cfg.token_budget)
     common = dict(rollout_logp=rollout_logp if cfg.tis_cap is not None else None, tis_cap=cfg.tis_cap,
                   tis_low=cfg.tis_low, tis_mode=cfg.tis_mode, aggregation=cfg.aggregation, normalizer=normalizer,
                   token_budget=cfg.token_budget)

@@ -224,6 +224,13 @@ class TrainConfig:
     #: truncate (clamp the weight into [tis_low, tis_cap]) or mask (tokens whose weight falls outside count 0:
     #: ICEPOP)
     tis_mode: str = "truncate"
+    #: AReaL's decoupled PPO loss (rlhf_sg.algorithms.decoupled_policy_loss): the clip against the trainer's old
+    #: log-probs recomputed at the step's start (the proximal policy), each token's loss weighted by pi_prox / pi_behav
+    #: against the engine's log-probs (the behaviour policy); for async rollout with --rollout.max_staleness > 1.
+    #: Replaces TIS (no --train.tis_cap with it)
+    decoupled_loss: bool = False
+    #: with decoupled_loss, tokens whose weight pi_prox / pi_behav exceeds this count 0 (None: no cap)
+    decoupled_weight_cap: float | None = None
     #: drop groups whose scores are all equal (no signal for group estimators) and draw more prompts until
     #: the step's batch is full again (DAPO's dynamic sampling); needs n_samples_per_prompt >= 2
     dynamic_filtering: bool = False
@@ -934,6 +941,7 @@ def validate(cfg: Config) -> Config:
               f"{flag} {ranks}: a step has {samples} samples (prompts_per_step x n_samples_per_prompt), fewer than "
               "the ranks that must each score one; lower it or raise --rollout.prompts_per_step")
     _check_policy_loss(cfg)
+    _check_decoupled_loss(cfg)
     _check_sequence_parallel(cfg)
     _need(t.tis_cap is None or t.tis_cap > 0, f"--train.tis_cap must be > 0 (got {t.tis_cap})")
     _need(r.weight_transport in ("collective", "tensor", "disk"),
@@ -1411,6 +1419,28 @@ def _check_policy_loss(cfg: Config) -> None:
           f"{t.advantage_estimator} gives every token its own; use a group estimator (grpo, dr_grpo or rloo)")
 
 
+def _check_decoupled_loss(cfg: Config) -> None:
+    """The decoupled loss needs PPO's token clip, the engine's log-probs of the policy that sampled (no top-p / top-k
+    truncation: the engines record log-probs before it), and no TIS weight on top of its own."""
+    t, r = cfg.train, cfg.rollout
+    _need(t.decoupled_weight_cap is None or t.decoupled_loss,
+          "--train.decoupled_weight_cap caps the weight of --train.decoupled_loss; set that too, or unset the cap")
+    if not t.decoupled_loss:
+        return
+    _need(t.policy_loss == "ppo",
+          f"--train.decoupled_loss is PPO's clipped loss decoupled (AReaL); --train.policy_loss {t.policy_loss} has "
+          f"no decoupled form here; use --train.policy_loss ppo, or drop --train.decoupled_loss")
+    _need(t.tis_cap is None,
+          f"--train.decoupled_loss weighs every token by pi_prox / pi_behav itself; --train.tis_cap {t.tis_cap} would "
+          f"weigh it twice; unset --train.tis_cap (cap the weight with --train.decoupled_weight_cap)")
+    _need(t.decoupled_weight_cap is None or t.decoupled_weight_cap > 0,
+          f"--train.decoupled_weight_cap must be > 0 (or unset: no cap), got {t.decoupled_weight_cap}")
+    _need(r.top_p == 1.0 and r.top_k == -1,
+          f"--train.decoupled_loss needs the engines' log-probs of the behaviour policy, but with --rollout.top_p "
+          f"{r.top_p} / --rollout.top_k {r.top_k} the engines sample from a truncated distribution and record the "
+          f"log-probs before the truncation; set --rollout.top_p 1 --rollout.top_k -1, or drop --train.decoupled_loss")
+
+
 def ratio_level(cfg: Config) -> str:
     """The ratio level in force: ``--train.ratio_level``, or the policy loss's own (sequence for gspo and gmpo)."""
     return cfg.train.ratio_level or LOSS_RATIO_LEVELS[cfg.train.policy_loss][0]
@@ -1441,8 +1471,9 @@ def kl_estimator(cfg: Config) -> str:
 
 
 def tis_cap(cfg: Config) -> float | None:
-    """The TIS cap in force: ``--train.tis_cap``, or :data:`ASYNC_TIS_CAP` in an async run that sets none."""
-    if cfg.train.tis_cap is None and rollout_is_async(cfg):
+    """The TIS cap in force: ``--train.tis_cap``, or :data:`ASYNC_TIS_CAP` in an async run that sets none (and no
+    ``--train.decoupled_loss``, whose own weight corrects for the engines' weights)."""
+    if cfg.train.tis_cap is None and rollout_is_async(cfg) and not cfg.train.decoupled_loss:
         return ASYNC_TIS_CAP
     return cfg.train.tis_cap
 

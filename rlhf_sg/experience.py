@@ -36,6 +36,9 @@ class Experience:
     action_mask: torch.Tensor  #: [B, T] bool, the tokens the policy chose
     rollout_logp: torch.Tensor  #: [B, T] float32, the engine's log-probs of them
     weight_version: torch.Tensor | None = None  #: [B] int64, the engine weights that sampled each completion
+    #: [B, T] int64, the engine weights that sampled each token (several in a sample continued after a weight sync
+    #: or with turns on either side of one; rlhf_sg.offpolicy.versions)
+    token_versions: torch.Tensor | None = None
     #: [B] bool, the engine stopped the completion at --rollout.max_new_tokens (finish reason "length")
     truncated: torch.Tensor | None = None
     #: [B] bool, the rows whose tokens count in the actor's and critic's losses and their normaliser (None: all);
@@ -150,6 +153,7 @@ def build_rollout_batch(
     finish_reasons: list[str] | None = None,
     action_masks: list[list[bool]] | None = None,
     routed_experts: list[torch.Tensor] | None = None,
+    token_versions: list[list[int]] | None = None,
 ) -> Experience:
     """The engines' samples as an :class:`Experience`: left-padded prompts and right-padded responses.
 
@@ -159,7 +163,8 @@ def build_rollout_batch(
     multi-turn samples, 1 on the tokens the engine sampled and 0 on the observations between them
     (None: every response token was sampled). Observation tokens are real tokens (attention mask 1) with
     rollout log-prob 0. routed_experts[i]: the engine's routes of sample i's prompt and completion tokens but the
-    last (``Completion.routed_experts``), laid into ``routes``.
+    last (``Completion.routed_experts``), laid into ``routes``. token_versions[i]: the weights that sampled each
+    token of responses[i] (observation tokens: those of the turn before), laid into ``token_versions``.
     """
     B = len(prompts)
     P = max(len(p) for p in prompts)
@@ -183,6 +188,13 @@ def build_rollout_batch(
                                  "token and at least one sampled token")
             action_mask[i, : len(r)] = torch.as_tensor(action_masks[i], dtype=torch.bool)
         rollout_logp[i, : len(r)] = torch.as_tensor(lp, dtype=torch.float32)
+    versions = None
+    if token_versions is not None:
+        versions = torch.zeros((B, T), dtype=torch.long)
+        for i, (r, v) in enumerate(zip(responses, token_versions)):
+            if len(v) != len(r):
+                raise ValueError(f"rollout sample {i}: {len(v)} token weight versions for {len(r)} tokens")
+            versions[i, : len(r)] = torch.as_tensor(v, dtype=torch.long)
     routes = None
     if routed_experts is not None:
         missing = [i for i, e in enumerate(routed_experts) if e is None]
@@ -204,5 +216,5 @@ def build_rollout_batch(
         sequences=sequences, attention_mask=attention_mask, action_mask=action_mask, rollout_logp=rollout_logp,
         weight_version=None if weight_versions is None else torch.as_tensor(weight_versions, dtype=torch.long),
         truncated=None if finish_reasons is None else torch.tensor([f == "length" for f in finish_reasons]),
-        routes=routes,
+        routes=routes, token_versions=versions,
     )

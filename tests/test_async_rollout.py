@@ -403,6 +403,24 @@ def test_async_run_learns_the_quickstart_task(ray_cluster, task, tmp_path):
 
 
 @pytest.mark.slow
+def test_async_run_with_the_decoupled_loss_at_staleness_4_learns_the_quickstart_task(ray_cluster, task, tmp_path):
+    """max_staleness 4 with AReaL's decoupled loss (no TIS weight on top): the task is learned as at bound 1, every
+    sample and every token keeps within the bound, and the loss reports the behaviour weight it applied."""
+    steps = 16
+    cfg = _async_cfg(task, str(tmp_path / "learn"), steps, max_staleness=4)
+    cfg.train.decoupled_loss = True
+    assert tis_cap(cfg) is None
+    history, versions = _run_recording_versions(cfg)
+    rewards = [h["reward/mean"] for h in history]
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.05, rewards
+    _check_staleness_bound(history, versions, steps, max_staleness=4)
+    assert all(0 <= h["rollout/token_staleness_max"] <= 4 for h in history)
+    assert all(h["rollout/token_staleness_mean"] <= h["rollout/staleness_max"] for h in history)
+    weights = [h["actor/behav_weight_mean"] for h in history]
+    assert all(0.5 < w < 2.0 for w in weights), weights
+
+
+@pytest.mark.slow
 def test_async_resume_sees_the_prompts_an_uninterrupted_run_saw(ray_cluster, task, tmp_path, max_staleness=2):
     """A checkpoint of an async run is taken while the producer has already drawn the prompts of later steps; it
     must record where the first untrained batch started drawing, so a run resumed from it trains on the same

@@ -193,7 +193,7 @@ def test_our_steps_are_timed_by_the_wall_clock_not_by_the_trainers_own_step_time
     monkeypatch.setattr(e2e, "wait_for_children", lambda timeout_s: waits.append(timeout_s) or 0)
     args = argparse.Namespace(backend="hf", prompts=8, samples=8, max_new_tokens=64, actor_ranks=1, lr=1e-6,
                               critic_lr=1e-5, warmup=1, steps=2, seed=0, worker_threads=None, engine_threads=None,
-                              share_prompts=True)
+                              share_prompts=True, stop_token_ids=[])
     got = e2e.run_ours("grpo-async", args, "model", "prompts.jsonl", str(tmp_path))
     assert got.name == "ours-grpo-async"
     assert len(got.step_s) == 2 and min(got.step_s) >= _OverlappingTrainer.STEP_S
@@ -234,3 +234,21 @@ print(json.dumps([left, exited, left_at_timeout]))
     left, exited, left_at_timeout = json.loads(out.stdout.strip().splitlines()[-1])
     assert (left, exited) == (0, True)
     assert left_at_timeout == 1
+
+
+def test_the_k4_side_runs_ahead_by_four_with_the_decoupled_loss_and_the_long_tail_stops_on_non_digits():
+    from rlhf_sg.tiny import char_vocab
+
+    ids = e2e.tail_stop_ids(2)
+    by_id = {i: ch for ch, i in char_vocab().items()}
+    assert [by_id[i] for i in ids] == ["~", "`"] and not any(by_id[i].isdigit() for i in ids)
+    args = argparse.Namespace(backend="hf", prompts=4, samples=4, max_new_tokens=64, actor_ranks=1, lr=1e-6,
+                              critic_lr=1e-5, warmup=1, steps=2, seed=0, worker_threads=None, engine_threads=None,
+                              share_prompts=True, stop_token_ids=ids)
+    k4 = e2e.make_config("grpo", args, "m", "p", "o", mode="async", max_staleness=e2e.MAX_STALENESS["grpo-async-k4"])
+    k1 = e2e.make_config("grpo", args, "m", "p", "o", mode="async", max_staleness=e2e.MAX_STALENESS["grpo-async"])
+    assert (k4.rollout.max_staleness, k4.train.decoupled_loss) == (4, True)
+    assert (k1.rollout.max_staleness, k1.train.decoupled_loss) == (1, False)
+    assert k4.rollout.stop_token_ids == ids
+    with pytest.raises(ValueError, match=r"--tail-stop-ids must be in \[1, 4\], got 5"):
+        e2e.tail_stop_ids(5)

@@ -24,6 +24,9 @@ Sides:
 * ``grpo-async``: the same with ``--rollout.mode async`` (``max_staleness=1``, partial rollout): the engine
   generates the next step's batch while the trainer trains. Compare it with ``grpo`` on ``--placement
   split``, where engine and trainer compute on separate cores.
+* ``grpo-async-k4``: the same with ``max_staleness=4`` and AReaL's decoupled loss (``--train.decoupled_loss``, no
+  weight cap): the engine may run up to four batches ahead, so a batch with a long sample delays no step as long as
+  the ones before it were short. Compare it with ``grpo-async`` and ``grpo`` on ``--length-mix long-tail``.
 * ``ppo`` (for information): the same with ``advantage_estimator="gae"``: a critic and a reference
   model (``kl_coef=0.01``) as well, so it does more work than either GRPO side.
 * ``trl`` (baseline): ``trl.GRPOTrainer`` in its own Python process (so Ray is not involved and the
@@ -42,6 +45,12 @@ Sides:
   a TrainerCallback (one optimizer step); ``generate`` is the time inside the model's ``generate``,
   ``reward`` inside the reward function, ``other`` the rest of TRL's rollout preparation (tokenising,
   decoding, padding, advantages) and ``train`` everything after it (forwards, backwards, optimizer step).
+
+Length mix: ``fixed`` (default) as above. ``long-tail`` (our sides only): ``--tail-stop-ids`` characters of the
+vocabulary stop a completion (``--rollout.stop_token_ids``), so with the random model's near-uniform next-token
+distribution the lengths are about geometric with mean vocabulary / that count, cut at ``--max-new-tokens``: most
+completions short, a few run to the budget, and a batch takes as long as its longest. The sides generate different
+tokens then (the reward per step still compares them at equal samples).
 
 Placement (our sides): ``shared`` (default): the CPU is one device, so the actor is one ZeRO-3 rank, and as
 a sync step's phases take turns, the engine and the actor rank each compute with every core (what
@@ -92,12 +101,18 @@ import torch
 #: run's trainer waits for its batch in wait_rollout)
 PHASE_COLUMNS = ("generate", "wait_rollout", "reward", "reference", "critic", "actor_logprob", "train", "weight_sync",
                  "other")
-SIDES = ("trl", "grpo", "grpo-async", "ppo", "grpo-eval")
+SIDES = ("trl", "grpo", "grpo-async", "grpo-async-k4", "ppo", "grpo-eval")
 #: our sides: result name, advantage estimator, --rollout.mode (grpo-eval: grpo with held-out evaluation on)
 OURS = {"grpo": ("ours-grpo", "grpo", "sync"), "grpo-async": ("ours-grpo-async", "grpo", "async"),
+        "grpo-async-k4": ("ours-grpo-async-k4", "grpo", "async"),
         "ppo": ("ours-ppo", "gae", "sync"), "grpo-eval": ("ours-grpo-eval", "grpo", "sync")}
+#: --rollout.max_staleness of the async sides (above 1 with --train.decoupled_loss)
+MAX_STALENESS = {"grpo-async": 1, "grpo-async-k4": 4}
 #: the table's row order
-ROW_ORDER = ("ours-grpo", "ours-grpo-eval", "ours-grpo-async", "ours-ppo", "trl-grpo")
+ROW_ORDER = ("ours-grpo", "ours-grpo-eval", "ours-grpo-async", "ours-grpo-async-k4", "ours-ppo", "trl-grpo")
+#: --length-mix long-tail: the characters that stop a completion are picked from these, in order (no digit: the
+#: reward counts digits)
+TAIL_STOP_CHARS = "~`|^"
 #: the evaluation overhead may exceed the evaluation's share of generated tokens by this much
 EVAL_OVERHEAD_SLACK = 0.10
 #: TRL's ``per_device_train_batch_size`` values the search tries (those that divide the step's samples)
@@ -200,6 +215,9 @@ class SideResult:
     #: per measured step, its ``perf/*`` accounting (:mod:`rlhf_sg.flops`), and the ceiling it is held to
     perf: list[dict[str, float]] = field(default_factory=list)
     ceiling: str = ""
+    #: async sides, over the measured steps: the largest sample staleness and the mean token staleness per step
+    staleness_max: list[float] = field(default_factory=list)
+    token_staleness_mean: list[float] = field(default_factory=list)
 
     def add_step(self, seconds: float, phases: dict[str, float], response_len: float,
                  reward: float = float("nan"), perf: dict[str, float] | None = None) -> None:
@@ -416,8 +434,18 @@ def _torch_threads(_actor_instance: Any) -> int:
     return torch.get_num_threads()
 
 
+def tail_stop_ids(count: int) -> list[int]:
+    """--length-mix long-tail: the ids of the first ``count`` characters of :data:`TAIL_STOP_CHARS`."""
+    from rlhf_sg.tiny import char_vocab
+
+    if not 1 <= count <= len(TAIL_STOP_CHARS):
+        raise ValueError(f"--tail-stop-ids must be in [1, {len(TAIL_STOP_CHARS)}], got {count}")
+    vocab = char_vocab()
+    return [vocab[ch] for ch in TAIL_STOP_CHARS[:count]]
+
+
 def make_config(algo: str, args: argparse.Namespace, model_path: str, prompt_file: str, out: str,
-                mode: str = "sync"):
+                mode: str = "sync", max_staleness: int = 1):
     from rlhf_sg.config import Config
 
     cfg = Config()
@@ -435,7 +463,9 @@ def make_config(algo: str, args: argparse.Namespace, model_path: str, prompt_fil
                                "side from --sides")
         cfg.rollout.mode = mode
         cfg.rollout.partial_rollout = True
-        cfg.rollout.max_staleness = 1
+        cfg.rollout.max_staleness = max_staleness
+        cfg.train.decoupled_loss = max_staleness > 1
+    cfg.rollout.stop_token_ids = list(args.stop_token_ids)
     cfg.train.advantage_estimator = algo
     if args.actor_ranks is not None:
         cfg.train.actor_num_ranks = args.actor_ranks
@@ -482,7 +512,8 @@ def run_ours(side: str, args: argparse.Namespace, model_path: str, prompt_file: 
     from rlhf_sg.trainer import PPOTrainer
 
     name, estimator, mode = OURS[side]
-    cfg = make_config(estimator, args, model_path, prompt_file, os.path.join(out, name), mode=mode)
+    cfg = make_config(estimator, args, model_path, prompt_file, os.path.join(out, name), mode=mode,
+                      max_staleness=MAX_STALENESS.get(side, 1))
     if side == "grpo-eval":  # held-out evaluation inside the measured steps, none before or after them
         cfg.eval.prompt_data = eval_prompt_file(os.path.dirname(prompt_file))
         cfg.eval.interval, cfg.eval.n_samples = args.eval_interval, args.eval_samples
@@ -514,6 +545,9 @@ def run_ours(side: str, args: argparse.Namespace, model_path: str, prompt_file: 
             if "eval/response_len" in metrics:  # an evaluation ran after this step, inside its wall time
                 result.eval_tokens += metrics["eval/response_len"] * metrics["eval/prompts"] * args.eval_samples
             trajectory.append(metrics["reward/mean"])
+            if "rollout/staleness_max" in metrics:
+                result.staleness_max.append(metrics["rollout/staleness_max"])
+                result.token_staleness_mean.append(metrics.get("rollout/token_staleness_mean", float("nan")))
     finally:
         trainer.shutdown()
         ray.shutdown()
@@ -826,6 +860,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prompt-chars", default="20,60", help="min,max prompt length in characters (= tokens)")
+    parser.add_argument("--length-mix", choices=("fixed", "long-tail"), default="fixed",
+                        help="fixed: every completion runs to --max-new-tokens; long-tail (our sides only): "
+                             "--tail-stop-ids characters stop a completion, lengths about geometric")
+    parser.add_argument("--tail-stop-ids", type=int, default=2,
+                        help="long-tail: how many characters stop a completion (mean length about vocabulary / it)")
     parser.add_argument("--size", default="25m", help="tiny model size from rlhf_sg.tiny.SIZES")
     parser.add_argument("--arch", default="qwen2")
     parser.add_argument("--backend", default="hf", help="our rollout backend")
@@ -869,6 +908,15 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not sides:
         parser.error(f"--sides: unknown or no side(s) {unknown}; choose from {list(SIDES)}")
     samples = args.prompts * args.samples
+    args.stop_token_ids = []
+    if args.length_mix == "long-tail":
+        if "trl" in sides:
+            parser.error("--length-mix long-tail: our sides only (TRL's side stops on its EOS alone); drop trl from "
+                         "--sides")
+        try:
+            args.stop_token_ids = tail_stop_ids(args.tail_stop_ids)
+        except ValueError as e:
+            parser.error(str(e))
     pinned = None
     if args.trl_setting is not None:
         try:
@@ -896,7 +944,9 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"e2e: {args.arch}/{args.size} ({num_params / 1e6:.1f}M parameters), {args.prompts} prompts x "
             f"{args.samples} samples x {args.max_new_tokens} new tokens = {samples} samples a step, CPU "
-            f"({os.cpu_count()} cores), ours: backend {args.backend}, placement {args.placement}"
+            f"({os.cpu_count()} cores), length mix {args.length_mix}"
+            f"{f' (stop ids {args.stop_token_ids})' if args.stop_token_ids else ''}, "
+            f"ours: backend {args.backend}, placement {args.placement}"
             f"{' (' + ours + ')' if ours else ''}, shared prompts {'on' if args.share_prompts else 'off'}; "
             f"{args.warmup} warm-up + {args.steps} measured step(s) per side, "
             f"{args.rounds} round(s); load average {_load()} (other work on the machine slows whichever side it "
@@ -925,6 +975,9 @@ def main(argv: list[str] | None = None) -> None:
                 if got is None:
                     continue
                 rewards = " ".join(f"{x:.4f}" for x in got.trajectories[-1])
+                if got.staleness_max:
+                    rewards += (f"; staleness max per step {' '.join(f'{x:.0f}' for x in got.staleness_max)}, token "
+                                f"staleness mean {' '.join(f'{x:.2f}' for x in got.token_staleness_mean)}")
                 print(f"  {got.name}: steps {', '.join(f'{s:.2f}' for s in got.step_s)} s; reward per step "
                       f"(warm-up first) {rewards}; {got.threads}; {got.wall_s:.0f} s with start-up", flush=True)
                 results.setdefault(got.name, SideResult(got.name, got.samples_per_step, threads=got.threads)).merge(got)
@@ -939,7 +992,7 @@ def main(argv: list[str] | None = None) -> None:
         print(line)
     for line in reward_lines(table):
         print(line)
-    for r in table:
+    for r in table if args.length_mix == "fixed" else []:
         if not all(abs(length - args.max_new_tokens) < 1e-6 for length in r.response_len):
             print(f"warning: {r.name} mean response length {statistics.mean(r.response_len):.1f}, "
                   f"not {args.max_new_tokens}: the sides did not generate the same work")
@@ -958,6 +1011,11 @@ def main(argv: list[str] | None = None) -> None:
     if "ours-grpo" in results and "ours-grpo-async" in results:
         print(ratio_line(results["ours-grpo-async"], results["ours-grpo"],
                          f"async over sync rollout, placement {args.placement}; wall-clock steps on both"))
+    for base in ("ours-grpo", "ours-grpo-async"):
+        if base in results and "ours-grpo-async-k4" in results:
+            print(ratio_line(results["ours-grpo-async-k4"], results[base],
+                             f"max_staleness 4 over {base.removeprefix('ours-')}, length mix {args.length_mix}, "
+                             f"placement {args.placement}"))
     print(f"total wall time {time.perf_counter() - t_start:.0f} s; load average now {_load()}")
 
 

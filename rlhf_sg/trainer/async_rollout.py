@@ -3,9 +3,11 @@
 A thread of the driver (the producer) runs :meth:`RolloutMaker.make` for step after step and keeps the
 finished batches until the trainer takes them (:meth:`AsyncRollout.take`). Three rules hold it::
 
-    staleness   the producer starts the batch of step s only when the engines hold weights of version
-                s - max_staleness or newer; versions only grow, so every token of that batch comes from a
-                version at most max_staleness behind the trainer's when it trains step s
+    staleness   the producer starts a batch only when its samples are admitted by capacity
+                (:class:`rlhf_sg.offpolicy.Admission`, AReaL's rule counted in samples): for the batch of step s,
+                when the engines hold weights of version s - max_staleness or newer; versions only grow, so every
+                token of that batch comes from a version at most max_staleness behind the trainer's when it trains
+                step s
     sync        the trainer's weight sync (:meth:`AsyncRollout.sync`) has the engines to itself: no generate
                 call goes out while it runs
     partial     with partial rollout the sync first cuts the generates in flight short (the engines'
@@ -33,6 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from rlhf_sg.offpolicy.admission import Admission
 from rlhf_sg.timing import StepTimer
 from rlhf_sg.trainer.rollout import RolloutMaker
 
@@ -52,12 +55,16 @@ class AsyncRollout:
     excluded); ``engine_version``: the weight version the engines hold now; ``abort``: cuts every engine's
     running generate short and holds the abort (None: no partial rollout); ``resume``: ends the held abort;
     ``data_state``: the prompt stream's position (recorded before each batch draws its prompts, for
-    checkpoints)."""
+    checkpoints); ``batch_size``: the samples of one step's batch, the unit the admission counts in (its counters
+    start at ``first_step``: the batches made before and not trained are not carried over)."""
 
     def __init__(self, maker: RolloutMaker, first_step: int, last_step: int, engine_version: int,
                  max_staleness: int, timeout_s: float, data_state: Callable[[], dict],
-                 abort: Callable[[], Any] | None = None, resume: Callable[[], Any] | None = None):
+                 abort: Callable[[], Any] | None = None, resume: Callable[[], Any] | None = None,
+                 batch_size: int = 1):
         self.maker, self.max_staleness, self.timeout_s = maker, max_staleness, timeout_s
+        self.batch_size = batch_size
+        self.admission = Admission(batch_size, max_staleness, version=first_step)  # under self._cond
         self._abort, self._resume, self._data_state = abort, resume, data_state
         self._cond = threading.Condition()
         # held by a sync, an engine restart, and the trainer while it calls the ranks (re-entered by its sync)
@@ -91,12 +98,15 @@ class AsyncRollout:
                     step = self._next_step
                     self._data_states[step] = self._data_state()
                     version = self._engine_version
+                    if not self.admission.admit(self.batch_size, version):
+                        raise RuntimeError(f"step {step + 1}: its batch was not admitted at weight version {version}")
                 timer = StepTimer(sync=lambda: None)
                 timer.start_step()
                 prompts, experience, metrics = self.maker.make(timer, step, version)
                 times = timer.end_step()
                 metrics.update({f"rollout_time/{k}": v for k, v in times.items()})
                 with self._cond:
+                    self.admission.finish(self.batch_size)
                     self._ready[step] = (prompts, experience, metrics)
                     self._next_step = step + 1
                     self._cond.notify_all()
@@ -108,16 +118,17 @@ class AsyncRollout:
                 self._cond.notify_all()
 
     def _may_start_next(self) -> bool:
-        """The staleness bound: the batch of step s needs weights of version s - max_staleness or newer (under
-        the condition's lock; records the version waited for, :attr:`waiting_for_version`)."""
+        """The staleness bound: the next batch's samples fit the admission's capacity at the engines' version
+        (the batch of step s: version s - max_staleness or newer). Under the condition's lock; records the version
+        waited for, :attr:`waiting_for_version`."""
         if self._stopping:
             return True
         if self._next_step >= self._last_step:
             self._waiting_for = None
             return False
-        needed = self._next_step - self.max_staleness
-        self._waiting_for = None if self._engine_version >= needed else needed
-        return self._waiting_for is None
+        fits = self.admission.capacity(self._engine_version) >= self.batch_size
+        self._waiting_for = None if fits else self.admission.version_needed(self.batch_size)
+        return fits
 
     @property
     def waiting_for_version(self) -> int | None:

@@ -46,6 +46,7 @@ from rlhf_sg.config import (
 )
 from rlhf_sg.data import Prompt, PromptStream, load_prompts, load_tokenizer
 from rlhf_sg.experience import ActorUpdate, CriticUpdate, Experience, OptimizerStep
+from rlhf_sg.offpolicy.versions import token_staleness
 from rlhf_sg.timing import StepTimer
 from rlhf_sg.trainer import checkpoint
 from rlhf_sg.trainer.async_rollout import AsyncRollout
@@ -359,6 +360,8 @@ class PPOTrainer:
         errors, self._errors_reported = self.reward_errors - self._errors_reported, self.reward_errors
         metrics.update({"rollout/staleness_mean": sum(staleness) / len(staleness),
                         "rollout/staleness_max": max(staleness), "reward/errors": errors})
+        if experience.token_versions is not None:  # a sample's later tokens (partial rollout) are fresher
+            metrics.update(token_staleness(experience.token_versions, experience.action_mask, self.step))
         return prompts, experience, metrics
 
     def _start_async_rollout(self) -> None:
@@ -374,6 +377,7 @@ class PPOTrainer:
             self.cfg.train.timeout_s, self.stream.state,
             abort=cluster.abort_generation if abortable else None,
             resume=(lambda: cluster.engines_call("resume_generation")) if abortable else None,
+            batch_size=r.prompts_per_step * r.n_samples_per_prompt,
         )
         self.async_rollout.start()
 
@@ -489,6 +493,7 @@ class PPOTrainer:
                 policy_loss=t.policy_loss, ratio_level=ratio_level(self.cfg), clip_low=clip_low, clip_high=clip_high,
                 dual_clip=t.dual_clip, sapo_tau_pos=t.sapo_tau_pos, sapo_tau_neg=t.sapo_tau_neg,
                 tis_cap=tis_cap(self.cfg), tis_low=t.tis_low, tis_mode=t.tis_mode,
+                decoupled=t.decoupled_loss, decoupled_weight_cap=t.decoupled_weight_cap,
                 token_budget=self.cfg.rollout.max_new_tokens, aggregation=loss_aggregation(self.cfg),
                 kl_coef=self.kl_ctl.value if kl_in_loss else 0.0,
                 kl_estimator=kl_estimator(self.cfg), kl_straight_through=t.kl_straight_through,

@@ -67,14 +67,23 @@ def check_staleness(versions: list[int], trainer_version: int, max_staleness: in
 def continue_completion(before, after, budget: int):
     """One completion of partial rollout: ``before`` (cut short at a weight sync, ``finish_reason == "abort"``)
     followed by ``after`` (generated from the prompt plus ``before``'s tokens), cut to ``budget`` new tokens in
-    all. Tokens and log-probs of both are kept; the weight version is the oldest that sampled a token."""
+    all. Tokens and log-probs of both are kept, and each token's weight version (``token_versions``); the weight
+    version is the oldest that sampled a token."""
     from backends.base import Completion
 
     room = budget - len(before.token_ids)
     tokens, logprobs = after.token_ids[:room], after.logprobs[:room]
     finish = after.finish_reason if len(after.token_ids) <= room else "length"
     version = before.weight_version if before.token_ids else after.weight_version
-    return Completion(before.token_ids + tokens, before.logprobs + logprobs, finish, version, before.prompt_index)
+    return Completion(before.token_ids + tokens, before.logprobs + logprobs, finish, version, before.prompt_index,
+                      token_versions=token_versions_of(before) + token_versions_of(after)[:room])
+
+
+def token_versions_of(completion) -> list[int]:
+    """The weight version of each token of a completion or multi-turn trajectory (``token_versions``, or every
+    token its ``weight_version``'s where none are recorded)."""
+    versions = getattr(completion, "token_versions", None)
+    return list(versions) if versions is not None else [completion.weight_version] * len(completion.token_ids)
 
 
 def has_signal(group_scores: torch.Tensor, score_range: list[float] | None = None) -> bool:
@@ -451,6 +460,7 @@ class RolloutMaker:
             [c.logprobs for c in completions],
             self.pad_id,
             weight_versions=[c.weight_version for c in completions],
+            token_versions=[token_versions_of(c) for c in completions],
             finish_reasons=[c.finish_reason for c in completions],
             action_masks=[c.action_mask for c in completions] if agent else None,
             routed_experts=[c.routed_experts for c in completions] if self.cfg.train.routing_replay else None,
