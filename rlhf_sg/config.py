@@ -715,7 +715,6 @@ _VISION_NOT_YET = (
     (lambda c: c.rollout.mode != "sync", "--rollout.mode", "async rollouts do not carry images yet; use sync"),
     (lambda c: bool(c.agent.env or c.agent.harness), "--agent.env / --agent.harness",
      "multi-turn rollouts do not carry images yet"),
-    (lambda c: bool(c.eval.prompt_data), "--eval.prompt_data", "held-out evaluation does not read images yet"),
     (lambda c: c.lora.rank > 0, "--lora.rank", "LoRA on a vision-language policy is not wired yet"),
     (lambda c: c.reward.kind == "model", "--reward.kind model", "a reward model does not see the images"),
     (lambda c: c.train.routing_replay, "--train.routing_replay", "routing replay does not carry images yet"),

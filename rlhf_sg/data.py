@@ -114,6 +114,27 @@ def load_tokenizer(path: str, flag: str = "--model.pretrain"):
                           "has one") from None
 
 
+def load_run_prompts(cfg, path: str, tokenizer) -> tuple[list[Prompt], int]:
+    """A run's prompt file ``path`` read with the run's ``--data.*`` settings: (prompts, rows skipped). A
+    vision-language ``--model.pretrain`` reads it with the model's processor
+    (:func:`rlhf_sg.vision.load_vision_prompts`: each prompt's ids and images from one processor call); a text model
+    with ``tokenizer``."""
+    from rlhf_sg.config import is_vision_language
+
+    d = cfg.data
+    if is_vision_language(cfg.model.pretrain):
+        from rlhf_sg.vision import load_processor, load_vision_prompts
+
+        model_config, processor = load_processor(cfg.model.pretrain)
+        return load_vision_prompts(
+            path, model_config, processor, input_key=d.input_key, label_key=d.label_key, image_key=d.image_key,
+            apply_chat_template=d.apply_chat_template, max_prompt_len=d.max_prompt_len,
+            overlong_prompts=d.overlong_prompts, allow_urls=d.allow_image_urls, skip_bad_rows=d.skip_bad_rows)
+    return load_prompts(path, tokenizer, input_key=d.input_key, label_key=d.label_key,
+                        apply_chat_template=d.apply_chat_template, max_prompt_len=d.max_prompt_len,
+                        skip_bad_rows=d.skip_bad_rows, overlong_prompts=d.overlong_prompts)
+
+
 def load_prompts(
     path: str,
     tokenizer,

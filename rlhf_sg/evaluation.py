@@ -41,12 +41,10 @@ def evaluation_steps(max_steps: int, interval: int, before_train: bool, after_tr
 def load_eval_prompts(cfg, tokenizer) -> list:
     """``--eval.prompt_data``'s prompts (the first ``--eval.max_prompts``), read as the training data is: a bad row
     stops the run before anything starts, naming the file and row."""
-    from rlhf_sg.data import load_prompts
+    from rlhf_sg.data import load_run_prompts
 
-    d, e = cfg.data, cfg.eval
-    prompts, _ = load_prompts(e.prompt_data, tokenizer, input_key=d.input_key, label_key=d.label_key,
-                              apply_chat_template=d.apply_chat_template, max_prompt_len=d.max_prompt_len,
-                              skip_bad_rows=d.skip_bad_rows, overlong_prompts=d.overlong_prompts)
+    e = cfg.eval
+    prompts, _ = load_run_prompts(cfg, e.prompt_data, tokenizer)  # a vision-language policy's with their images
     return prompts[: e.max_prompts] if e.max_prompts else prompts
 
 

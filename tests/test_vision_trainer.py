@@ -58,10 +58,15 @@ def test_a_vision_language_policy_trains_and_the_engine_holds_its_weights(ray_cl
     # text-only micro-batch where the other's has an image (a tower call unpaired on gloo fails within the timeout)
     cfg.train.max_tokens_per_microbatch, cfg.train.timeout_s = 36, 300
     cfg.log.export_hf = True
+    cfg.eval.prompt_data, cfg.eval.interval, cfg.eval.n_samples, cfg.eval.k = prompts, 0, 2, [1]  # before and after
     history, gaps = train_recording_gaps(cfg)
     assert [h["weight_version"] for h in history] == [1, 2]
     assert history[0]["reward/std"] > 0, history[0]
     assert max(gaps) <= 1e-4, gaps
+
+    for step in (0, 2):  # the held-out prompts generated with their images, by the weights just synced
+        records = [json.loads(line) for line in open(os.path.join(cfg.log.output_dir, "eval", f"step{step}.jsonl"))]
+        assert len(records) == 5 * 2 and {r["weight_version"] for r in records} == {step}, records[:2]
 
     before = load_file(os.path.join(model_path, "model.safetensors"))
     exported = [os.path.join(root, f) for root, _, files in os.walk(cfg.log.output_dir) for f in files

@@ -44,7 +44,7 @@ from rlhf_sg.config import (
     tis_cap,
     validate,
 )
-from rlhf_sg.data import Prompt, PromptStream, load_prompts, load_tokenizer
+from rlhf_sg.data import Prompt, PromptStream, load_run_prompts, load_tokenizer
 from rlhf_sg.experience import ActorUpdate, CriticUpdate, Experience, OptimizerStep
 from rlhf_sg.offpolicy.versions import token_staleness
 from rlhf_sg.timing import StepTimer
@@ -246,21 +246,7 @@ class PPOTrainer:
             self.eval_prompts = load_eval_prompts(cfg, self.tokenizer)
             self.eval_reward_fn = (self.reward_fn if cfg.eval.reward_function is None
                                    else load_reward_function(cfg.eval.reward_function))
-        d = cfg.data
-        model_config, processor = _vision_processor(cfg.model.pretrain)
-        if processor is not None:  # a vision-language policy: ids and images from one processor call per prompt
-            from rlhf_sg.vision import load_vision_prompts
-
-            prompts, skipped = load_vision_prompts(
-                d.prompt_data, model_config, processor, input_key=d.input_key, label_key=d.label_key,
-                image_key=d.image_key, apply_chat_template=d.apply_chat_template, max_prompt_len=d.max_prompt_len,
-                overlong_prompts=d.overlong_prompts, allow_urls=d.allow_image_urls, skip_bad_rows=d.skip_bad_rows)
-        else:
-            prompts, skipped = load_prompts(
-                d.prompt_data, self.tokenizer, input_key=d.input_key, label_key=d.label_key,
-                apply_chat_template=d.apply_chat_template, max_prompt_len=d.max_prompt_len,
-                skip_bad_rows=d.skip_bad_rows, overlong_prompts=d.overlong_prompts,
-            )
+        prompts, skipped = load_run_prompts(cfg, cfg.data.prompt_data, self.tokenizer)
         if skipped:
             log.warning("%s: skipped %d malformed rows (--data.skip_bad_rows)", cfg.data.prompt_data, skipped)
         self.skipped_rows = skipped
@@ -703,17 +689,6 @@ class PPOTrainer:
             self.async_rollout.stop()
         self.cluster.shutdown()
         self.run_log.close()
-
-
-def _vision_processor(path: str):
-    """(model config, processor) of a vision-language policy's directory; (None, None) for a text model."""
-    from rlhf_sg.config import is_vision_language
-
-    if not is_vision_language(path):
-        return None, None
-    from rlhf_sg.vision import load_processor
-
-    return load_processor(path)
 
 
 def _put(experience: Experience):
