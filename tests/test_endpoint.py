@@ -159,6 +159,27 @@ def test_completions_with_token_ids_record_the_engines_ids(served):
     check_recorded_ids_are_the_engines_own(backend, tok, p1[-20:])
 
 
+def test_completions_continue_by_prefix_and_a_drifting_harness_forks(served):
+    from endpoint_checks import check_turns_continue_by_prefix_and_a_drifting_harness_forks
+
+    endpoint, backend, tok, base_url, (p1, _, glue, _) = served
+    check_turns_continue_by_prefix_and_a_drifting_harness_forks(backend, tok, p1[-20:], glue[:3])
+
+
+def test_completions_refuse_keys_bodies_and_budgets(served):
+    from endpoint_checks import check_keys_bodies_and_budgets_are_refused
+
+    endpoint, backend, tok, base_url, (p1, _, _, _) = served
+    check_keys_bodies_and_budgets_are_refused(backend, tok, p1[-20:])
+
+
+def test_a_call_cut_by_the_engines_own_abort_continues(served):
+    from endpoint_checks import check_an_aborted_call_continues_where_it_stopped
+
+    endpoint, backend, tok, base_url, (p1, _, _, _) = served
+    check_an_aborted_call_continues_where_it_stopped(backend, tok, p1[-20:], max_tokens=200)
+
+
 def test_a_harness_that_edits_its_history_forks_a_new_sample(served):
     endpoint, backend, tok, base_url, _ = served
     session, key = endpoint.open_session(budget_tokens=400, max_context=512)
