@@ -159,6 +159,27 @@ def test_completions_with_token_ids_record_the_engines_ids(served):
     check_recorded_ids_are_the_engines_own(backend, tok, p1[-20:])
 
 
+def test_completions_continue_by_prefix_and_a_drifting_harness_forks(served):
+    from endpoint_checks import check_turns_continue_by_prefix_and_a_drifting_harness_forks
+
+    endpoint, backend, tok, base_url, (p1, _, glue, _) = served
+    check_turns_continue_by_prefix_and_a_drifting_harness_forks(backend, tok, p1[-20:], glue[:3])
+
+
+def test_completions_refuse_keys_bodies_and_budgets(served):
+    from endpoint_checks import check_keys_bodies_and_budgets_are_refused
+
+    endpoint, backend, tok, base_url, (p1, _, _, _) = served
+    check_keys_bodies_and_budgets_are_refused(backend, tok, p1[-20:])
+
+
+def test_a_call_cut_by_the_engines_own_abort_continues(served):
+    from endpoint_checks import check_an_aborted_call_continues_where_it_stopped
+
+    endpoint, backend, tok, base_url, (p1, _, _, _) = served
+    check_an_aborted_call_continues_where_it_stopped(backend, tok, p1[-20:], max_tokens=200)
+
+
 def test_a_harness_that_edits_its_history_forks_a_new_sample(served):
     endpoint, backend, tok, base_url, _ = served
     session, key = endpoint.open_session(budget_tokens=400, max_context=512)
@@ -351,6 +372,51 @@ def test_harness_pool_is_bounded_and_failures_stay_with_their_sample(served):
         client(base_url, keys[0]).models.list()
     with pytest.raises(ValueError, match="not an async function"):
         load_harness("json:dumps")
+
+
+def test_auxiliary_calls_are_served_and_budgeted_but_left_out_of_the_row(served):
+    """A harness that asks for a title between its turns and a summary after its answer (header X-RL-Auxiliary):
+    both are answered and spend the session's budget, yet the row is the two trained calls alone, the second still
+    continuing the first, and the summary, whose prompt extends the whole conversation, joins no sample."""
+    from rlhf_sg.serve.endpoint import AUXILIARY_HEADER
+    from rlhf_sg.serve.harness import run_harnesses
+
+    endpoint, backend, tok, base_url, (p1, call_ids, glue, answer_ids) = served
+    aux = {AUXILIARY_HEADER: "true"}
+    answered = []
+
+    async def harness(base_url, api_key, prompt):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120) as c:
+            first = await c.chat.completions.create(model="m", messages=QUESTION, tools=TOOLS, temperature=0)
+            reply = first.choices[0].message.model_dump(exclude_none=True)
+            title = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Title?"}],
+                                                    max_tokens=3, temperature=0, extra_headers=aux)
+            messages = QUESTION + [reply, {"role": "tool", "tool_call_id": "x", "content": "15846"}]
+            second = await c.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0)
+            messages += [second.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": "Summarize."}]
+            summary = await c.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=3,
+                                                      temperature=0, extra_headers=aux)
+            answered.append((title.usage.completion_tokens, summary.usage.completion_tokens))
+        return 1.0
+
+    (r,) = run_harnesses(endpoint, base_url, harness, ["q"], n=1, workers=1, budget_tokens=200, max_context=512,
+                         timeout_s=120)
+    assert r.error is None and (r.calls, r.auxiliary, r.continued, r.forked, r.tool_calls) == (2, 2, 1, 0, 1)
+    assert all(k >= 1 for k in answered[0])
+    assert r.sample.prompt_ids == p1 and r.sample.token_ids == call_ids + glue + answer_ids
+
+    # the budget counts them; a header that is neither true nor false is refused
+    session, key = endpoint.open_session(budget_tokens=3, max_context=512)
+    c = client(base_url, key)
+    out = c.completions.create(model="m", prompt=p1[-5:], max_tokens=3, temperature=0, extra_headers=aux)
+    (rec,) = session.calls
+    assert rec.auxiliary and rec.sample == -1 and session.samples == []
+    assert session.budget_left == 3 - out.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError, match=AUXILIARY_HEADER):
+        c.completions.create(model="m", prompt=p1[-5:], max_tokens=1, extra_headers={AUXILIARY_HEADER: "maybe"})
+    assert len(session.calls) == 1
+    endpoint.close_session(session.session_id)
 
 
 def test_mistral_tool_calls_are_found_by_the_tool_calls_token():

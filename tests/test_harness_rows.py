@@ -120,7 +120,9 @@ def test_harness_runs_become_rows_with_their_own_prompt_ids_masks_and_logprobs()
     assert harness_scores(rows, 2).tolist() == [1.0, 1.0, 0.0, 0.0]
     assert torch.equal(maker._agent_scores(prompts, rows, exp), harness_scores(rows, 2))
     assert rows[0].turn_versions == [0, 0] and rows[3].turn_versions == []  # no call: no version to check
+    runs[0].auxiliary = 2  # a title and a summary, served aside: counted, not in the row
     m = harness_metrics(runs)
     assert (m["agent/unscored"], m["agent/harness_errors"], m["agent/calls_continued"]) == (2.0, 1.0, 1.0)
+    assert m["agent/auxiliary_calls"] == 2.0
     assert m["agent/tool_calls_per_call"] == 3 / 4
     assert T == 5 and P == 3

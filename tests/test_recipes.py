@@ -201,3 +201,70 @@ def test_the_rlhf_pipelines_preferences_hold_out_unseen_pairs_flip_only_training
     of_prompt = [r["rejected"] for r in rows if r["prompt"] == prompt]
     assert (of_prompt.count(wrong), of_prompt.count("7+"), of_prompt.count(answer)) == (3, 1, 0)
     assert len(rows) == sum(len(read[k]) for k in ("prefs", "prefs_held_out")) + 3
+
+
+def _calc_harness():
+    sys.path.insert(0, RECIPES)
+    try:
+        import calc_harness
+    finally:
+        sys.path.remove(RECIPES)
+    return calc_harness
+
+
+def test_the_calc_harness_recipe_config_validates_and_its_harness_loads(tmp_path):
+    """recipes/calc_harness.py's run: its config passes the checks made before Ray starts (the harness importable
+    as an async function, no evaluation during training, which does not run harnesses), and its warm start
+    trains on the ids the endpoint prefills: the question as the renderer renders it, the call the renderer
+    parses back, the tool's message as the renderer continues the conversation after the call."""
+    calc_harness = _calc_harness()
+    from rlhf_sg.config import validate
+    from rlhf_sg.serve.harness import load_harness
+    from rlhf_sg.serve.renderer import renderer_for
+    from rlhf_sg.tiny import build_chat_tokenizer
+
+    sys.path.insert(0, RECIPES)
+    try:
+        cfg = validate(calc_harness.make_config(save_tiny_model(str(tmp_path / "m")), calc_harness.write_prompts(
+            str(tmp_path / "p.jsonl"), calc_harness.problems(0, 32)), str(tmp_path / "out"), 2))
+        assert load_harness(cfg.agent.harness) is calc_harness.solve
+    finally:
+        sys.path.remove(RECIPES)
+    assert cfg.eval.prompt_data is None and cfg.reward.function is None
+    assert cfg.rollout.max_new_tokens == calc_harness.BUDGET_TOKENS
+
+    tok = build_chat_tokenizer()
+    tok.chat_template = calc_harness.compact_template()
+    r = renderer_for(tok)
+    (head, h), (call, c), (glue, g), (answer, a) = calc_harness.rendered(r, "417*38=", "15846", tool=True)
+    assert (h, c, g, a) == (False, True, False, True)
+    question = [{"role": "user", "content": "417*38="}]
+    assert head == r.render(question, calc_harness.TOOLS)
+    assert "<tools>calculator</tools>" in tok.decode(head) and len(head) < 50
+    parsed = r.parse(call)
+    assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in parsed.tool_calls] == [
+        ("calculator", {"expression": "417*38"})] and call[-1] == tok.eos_token_id
+    messages = question + [parsed.message(), {"role": "tool", "tool_call_id": "x", "content": "15846"}]
+    whole = r.render(messages, calc_harness.TOOLS)
+    assert tok.decode(head + call + glue) == tok.decode(whole) and "<tool_response>\n15846\n" in tok.decode(glue)
+    assert tok.decode(answer) == "15846<|im_end|>"
+    (head2, _), (direct, d) = calc_harness.rendered(r, "417*38=", "15846", tool=False)
+    assert head2 == head and direct == answer and d
+    # a system message the harness sends stays in the compact template's system turn
+    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."}] + question,
+                                   tools=calc_harness.TOOLS, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n<tools>calculator</tools><|im_end|>")
+
+
+def test_the_calc_harness_tool_answers_the_call_or_says_what_is_wrong():
+    from types import SimpleNamespace
+
+    calc_harness = _calc_harness()
+
+    def call(name, arguments):
+        return SimpleNamespace(function=SimpleNamespace(name=name, arguments=arguments))
+
+    assert calc_harness.run_tool(call("calculator", '{"expression": "417*38"}')) == "15846"
+    assert calc_harness.run_tool(call("search", "{}")) == "error: no tool named 'search'"
+    assert calc_harness.run_tool(call("calculator", "{not json")).startswith("error: arguments must be")
+    assert calc_harness.run_tool(call("calculator", '{"expression": "__import__(1)"}')).startswith("error:")

@@ -187,6 +187,40 @@ def test_the_endpoint_records_the_sglang_engines_own_ids(engine, llama_dir):
 
 @needs_sglang
 @pytest.mark.slow
+def test_the_endpoint_ties_turns_by_prefix_and_forks_on_drift_on_sglang(engine, llama_dir):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from endpoint_checks import check_turns_continue_by_prefix_and_a_drifting_harness_forks
+
+    from rlhf_sg.data import load_tokenizer
+
+    check_turns_continue_by_prefix_and_a_drifting_harness_forks(engine, load_tokenizer(llama_dir), PROMPTS[1],
+                                                                [40, 41, 42])
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_the_endpoint_refuses_keys_bodies_and_budgets_on_sglang(engine, llama_dir):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from endpoint_checks import check_keys_bodies_and_budgets_are_refused
+
+    from rlhf_sg.data import load_tokenizer
+
+    check_keys_bodies_and_budgets_are_refused(engine, load_tokenizer(llama_dir), PROMPTS[1])
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_an_endpoint_call_cut_by_an_sglang_abort_continues(engine, llama_dir):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from endpoint_checks import check_an_aborted_call_continues_where_it_stopped
+
+    from rlhf_sg.data import load_tokenizer
+
+    check_an_aborted_call_continues_where_it_stopped(engine, load_tokenizer(llama_dir), PROMPTS[0], max_tokens=200)
+
+
+@needs_sglang
+@pytest.mark.slow
 def test_unseeded_engine_says_so_and_samples_distinct_rows(engine):
     assert engine.honours_seed is False  # CPU: SGLang's seeded sampler needs a GPU attention backend
     out = engine.generate([PROMPTS[0]], SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=3))

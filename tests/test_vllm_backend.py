@@ -226,6 +226,35 @@ def test_the_endpoint_records_the_vllm_engines_own_ids(backend, model_dir):
 
 
 @requires_vllm
+def test_the_endpoint_ties_turns_by_prefix_and_forks_on_drift_on_vllm(backend, model_dir):
+    from endpoint_checks import check_turns_continue_by_prefix_and_a_drifting_harness_forks
+
+    from rlhf_sg.data import load_tokenizer
+
+    check_turns_continue_by_prefix_and_a_drifting_harness_forks(backend, load_tokenizer(model_dir),
+                                                                [BOS_ID] + list(range(10, 30)), [40, 41, 42])
+
+
+@requires_vllm
+def test_the_endpoint_refuses_keys_bodies_and_budgets_on_vllm(backend, model_dir):
+    from endpoint_checks import check_keys_bodies_and_budgets_are_refused
+
+    from rlhf_sg.data import load_tokenizer
+
+    check_keys_bodies_and_budgets_are_refused(backend, load_tokenizer(model_dir), [BOS_ID] + list(range(10, 30)))
+
+
+@requires_vllm
+def test_an_endpoint_call_cut_by_a_vllm_abort_continues(backend, model_dir):
+    from endpoint_checks import check_an_aborted_call_continues_where_it_stopped
+
+    from rlhf_sg.data import load_tokenizer
+
+    check_an_aborted_call_continues_where_it_stopped(backend, load_tokenizer(model_dir), [BOS_ID, 40, 41, 42, 43],
+                                                     max_tokens=80)  # the engine's context is 96
+
+
+@requires_vllm
 def test_truncated_sampling_reports_pre_truncation_logprobs(backend, reference, prompts):
     """With top-p / top-k on, vLLM's processed log-probs are renormalised over the kept tokens; ours are not.
 

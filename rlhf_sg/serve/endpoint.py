@@ -20,6 +20,10 @@ picks for the session (:mod:`rlhf_sg.serve.router`; one call at a time per engin
 generation cut short by a weight sync (finish ``abort``) goes on from its tokens so far with the budget left, as
 the trainer's partial rollout does; the call keeps the oldest version. Responses carry OpenAI's fields and, as
 vLLM's ``return_token_ids`` does, ``prompt_token_ids`` (top level) and ``token_ids`` (per choice).
+
+A call sent with the header ``X-RL-Auxiliary: true`` (a title, a summary, a judge the harness asks aside) is served
+and recorded with the session's budget but is no part of any sample, so it is not trained on; later calls never
+continue from its ids.
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ from rlhf_sg.serve.renderer import Renderer, RenderError, renderer_for
 from rlhf_sg.serve.router import Router
 from rlhf_sg.serve.sessions import CallRecord, Session, SessionStore
 
-__all__ = ["Endpoint", "EndpointServer", "RequestError"]
+__all__ = ["AUXILIARY_HEADER", "Endpoint", "EndpointServer", "RequestError"]
+
+#: the request header that marks a call auxiliary (left out of training): ``true`` or ``1``
+AUXILIARY_HEADER = "X-RL-Auxiliary"
 
 
 class RequestError(Exception):
@@ -218,7 +225,7 @@ class Endpoint:
         """The prompt ids: an earlier chat call's exact ids (the latest whose conversation and reply the new messages
         extend) continued by the rendering of the messages after it; else the whole conversation rendered."""
         for prev in reversed(session.calls):
-            if prev.kind != "chat" or not prev.completion_ids or prev.finish_reason != "stop":
+            if prev.kind != "chat" or prev.auxiliary or not prev.completion_ids or prev.finish_reason != "stop":
                 continue
             k = len(prev.messages)
             if (len(messages) > k + 1 and messages[:k] == prev.messages and tools == prev.tools
@@ -228,7 +235,7 @@ class Endpoint:
                     return prev.prompt_ids + prev.completion_ids + tail
         return self.renderer.render(messages, tools)
 
-    async def chat(self, session: Session, body: dict) -> dict:
+    async def chat(self, session: Session, body: dict, auxiliary: bool = False) -> dict:
         messages, tools = body.get("messages"), body.get("tools")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -244,7 +251,7 @@ class Endpoint:
         parsed = self.renderer.parse(call.completion_ids)
         call.messages, call.tools, call.reply = messages, tools, parsed.message()
         call.tool_calls, call.tool_parse_errors = len(parsed.tool_calls), parsed.parse_errors
-        session.tie(call)
+        (session.record_auxiliary if auxiliary else session.tie)(call)
         finish = "tool_calls" if parsed.tool_calls and call.finish_reason == "stop" else call.finish_reason
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -254,7 +261,7 @@ class Endpoint:
             "usage": self._usage(call),
         }
 
-    async def complete(self, session: Session, body: dict) -> dict:
+    async def complete(self, session: Session, body: dict, auxiliary: bool = False) -> dict:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # one prompt in a list
@@ -268,7 +275,7 @@ class Endpoint:
                                     f"[0, {self.vocab_size})")
         self._common_checks(body)
         call = await self._run(session, ids, body, "completion")
-        session.tie(call)
+        (session.record_auxiliary if auxiliary else session.tie)(call)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": self.model_name, "prompt_token_ids": call.prompt_ids,
@@ -310,6 +317,12 @@ class Endpoint:
             auth = request.headers.get("authorization", "")
             key = auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else None
             return self.store.lookup(key)
+
+        def auxiliary_call(request: Request) -> bool:
+            value = request.headers.get(AUXILIARY_HEADER, "").strip().lower()
+            if value not in ("", "true", "1", "false", "0"):
+                raise RequestError(400, f"header {AUXILIARY_HEADER}: {value!r} is not true, 1, false or 0")
+            return value in ("true", "1")
 
         async def read_json(request: Request) -> dict:
             declared = request.headers.get("content-length")
@@ -355,7 +368,7 @@ class Endpoint:
                 streamed["usage"] = bool(body.get("stream")) and bool((body.get("stream_options") or {}).get(
                     "include_usage"))
                 streamed["on"] = bool(body.get("stream"))
-                return await self.chat(session, body)
+                return await self.chat(session, body, auxiliary_call(request))
 
             out = await serve(request, chat)
             if not streamed.get("on") or not isinstance(out, dict):
@@ -364,7 +377,7 @@ class Endpoint:
 
         @app.post("/v1/completions")
         async def completions(request: Request):
-            return await serve(request, self.complete)
+            return await serve(request, lambda session, body: self.complete(session, body, auxiliary_call(request)))
 
         @app.post("/v1/rl/reward")
         async def reward(request: Request):

@@ -6,9 +6,11 @@ context), runs in a bounded pool (at most ``workers`` at once) within ``timeout_
 its end, whatever happened (a later call with its key gets 401). The row of a run is the sample its last call
 joined (:class:`rlhf_sg.serve.sessions.Sample`): its prompt ids as the engine prefilled them, then the completions
 (mask 1, the engine's log-probs) and the ids between them (mask 0); samples a run forked away from are counted
-(``HarnessResult.forked``) and left out, so every run gives at most one row. The reward is the function's return
-value, else what it posted to ``/v1/rl/reward``; ``None`` (or a harness that raised or timed out: ``error``) marks
-the row unscored, to be left out of its group's baseline. A run that made no call has no row.
+(``HarnessResult.forked``) and left out, so every run gives at most one row; auxiliary calls (header
+``X-RL-Auxiliary: true``: a title, a summary) join no sample and are counted (``HarnessResult.auxiliary``). The
+reward is the function's return value, else what it posted to ``/v1/rl/reward``; ``None`` (or a harness that raised
+or timed out: ``error``) marks the row unscored, to be left out of its group's baseline. A run that made no
+(trained) call has no row.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ __all__ = ["HarnessResult", "load_harness", "run_harnesses"]
 @dataclass
 class HarnessResult:
     """One harness run: ``sample`` (its row; None when it made no call), ``reward`` (None: unscored), the session's
-    ``calls``, ``continued`` and ``forked`` counts, the tool calls parsed, and ``error`` (why it failed, or None)."""
+    ``calls`` (auxiliary ones aside), ``continued`` and ``forked`` counts, the tool calls parsed, ``error`` (why it
+    failed, or None) and the ``auxiliary`` calls left out of training."""
 
     prompt_index: int
     sample: Sample | None
@@ -38,6 +41,7 @@ class HarnessResult:
     forked: int
     tool_calls: int
     error: str | None = None
+    auxiliary: int = 0
 
 
 def load_harness(spec: str) -> Callable:
@@ -71,9 +75,10 @@ async def _one(endpoint: Endpoint, base_url: str, harness: Callable, prompt, ind
             error = f"{type(e).__name__}: {e}"
         finally:
             record = endpoint.close_session(session.session_id)
-    sample = record.samples[record.calls[-1].sample] if record.calls else None
-    return HarnessResult(index, sample, reward, len(record.calls), record.continued, record.forked,
-                         sum(c.tool_calls for c in record.calls), error)
+    trained = [c for c in record.calls if not c.auxiliary]
+    sample = record.samples[trained[-1].sample] if trained else None
+    return HarnessResult(index, sample, reward, len(trained), record.continued, record.forked,
+                         sum(c.tool_calls for c in trained), error, record.auxiliary)
 
 
 def run_harnesses(endpoint: Endpoint, base_url: str, harness: Callable, prompts: list, n: int, workers: int,

@@ -7,6 +7,8 @@ prefix (:meth:`Session.tie`): a call whose prompt extends a sample's ids so far 
 and the observations between) continues that sample, the ids between its last completion and the new prompt
 becoming an observation (mask 0); any other call starts a new sample (a fork: a harness that edited its history, a
 template that dropped past reasoning). Nothing is asserted and nothing is re-tokenised; both outcomes are counted.
+An auxiliary call (a title, a summary: :meth:`Session.record_auxiliary`) is recorded and spends the budget but
+joins no sample, so it never becomes training data.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ __all__ = ["CallRecord", "Sample", "Session", "SessionStore"]
 @dataclass
 class CallRecord:
     """One engine call: prompt_ids (what the engine prefilled), completion_ids, logprobs (one per completion id,
-    the engine's), weight_version, finish_reason, the engine it ran on, the sample it joined and the tool calls
-    parsed from it; ``messages`` is what the harness sent (for the next call's continuation); ``kind``
-    chat or completion."""
+    the engine's), weight_version, finish_reason, the engine it ran on, the sample it joined (-1: none, an
+    auxiliary call) and the tool calls parsed from it; ``messages`` is what the harness sent (for the next call's
+    continuation); ``kind`` chat or completion."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -42,6 +44,7 @@ class CallRecord:
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     reply: dict[str, Any] | None = None  # the assistant message the harness was sent
+    auxiliary: bool = False  # served, recorded, left out of every sample
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Session:
     sampled_tokens: int = 0
     continued: int = 0
     forked: int = 0
+    auxiliary: int = 0
     closed: bool = False
     reward: float | None = None
 
@@ -118,6 +122,13 @@ class Session:
         s.calls += 1
         call.sample = best
         self.calls.append(call)
+        self.sampled_tokens += len(call.completion_ids)
+
+    def record_auxiliary(self, call: CallRecord) -> None:
+        """Record an auxiliary ``call`` (its tokens count against the budget) without joining it to a sample."""
+        call.auxiliary, call.sample = True, -1
+        self.calls.append(call)
+        self.auxiliary += 1
         self.sampled_tokens += len(call.completion_ids)
 
 

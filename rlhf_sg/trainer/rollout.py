@@ -166,12 +166,13 @@ def harness_scores(trajectories: list, n: int) -> torch.Tensor:
 def harness_metrics(results: list) -> dict[str, float]:
     """Per rollout: unscored runs (``agent/unscored``: None, an exception or a timeout), those that failed
     (``agent/harness_errors``), calls that continued a sample by token-id prefix and those that forked one (summed),
-    and tool calls parsed per call."""
+    auxiliary calls left out of training, and tool calls parsed per call."""
     calls = sum(r.calls for r in results)
     return {"agent/unscored": float(sum(r.reward is None for r in results)),
             "agent/harness_errors": float(sum(r.error is not None for r in results)),
             "agent/calls_continued": float(sum(r.continued for r in results)),
             "agent/calls_forked": float(sum(r.forked for r in results)),
+            "agent/auxiliary_calls": float(sum(r.auxiliary for r in results)),
             "agent/tool_calls_per_call": sum(r.tool_calls for r in results) / calls if calls else 0.0}
 
 
