@@ -3,11 +3,13 @@
 1. **SFT** (``rlhf_sg.stages.train_sft``): a tiny base model learns the answer format from a few supervised steps, so it
    is right some of the time (the supervised policy RL starts from);
 2. **reward model** (``train_rm``): Bradley-Terry on synthetic preferences, the right answer preferred over a wrong
-   number or a malformed answer, with label noise (a fraction of the pairs flipped); held-out pair accuracy on the
-   problems RL never sees;
-3. **PPO against the learned reward model** (``--reward.kind model``, the critic started from it): the reward model's
-   score on the training samples, and the *true* rule accuracy on the held-out problems (``--eval.reward_function``,
-   the exact-answer rule), before and after. A reward model that is gamed raises only the first;
+   number, a malformed answer or one of the SFT policy's own wrong samples, with label noise (a fraction of the pairs
+   flipped); held-out pair accuracy on a random 20 % of the pairs (over every problem) it never trains on;
+3. **PPO against the learned reward model** (``--reward.kind model``, the critic started from it) on the training
+   problems: the SFT and the PPO policy judged on the same problems with the same sampling seed
+   (:func:`policy_figures`), by the reward model's score and by the *true* rule (the exact answer), on the training
+   problems and on the held-out ones PPO never sees; and the run's own held-out pass@1 (``--eval.reward_function``).
+   A reward model that is gamed raises only its score;
 4. **DPO** on the same preferences from the same SFT policy, the alternative to 2 + 3: its held-out preference
    accuracy and its sampled rule accuracy on the held-out problems before and after.
 
@@ -122,6 +124,45 @@ def sample_answers(model_dir: str, seed: int, samples: int = 16) -> dict[str, li
 
 
 @torch.no_grad()
+def policy_figures(model_dir: str, rm_dir: str, data: list[tuple[str, str]], seed: int, samples: int = 32,
+                   max_new_tokens: int = 4) -> dict[str, float]:
+    """The policy at ``model_dir`` sampled as PPO samples it (temperature 1, at most ``max_new_tokens`` tokens) on
+    the (prompt, answer) problems ``data``, ``samples`` a problem: the exact-answer rate (the true rule) and the
+    reward model's mean score (normalised with its saved statistics, read at each sample's last token, as
+    ``--reward.kind model`` reads it). The same problems and sampling seed for every policy, so two policies'
+    figures differ by the policy alone (a step's ``reward/mean`` also moves with the prompts that step drew)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_sg.models import ValueHeadModel
+    from rlhf_sg.packing import reward_scores
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rm = ValueHeadModel.from_pretrained(rm_dir).eval()
+    eos = tokenizer.eos_token_id
+    g = torch.Generator().manual_seed(seed)
+    right, scores = 0, []
+    for prompt, answer in data:
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([prompt_ids] * samples)
+        out, done = [[] for _ in range(samples)], [False] * samples
+        for _ in range(max_new_tokens):
+            nxt = torch.multinomial(torch.softmax(model(input_ids=ids).logits[:, -1, :], -1), 1, generator=g)
+            for i, t in enumerate(nxt.flatten().tolist()):
+                if not done[i]:
+                    out[i].append(t)  # the EOS too: the reward model reads the sample as the rollout has it
+                    done[i] = t == eos
+            ids = torch.cat([ids, nxt], dim=1)
+        right += sum(tokenizer.decode([t for t in o if t != eos]) == answer and o[-1] == eos for o in out)
+        width = len(prompt_ids) + max(len(o) for o in out)
+        rows = [prompt_ids + o for o in out]
+        seqs = torch.tensor([r + [eos] * (width - len(r)) for r in rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        scores.append(rm.normalize_rewards(reward_scores(rm, seqs, mask)))
+    return {"rule_accuracy": right / (samples * len(data)), "rm_score": float(torch.cat(scores).mean())}
+
+
+@torch.no_grad()
 def held_out_rule_accuracy(model_dir: str, seed: int, samples: int = 16) -> float:
     """The exact-answer rate of ``samples`` samples (temperature 1) per held-out problem."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -143,6 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dpo-lr", type=float, default=1e-4)
     parser.add_argument("--ppo-steps", type=int, default=30)
     parser.add_argument("--label-noise", type=float, default=0.1)
+    parser.add_argument("--figure-samples", type=int, default=64,
+                        help="samples a problem for the policies' before / after figures")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
@@ -175,14 +218,23 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = make_config(sft, files["prompts"], ppo_dir, args.ppo_steps, "gae", "hf", evaluate=True)
     cfg.eval.prompt_data = files["held_out"]
     cfg.eval.reward_function = "arith_task:addition_reward"  # the true rule, not the reward model
-    cfg.eval.interval = 10
+    cfg.eval.interval, cfg.eval.n_samples = 10, 32
     cfg.reward.kind, cfg.reward.function = "model", None
-    cfg.model.reward_pretrain = os.path.join(out, "rm", "final_hf")
+    reward_model = cfg.model.reward_pretrain = os.path.join(out, "rm", "final_hf")
     history = train(cfg)
     rm_score = [h["reward/mean"] for h in history]
     evals = held_out_accuracy(os.path.join(ppo_dir, "metrics.jsonl"))
     summary["ppo_rm_score_first5_last5"] = [sum(rm_score[:5]) / 5, sum(rm_score[-5:]) / 5]
     summary["ppo_held_out_rule_pass@1"] = [evals[0][1], evals[-1][1]]
+    # the SFT policy and the PPO policy on the same problems with the same sampling seed: the reward model's score
+    # and the true rule's accuracy, on the training problems and on the held-out ones
+    problems = arith_task.problems(args.seed)
+    parts = {"train": problems[arith_task.HELD_OUT:], "held_out": problems[:arith_task.HELD_OUT]}
+    for name, data in parts.items():
+        before, after = (policy_figures(policy, reward_model, data, args.seed, samples=args.figure_samples)
+                         for policy in (sft, os.path.join(ppo_dir, "final_hf")))
+        summary[f"ppo_{name}_rm_score"] = [before["rm_score"], after["rm_score"]]
+        summary[f"ppo_{name}_rule_accuracy"] = [before["rule_accuracy"], after["rule_accuracy"]]
     plot_run(os.path.join(ppo_dir, "metrics.jsonl"), os.path.join(out, "rlhf_pipeline.png"),
              title="PPO against the learned reward model (reward: its score; held-out pass@1: the true rule)")
 
@@ -197,11 +249,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print("\n== the pipeline's figures (held out: the problems neither the reward model's pairs nor PPO train on)")
+    print("\n== the pipeline's figures (held-out problems: the 5 PPO never trains on; held-out pairs: a random 20 % of "
+          "the preference pairs, over every problem)")
     print(f"SFT policy: held-out rule accuracy {summary['sft_held_out_rule_accuracy']:.3f}")
     print("reward model: held-out pair accuracy {:.3f} -> {:.3f}".format(*summary["rm_held_out_pair_accuracy"]))
-    print("PPO: reward-model score (training samples, mean of 5 steps) {:.3f} -> {:.3f}; held-out rule pass@1 "
-          "{:.3f} -> {:.3f}".format(*summary["ppo_rm_score_first5_last5"], *summary["ppo_held_out_rule_pass@1"]))
+    print("PPO: reward-model score per step (its training prompts, mean of the first / last 5 steps) {:.3f} -> "
+          "{:.3f}; held-out rule pass@1 in the run {:.3f} -> {:.3f}".format(
+              *summary["ppo_rm_score_first5_last5"], *summary["ppo_held_out_rule_pass@1"]))
+    for name in ("train", "held_out"):
+        print("PPO vs SFT on the {} problems ({} samples a problem): reward-model score {:.3f} -> {:.3f}; true rule "
+              "accuracy {:.3f} -> {:.3f}".format(name, args.figure_samples, *summary[f"ppo_{name}_rm_score"],
+                                                  *summary[f"ppo_{name}_rule_accuracy"]))
     print("DPO: held-out pair accuracy {:.3f} -> {:.3f}; held-out rule accuracy {:.3f} -> {:.3f}".format(
         *summary["dpo_held_out_pair_accuracy"], *summary["dpo_held_out_rule_accuracy"]))
     print(f"summary: {os.path.join(out, 'summary.json')}")

@@ -268,3 +268,36 @@ def test_the_calc_harness_tool_answers_the_call_or_says_what_is_wrong():
     assert calc_harness.run_tool(call("search", "{}")) == "error: no tool named 'search'"
     assert calc_harness.run_tool(call("calculator", "{not json")).startswith("error: arguments must be")
     assert calc_harness.run_tool(call("calculator", '{"expression": "__import__(1)"}')).startswith("error:")
+
+
+def test_the_rlhf_pipelines_policy_figures_repeat_for_one_policy_and_read_the_reward_models_statistics(tmp_path):
+    """recipes/rlhf_pipeline.py judges the SFT and the PPO policy on the same problems with the same sampling seed:
+    one policy judged twice gives the same figures (another seed, other samples), and the reward model's score is
+    normalised with the statistics it was saved with (a mean 1 higher lowers every score by exactly 1 / std)."""
+    sys.path.insert(0, RECIPES)
+    try:
+        import arith_task
+        import rlhf_pipeline
+    finally:
+        sys.path.remove(RECIPES)
+    import torch
+
+    from rlhf_sg.models import ValueHeadModel
+    from rlhf_sg.tiny import build_tiny_model
+
+    policy = save_tiny_model(str(tmp_path / "policy"), arch="qwen2", size="tiny")
+    rm = ValueHeadModel(build_tiny_model("qwen2", "tiny", seed=1).model)
+    rm.reward_mean, rm.reward_std = 0.5, 2.0
+    rm.save_pretrained(str(tmp_path / "rm"))
+    data = arith_task.problems(0)[:3]
+    first = rlhf_pipeline.policy_figures(policy, str(tmp_path / "rm"), data, seed=0, samples=4)
+    again = rlhf_pipeline.policy_figures(policy, str(tmp_path / "rm"), data, seed=0, samples=4)
+    assert first == again
+    other_seed = rlhf_pipeline.policy_figures(policy, str(tmp_path / "rm"), data, seed=1, samples=4)
+    assert other_seed["rm_score"] != first["rm_score"]  # the seed draws the samples
+    assert 0.0 <= first["rule_accuracy"] <= 1.0
+    rm.reward_mean = 1.5
+    rm.save_pretrained(str(tmp_path / "rm_shifted"))
+    shifted = rlhf_pipeline.policy_figures(policy, str(tmp_path / "rm_shifted"), data, seed=0, samples=4)
+    assert shifted["rm_score"] == pytest.approx(first["rm_score"] - 1.0 / 2.0, abs=1e-5)
+    assert torch.isfinite(torch.tensor(first["rm_score"]))
