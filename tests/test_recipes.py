@@ -301,3 +301,41 @@ def test_the_rlhf_pipelines_policy_figures_repeat_for_one_policy_and_read_the_re
     shifted = rlhf_pipeline.policy_figures(policy, str(tmp_path / "rm_shifted"), data, seed=0, samples=4)
     assert shifted["rm_score"] == pytest.approx(first["rm_score"] - 1.0 / 2.0, abs=1e-5)
     assert torch.isfinite(torch.tensor(first["rm_score"]))
+
+
+def test_the_vision_task_recipe_writes_colour_prompts_its_control_cannot_tell_apart_and_validates(tmp_path):
+    """recipes/vision_task.py: its rows load with the model's processor (one image each, the answer its colour's
+    digit); the control's images are one grey square for every answer (only the image tells the colours apart, so
+    the control cannot learn it); the reward reads the first character; the run's config passes the checks."""
+    sys.path.insert(0, RECIPES)
+    try:
+        import vision_task
+    finally:
+        sys.path.remove(RECIPES)
+    import torch
+    from PIL import Image
+
+    from rlhf_sg.config import validate
+    from rlhf_sg.vision import load_processor, load_vision_prompts, save_tiny_vision_model
+
+    policy = save_tiny_vision_model(str(tmp_path / "policy"), "qwen2-vl")
+    config, processor = load_processor(policy)
+
+    def rows_and_means(control: bool):
+        path = vision_task.write_images_and_prompts(str(tmp_path), "train", 12, seed=0, control=control)
+        rows = [json.loads(line) for line in open(path)]
+        means = [tuple(torch.tensor(list(Image.open(tmp_path / r["images"][0]).getdata()), dtype=torch.float32)
+                       .mean(0).round().tolist()) for r in rows]
+        prompts, _ = load_vision_prompts(path, config, processor, label_key="answer", max_prompt_len=64)
+        assert len(prompts) == 12 and all(p.images is not None and p.images.num_images == 1 for p in prompts)
+        return path, rows, means
+
+    path, rows, means = rows_and_means(control=False)
+    assert len({r["answer"] for r in rows}) > 1
+    for row, mean in zip(rows, means):  # each image is its answer's colour, up to the noise
+        assert max(abs(m - c) for m, c in zip(mean, vision_task.COLOURS[row["answer"]])) < 10, (row, mean)
+    _, control_rows, control_means = rows_and_means(control=True)
+    assert [r["answer"] for r in control_rows] == [r["answer"] for r in rows]  # the same answers, no colour
+    assert all(max(abs(m - g) for m, g in zip(mean, vision_task.GREY)) < 10 for mean in control_means)
+    assert vision_task.colour_reward(["q"] * 4, ["2<eos>", "1", "", " 2"], ["2"] * 4) == [1.0, 0.0, 0.0, 0.0]
+    validate(vision_task.make_config(policy, path, path, str(tmp_path / "run"), 2, 3e-3))
