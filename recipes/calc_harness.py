@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import openai  # noqa: E402
 import torch  # noqa: E402
-from calc_task import calculate, problems, write_prompts  # noqa: E402
+from calc_task import calculate, problems, supervised_step, write_prompts  # noqa: E402
 
 from rlhf_sg.agent import ToolError  # noqa: E402
 
@@ -149,13 +149,7 @@ def warm_start(model, renderer, rows, steps: int, tool_frac: float, lr: float = 
                 x, y = x + seg, y + (seg if trained else [-100] * len(seg))
             ids.append(x)
             labels.append(y)
-        width = max(map(len, ids))
-        loss = model(input_ids=torch.tensor([x + [pad] * (width - len(x)) for x in ids]),
-                     attention_mask=torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids]),
-                     labels=torch.tensor([y + [-100] * (width - len(y)) for y in labels])).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        supervised_step(model, opt, ids, labels, pad)
     model.eval()
 
 

@@ -152,14 +152,20 @@ def warm_start(model, tokenizer, rows, steps: int, tool_frac: float, lr: float =
             x, y = x + [eos], y + [eos]
             ids.append(x)
             labels.append(y)
-        width = max(map(len, ids))
-        loss = model(input_ids=torch.tensor([x + [eos] * (width - len(x)) for x in ids]),
-                     attention_mask=torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids]),
-                     labels=torch.tensor([y + [-100] * (width - len(y)) for y in labels])).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        supervised_step(model, opt, ids, labels, pad=eos)
     model.eval()
+
+
+def supervised_step(model, opt, ids: list[list[int]], labels: list[list[int]], pad: int) -> None:
+    """One optimizer step of the language-model loss on rows of ids (right-padded with ``pad``) and their labels
+    (-100: not trained)."""
+    width = max(map(len, ids))
+    loss = model(input_ids=torch.tensor([x + [pad] * (width - len(x)) for x in ids]),
+                 attention_mask=torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids]),
+                 labels=torch.tensor([y + [-100] * (width - len(y)) for y in labels])).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
 
 
 def prepare(out: str, warm_start_steps: int, tool_frac: float = 0.3, seed: int = 0) -> tuple[str, str, str]:
