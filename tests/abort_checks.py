@@ -12,6 +12,15 @@ import pytest
 from backends.base import SamplingParams
 
 
+def wait_for_a_token(backend, thread: threading.Thread, timeout_s: float = 120.0) -> None:
+    """Wait until the generate running in ``thread`` has produced a token (``backend.decode_steps``, 0 while none of
+    its generates runs) or has returned; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive() and not backend.decode_steps and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert backend.decode_steps or not thread.is_alive(), f"the generate produced no token within {timeout_s:.0f} s"
+
+
 def generate_and_abort(backend, prompts, params, delay_s: float):
     """Run ``generate`` in a thread and abort it from this one once the engine has produced tokens; the
     completions. When abort_generation raises, its error is raised once the generate has returned.
@@ -32,10 +41,7 @@ def generate_and_abort(backend, prompts, params, delay_s: float):
     if getattr(backend, "decode_steps", None) is None:
         time.sleep(delay_s)
     else:
-        deadline = time.monotonic() + 120
-        while thread.is_alive() and not backend.decode_steps and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert backend.decode_steps or not thread.is_alive(), "the generate produced no token within 120 s"
+        wait_for_a_token(backend, thread)
     try:
         backend.abort_generation()
     finally:

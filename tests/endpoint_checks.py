@@ -157,15 +157,16 @@ class _Finishes:
 
 
 def check_an_aborted_call_continues_where_it_stopped(backend, tokenizer, prompt_ids: list[int],
-                                                     max_tokens: int = 48, delay_s: float = 0.5) -> None:
+                                                     max_tokens: int = 48) -> None:
     """A greedy ``/v1/completions`` call whose generate the engine's own ``abort_generation`` cuts (a weight sync)
     once it has produced a token: the endpoint goes on from the tokens so far with the budget left, and the call's
     ids are the uninterrupted greedy completion, one log-prob each (no stop tokens: every call runs its length).
-    A backend that does not count its progress (``decode_steps`` None) is aborted after
-    ``delay_s``."""
+    The backend must count its progress (``decode_steps``): the abort waits for the first token."""
     import threading
-    import time
 
+    from abort_checks import wait_for_a_token
+
+    assert getattr(backend, "decode_steps", None) is not None, f"{type(backend).__name__} does not count its progress"
     spy = _Finishes(backend)
     endpoint, server, base_url = _serve(spy, tokenizer, stop_token_ids=())  # no stop: every call runs its length
     try:
@@ -180,12 +181,7 @@ def check_an_aborted_call_continues_where_it_stopped(backend, tokenizer, prompt_
 
         thread = threading.Thread(target=call)
         thread.start()
-        if getattr(backend, "decode_steps", None) is None:
-            time.sleep(delay_s)
-        else:
-            deadline = time.monotonic() + 120
-            while thread.is_alive() and not backend.decode_steps and time.monotonic() < deadline:
-                time.sleep(0.001)  # a backend's progress is 0 while none of its generates runs
+        wait_for_a_token(backend, thread)
         backend.abort_generation()
         thread.join(timeout=300)
         assert not thread.is_alive() and "out" in result
