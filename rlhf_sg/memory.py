@@ -43,7 +43,12 @@ class ModelShape:
     vocab_size: int
     dtype: str = "bfloat16"
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2 has biases on the q / k / v projections
+    qkv_bias: bool = False  # Qwen2 (and Qwen2-MoE, Qwen2-VL and Qwen2.5-VL's text models) has q / k / v biases
+    #: a vision-language model's parameters outside its language model (Qwen-VL's ``visual`` with its merger,
+    #: LLaVA's ``vision_tower`` and projector: :func:`vision_tower_params`), counted whole: the engine holds them, a
+    #: ZeRO-3 rank its shard of them; frozen in training (the default, ``--model.freeze_vision_tower``), so no
+    #: gradients or optimizer states of them
+    vision_params: int = 0
 
     @property
     def dtype_bytes(self) -> int:
@@ -69,14 +74,37 @@ class ModelShape:
             intermediate_size=int(intermediate), vocab_size=int(text.vocab_size),
             dtype=dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16",
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=text.model_type == "qwen2" or bool(getattr(text, "attention_bias", False)),
+            qkv_bias=text.model_type.startswith("qwen2") or bool(getattr(text, "attention_bias", False)),
+            vision_params=vision_tower_params(config) if config.get("vision_config") else 0,
         )
+
+
+def vision_tower_params(config: dict) -> int:
+    """The parameters of a vision-language ``config.json`` (as a dict) outside its language model: the vision tower
+    (Qwen-VL's merger included) and LLaVA's projector. Counted on the model built from the config on the meta device
+    (no memory, no weights)."""
+    import torch
+    import transformers
+
+    from rlhf_sg.vision.positions import vision_core
+
+    hf_config = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        core = vision_core(transformers.AutoModelForImageTextToText.from_config(hf_config))
+    return sum(p.numel() for name, child in core.named_children() if name != "language_model"
+               for p in child.parameters())
 
 
 #: model shapes by name, for ``--model-config`` (no download: the sizes of the published config.json)
 PRESETS = {
     "qwen2.5-7b": ModelShape(num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4, head_dim=128,
                              intermediate_size=18944, vocab_size=152064, dtype="bfloat16", qkv_bias=True),
+    # Qwen/Qwen2.5-VL-7B-Instruct's config.json: the text model is Qwen2.5-7B's shape; its vision_config (32 blocks of
+    # 1280, SwiGLU MLP of 3420, 16 heads, a 2 x 2 patch merger to 3584) gives a tower of 676,550,144 parameters
+    # (vision_tower_params on that config)
+    "qwen2.5-vl-7b": ModelShape(num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4, head_dim=128,
+                                intermediate_size=18944, vocab_size=152064, dtype="bfloat16", qkv_bias=True,
+                                vision_params=676_550_144),
     # Qwen/Qwen2.5-32B's config.json: 64 layers, hidden 5120, 40 heads / 8 key-value heads of 128, intermediate
     # 27648, vocab 152064, untied, bf16
     "qwen2.5-32b": ModelShape(num_layers=64, hidden_size=5120, num_heads=40, num_kv_heads=8, head_dim=128,
@@ -146,7 +174,8 @@ def param_numels(shape: ModelShape) -> list[int]:
 
 
 def param_count(shape: ModelShape) -> int:
-    return sum(param_numels(shape))
+    """Every parameter: the language model's (:func:`param_numels`) and a vision tower's."""
+    return sum(param_numels(shape)) + shape.vision_params
 
 
 def weight_bytes(shape: ModelShape) -> int:
@@ -174,7 +203,9 @@ def zero3_shard_bytes(shape: ModelShape, world_size: int) -> dict[str, int]:
     on its own, padded to a multiple of the world size: ``ceil(numel / world)`` elements of each on every rank."""
     per_rank = sum(-(-n // world_size) for n in param_numels(shape))
     optimizer = per_rank * (8 if shape.dtype_bytes == 4 else 12)  # m, v (+ the float32 master of 16-bit weights)
-    return {"params": per_rank * shape.dtype_bytes, "grads": per_rank * shape.dtype_bytes, "optimizer": optimizer}
+    frozen = -(-shape.vision_params // world_size)  # the vision tower's shard: weights only (frozen)
+    return {"params": (per_rank + frozen) * shape.dtype_bytes, "grads": per_rank * shape.dtype_bytes,
+            "optimizer": optimizer}
 
 
 # ---- a training rank at its peak ---------------------------------------------------------------------------------

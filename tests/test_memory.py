@@ -3,6 +3,7 @@ at small sizes: the masks sdpa saves for backward, the embedded engine's KV buff
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -333,3 +334,29 @@ def test_bench_memory_prints_the_shared_prompt_blocks(capsys):
     assert "(one segment of 33792 tokens, 4 key / value heads to sdpa): kept for backward 547.6 MiB a layer, " \
            "14.97 GiB a micro-batch over 28 layers" in out
     assert "the 28 heads repeated: 1.21 GiB a layer, 33.81 GiB a micro-batch; that / one segment: 2.26x" in out
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "llava"])
+def test_a_vision_language_models_shape_counts_its_tower_once_and_trains_none_of_it(family, tmp_path):
+    """A vision-language model directory: the language model's parameters as the text formulas count them, the
+    rest (vision tower, LLaVA's projector) counted whole as the model itself holds it, in the weights the engine
+    keeps and in a ZeRO-3 rank's weight shard, never in its gradients or optimizer states (the tower trains frozen)."""
+    from rlhf_sg.vision import save_tiny_vision_model
+    from rlhf_sg.vision.positions import vision_core, vision_tower
+
+    path = save_tiny_vision_model(str(tmp_path / "vl"), family)
+    model = __import__("transformers").AutoModelForImageTextToText.from_pretrained(path)
+    core = vision_core(model)
+    language = sum(p.numel() for p in core.language_model.parameters()) + model.lm_head.weight.numel()
+    tower = sum(p.numel() for p in model.parameters()) - language
+    assert tower >= sum(p.numel() for p in vision_tower(core).parameters()) > 0
+    shape = memory.load_shape(path)
+    assert shape.vision_params == tower
+    if family != "qwen3-vl":  # the text formulas hold the Llama / Qwen2 layout (Qwen3's per-head q / k norms aside)
+        assert sum(memory.param_numels(shape)) == language
+        assert memory.weight_bytes(shape) == sum(p.nbytes for p in model.parameters())  # what an engine holds
+    text_only = memory.zero3_shard_bytes(dataclasses.replace(shape, vision_params=0), 4)
+    shards = memory.zero3_shard_bytes(shape, 4)
+    assert shards["params"] - text_only["params"] == -(-tower // 4) * shape.dtype_bytes
+    assert (shards["grads"], shards["optimizer"]) == (text_only["grads"], text_only["optimizer"])
+    assert memory.load_shape("qwen2.5-vl-7b").vision_params == 676_550_144

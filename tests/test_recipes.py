@@ -47,7 +47,7 @@ def recipe_env(tmp_path_factory):
 def test_there_are_gpu_recipes_for_each_layout():
     names = {os.path.basename(p) for p in GPU_RECIPES}
     assert {"gpu_ppo_7b_sglang.sh", "gpu_grpo_vllm.sh", "gpu_grpo_sglang_colocated.sh",
-            "gpu_grpo_vllm_colocated.sh", "gpu_grpo_sglang_multinode.sh"} <= names
+            "gpu_grpo_vllm_colocated.sh", "gpu_grpo_sglang_multinode.sh", "gpu_grpo_vl_hf.sh"} <= names
 
 
 @pytest.mark.parametrize("recipe", GPU_RECIPES, ids=os.path.basename)
@@ -339,3 +339,25 @@ def test_the_vision_task_recipe_writes_colour_prompts_its_control_cannot_tell_ap
     assert all(max(abs(m - g) for m, g in zip(mean, vision_task.GREY)) < 10 for mean in control_means)
     assert vision_task.colour_reward(["q"] * 4, ["2<eos>", "1", "", " 2"], ["2"] * 4) == [1.0, 0.0, 0.0, 0.0]
     validate(vision_task.make_config(policy, path, path, str(tmp_path / "run"), 2, 3e-3))
+
+
+def test_the_vision_language_gpu_recipe_validates_against_a_vision_language_model(recipe_env, tmp_path):
+    """recipes/gpu_grpo_vl_hf.sh with a vision-language MODEL (so the rules for such a policy apply: backend,
+    critic, frozen tower on several ranks): its flags parse and validate, the tower stays frozen, and it is sized
+    for Qwen2.5-VL-7B, whose tower its shape counts (the fit itself:
+    test_every_gpu_recipe_fits_the_node_it_is_sized_for)."""
+    from rlhf_sg.vision import save_tiny_vision_model
+
+    root, env = recipe_env
+    model = save_tiny_vision_model(str(tmp_path / "vl"), "qwen2.5-vl")
+    recipe = os.path.join(RECIPES, "gpu_grpo_vl_hf.sh")
+    record = root / "vl.json"
+    subprocess.run(["bash", recipe], env=dict(env, MODEL=model, RECORD_ARGS=str(record)), check=True, timeout=60)
+    argv = json.loads(record.read_text())
+    cfg = parse_args(argv[1:])
+    assert (cfg.model.pretrain, cfg.rollout.backend, cfg.model.freeze_vision_tower) == (model, "hf", True)
+    shape_name, gpus, _ = _sized_for(recipe, argv)
+    assert memory.load_shape(shape_name).vision_params > 0 and gpus == 8
+    # the same command with another engine is refused for this policy, naming the flag
+    with pytest.raises(Exception, match="--rollout.backend"):
+        parse_args(argv[1:] + ["--rollout.backend", "sglang"])
