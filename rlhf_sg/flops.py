@@ -29,6 +29,7 @@ runs on several ranks or devices is held to that many ceilings.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -208,12 +209,13 @@ def microbatch_segments(sequences: torch.Tensor, attention_mask: torch.Tensor, r
 
 
 def decode_bytes(shape: ModelShape, prompt_len: Sequence[int], response_len: Sequence[int], engines: int = 1) -> float:
-    """Bytes generation reads at least: the weights once per decode step on each engine (``max r`` steps) and, for
-    each decoded token, the KV of every token before it."""
+    """Bytes generation reads at least: the language model's weights once per decode step on each engine (``max r``
+    steps; a vision tower runs on the prompt's images, not per decoded token) and, for each decoded token, the KV
+    of every token before it."""
     if not response_len:
         return 0.0
     kv = kv_bytes_per_token(shape) * sum(r * p + r * (r - 1) // 2 for p, r in zip(prompt_len, response_len))
-    return float(engines * max(response_len) * weight_bytes(shape) + kv)
+    return float(engines * max(response_len) * weight_bytes(dataclasses.replace(shape, vision_params=0)) + kv)
 
 
 # ---- a step's report --------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ tokens only; a shared prompt once per segment)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -141,6 +142,9 @@ def test_decode_bytes_by_hand():
     # two rows on 2 engines: the longest response sets the steps; KV (3+4) + (5+6+7)
     assert flops.decode_bytes(SHAPE, [3, 5], [2, 3], engines=2) == 2 * 3 * w + kv * (7 + 18)
     assert flops.decode_bytes(SHAPE, [], []) == 0.0
+    # a vision tower reads its weights on the prompt's images, not at each decode step
+    vl = dataclasses.replace(SHAPE, vision_params=10**6)
+    assert weight_bytes(vl) > w and flops.decode_bytes(vl, [3], [2]) == 2 * w + kv * (3 + 4)
 
 
 @pytest.mark.parametrize("name, dtype, tflops, gbs", [
