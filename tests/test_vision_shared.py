@@ -201,3 +201,21 @@ def test_the_vision_tower_runs_once_per_group_under_shared_prompts(family, segme
         hook.remove()
     distinct = {names.index(n): images[names.index(n)] for n in ("a", "a_other", "two")}
     assert calls == [sum(i.pixel_values.shape[0] for i in distinct.values())], (name, calls)
+
+
+def test_the_trainer_shares_a_vision_language_policys_prompts(tmp_path):
+    """``--train.share_prompts`` (default on) holds for a vision-language policy: its config is accepted, the
+    trainer's forwards and updates share prompts (``shares_prompts``: the actor's and reference's
+    ``response_logprobs(..., share_prompts=True, images=)``, the path above) and its workers switch to the blocks."""
+    from rlhf_sg.config import Config, shares_prompts, validate
+    from rlhf_sg.trainer.layout import Layout
+    from rlhf_sg.vision import save_tiny_vision_model
+
+    cfg = Config()
+    cfg.model.pretrain = save_tiny_vision_model(str(tmp_path / "qwen2-vl"), "qwen2-vl")
+    cfg.data.prompt_data, cfg.reward.function = str(tmp_path / "p.jsonl"), "m:f"
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1="}\n')
+    cfg.train.advantage_estimator = "grpo"
+    validate(cfg)
+    assert cfg.train.share_prompts and shares_prompts(cfg)
+    assert Layout(cfg).worker_spec("actor").share_prompts and Layout(cfg).worker_spec("ref").share_prompts
