@@ -350,14 +350,20 @@ class SharedPromptRows:
         return _finish_mask(allowed, self.position_ids, dtype, window)
 
 
-def prompt_groups(sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int) -> list[list[int]]:
+def prompt_groups(sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
+                  images: list | None = None) -> list[list[int]]:
     """The rows of a rollout batch grouped by equal prompt tokens, each group in row order, groups in the order
-    of their first row."""
+    of their first row. ``images`` (a vision-language batch's, per row): rows group only when their images are the
+    same too (prompts of equal text and image sizes hold equal ids: :func:`rlhf_sg.vision.image_groups`)."""
     prompt_width = sequences.shape[1] - response_width
     ids, mask = sequences[:, :prompt_width].cpu(), attention_mask[:, :prompt_width].bool().cpu()
     groups: dict[tuple[int, ...], list[int]] = {}
     for b in range(ids.shape[0]):
         groups.setdefault(tuple(ids[b][mask[b]].tolist()), []).append(b)
+    if images is not None:
+        from rlhf_sg.vision import image_groups
+
+        return image_groups(list(groups.values()), images)
     return list(groups.values())
 
 
@@ -828,11 +834,7 @@ def _shared_groups(
     ``images`` (a vision-language model's, per row): rows share a prompt only when they share its images too."""
     if not share_prompts:
         return None
-    groups = prompt_groups(sequences, attention_mask, response_width)
-    if images is not None:
-        from rlhf_sg.vision import image_groups
-
-        groups = image_groups(groups, images)
+    groups = prompt_groups(sequences, attention_mask, response_width, images)
     if not any(len(g) > 1 for g in groups) or _one_sequence_per_row(module, "share_prompts"):
         return None
     return groups

@@ -219,3 +219,27 @@ def test_the_trainer_shares_a_vision_language_policys_prompts(tmp_path):
     validate(cfg)
     assert cfg.train.share_prompts and shares_prompts(cfg)
     assert Layout(cfg).worker_spec("actor").share_prompts and Layout(cfg).worker_spec("ref").share_prompts
+
+
+def test_the_trainers_shared_micro_batches_count_each_image_prompt(family):
+    """The trainer's token budget under shared prompts counts a prompt once per group: two prompts of equal ids
+    but other images are two groups, each prompt computed (and counted) once. A budget that fits "a" and "a_other"
+    only as one group (one prompt) must not put them in one micro-batch, whose forward computes both prompts."""
+    from rlhf_sg.experience import Experience
+    from rlhf_sg.trainer.ppo import microbatch_plans
+
+    _, model, processor = family
+    seqs, mask, width, images, names = _rollout_batch(model, processor)
+    rows = [b for b, n in enumerate(names) if n in ("a", "a_other")]
+    prompt_width = seqs.shape[1] - width
+    prompt_len = int(mask[rows[0], :prompt_width].sum())
+    budget = prompt_len + int(mask[rows, prompt_width:].sum())  # one prompt and all five responses
+    exp = Experience(sequences=seqs, attention_mask=mask, action_mask=mask[:, prompt_width:].bool(),
+                     rollout_logp=torch.zeros(seqs.shape[0], width), images=images)
+    (plan,) = microbatch_plans(exp, 1, budget, rows=rows, share_prompts=True)
+    for micro in plan:
+        groups = _shared_groups(model, True, seqs[micro], mask[micro], width, [images[b] for b in micro]) or [
+            [k] for k in range(len(micro))]
+        computed = sum(prompt_len + sum(int(mask[micro[k], prompt_width:].sum()) for k in g) for g in groups)
+        assert computed <= budget, (plan, computed, budget)
+    assert sorted(b for micro in plan for b in micro) == rows
