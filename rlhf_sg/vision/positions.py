@@ -7,6 +7,11 @@ follow its patch grid and after it jump ahead (``get_rope_index``). Packing rows
 each sequence the positions it has alone, so they are computed for each sequence alone, by the model's own
 ``get_rope_index``, and only then laid into the packed slots. The model takes ``position_ids`` [4, R, L]: the
 packed text row (restarting at 0 per sequence, which the attention mask is built from) above the three M-RoPE rows.
+
+Shared-prompt rows hold a prompt once and its responses after it: the prompt's positions are its own (computed once
+per segment), and a response, which holds no image, continues from the prompt's largest position + 1 on all three
+rows, the position the model itself gives it (``get_rope_index``'s text after the prompt; the ``rope_deltas`` it
+decodes by). Rows share a prompt only when their images are the same too.
 """
 
 from __future__ import annotations
