@@ -312,6 +312,9 @@ class SharedPromptRows:
         flat slot where its own run starts and that run's length: a branch's slots attend to its prefix and
         causally to its own run, nothing else (what :class:`SharedPromptBlocks` computes in place of the mask).
     max_seqlen: the longest prompt + response (what any token attends over).
+    segment_rows: each segment's batch rows, segments in the order they lie in the packed rows (row by row, left to
+        right), so ``branches`` are each one's prompt then one per row (what a vision-language model's positions
+        and image features are laid by: :func:`rlhf_sg.vision.shared_vision_kwargs`).
     """
 
     input_ids: torch.Tensor
@@ -326,6 +329,7 @@ class SharedPromptRows:
     branches: torch.Tensor
     num_segments: int
     max_seqlen: int
+    segment_rows: list[list[int]]
 
     @property
     def num_slots(self) -> int:
@@ -346,14 +350,20 @@ class SharedPromptRows:
         return _finish_mask(allowed, self.position_ids, dtype, window)
 
 
-def prompt_groups(sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int) -> list[list[int]]:
+def prompt_groups(sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
+                  images: list | None = None) -> list[list[int]]:
     """The rows of a rollout batch grouped by equal prompt tokens, each group in row order, groups in the order
-    of their first row."""
+    of their first row. ``images`` (a vision-language batch's, per row): rows group only when their images are the
+    same too (prompts of equal text and image sizes hold equal ids: :func:`rlhf_sg.vision.image_groups`)."""
     prompt_width = sequences.shape[1] - response_width
     ids, mask = sequences[:, :prompt_width].cpu(), attention_mask[:, :prompt_width].bool().cpu()
     groups: dict[tuple[int, ...], list[int]] = {}
     for b in range(ids.shape[0]):
         groups.setdefault(tuple(ids[b][mask[b]].tolist()), []).append(b)
+    if images is not None:
+        from rlhf_sg.vision import image_groups
+
+        return image_groups(list(groups.values()), images)
     return list(groups.values())
 
 
@@ -472,6 +482,7 @@ def pack_shared_prompts(
         labels=torch.cat(labels).to(device), branches=torch.tensor(branches, dtype=torch.long).view(-1, 4),
         num_segments=len(segments),
         max_seqlen=max(p + r for p, r in zip(prompt_len, response_len)),
+        segment_rows=[segments[i] for row in rows for i in row],
     )
 
 
@@ -495,7 +506,9 @@ def _shared_forward(model: nn.Module, rows: SharedPromptRows, impl: str, **forwa
         forward_kwargs[SHARED_PROMPT_BLOCKS_KWARG] = blocks
     mask = _dense_mask(module, lambda window: blocks.mask if blocks is not None and window is None
                        else rows.attention_mask(dtype, window))
-    return model(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=mask, use_cache=False,
+    # a vision-language model's M-RoPE rows come in forward_kwargs ([4, R, L], the text row first)
+    position_ids = forward_kwargs.pop("position_ids", rows.position_ids)
+    return model(input_ids=rows.input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False,
                  **forward_kwargs)
 
 
@@ -814,12 +827,14 @@ def default_segment_tokens(module: nn.Module) -> int:
 
 
 def _shared_groups(
-    module: nn.Module, share_prompts: bool, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int
+    module: nn.Module, share_prompts: bool, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
+    images: list | None = None,
 ) -> list[list[int]] | None:
-    """The batch's prompt groups when sharing is asked for and some prompt repeats; else None (plain packing)."""
+    """The batch's prompt groups when sharing is asked for and some prompt repeats; else None (plain packing).
+    ``images`` (a vision-language model's, per row): rows share a prompt only when they share its images too."""
     if not share_prompts:
         return None
-    groups = prompt_groups(sequences, attention_mask, response_width)
+    groups = prompt_groups(sequences, attention_mask, response_width, images)
     if not any(len(g) > 1 for g in groups) or _one_sequence_per_row(module, "share_prompts"):
         return None
     return groups
@@ -1314,8 +1329,9 @@ def response_logprobs(
     into the packed rows and armed for the forward (routing replay). Each sequence then computes its own prompt
     (``share_prompts`` is not applied: the routes are per sample).
     ``images``: a vision-language model's :class:`rlhf_sg.vision.ImageInputs` (or None) per row; each sequence's
-    M-RoPE positions are its own (:func:`rlhf_sg.vision.vision_forward_kwargs`), and such a batch is packed, not
-    shared (``share_prompts`` falls back, logged once).
+    M-RoPE positions are its own (:func:`rlhf_sg.vision.vision_forward_kwargs`); with ``share_prompts`` rows share a
+    prompt when they share its images too, its positions laid once and each response's continuing them, the vision
+    tower run once on the distinct prompts' images (:func:`rlhf_sg.vision.shared_vision_kwargs`).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -1333,12 +1349,8 @@ def response_logprobs(
     impl = _attn_implementation(module, attn_implementation)
     if routes is not None and replay is None:
         raise ValueError("response_logprobs: routes need the RouteReplay whose active() scope replays them")
-    if images is not None and share_prompts:
-        from rlhf_sg.vision import refuse_shared_prompts
-
-        share_prompts = refuse_shared_prompts(module)
     groups = None if routes is not None else _shared_groups(module, share_prompts, sequences, attention_mask,
-                                                            response_width)
+                                                            response_width, images)
     captured: dict[str, torch.Tensor] = {}
 
     def keep_hidden(_module, _args, output):
@@ -1353,7 +1365,12 @@ def response_logprobs(
             if groups is not None:
                 rows = pack_shared_prompts(sequences, attention_mask, response_width,
                                            segment_tokens or default_segment_tokens(module), groups=groups)
-                _shared_forward(model, rows, impl, logits_to_keep=no_logits)
+                extra = {}
+                if images is not None:
+                    from rlhf_sg.vision import shared_vision_kwargs
+
+                    extra = shared_vision_kwargs(module, rows, sequences, attention_mask, images)
+                _shared_forward(model, rows, impl, logits_to_keep=no_logits, **extra)
             else:
                 batch = _pack_for(module, impl, sequences, attention_mask)
                 if routes is not None:

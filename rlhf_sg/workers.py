@@ -386,7 +386,7 @@ class ModelWorker:
             self.packing_probe = (check_packing(self.module, self.spec.share_prompts and self.spec.role != "reward",
                                                 reduce=self._max_over_ranks)
                                   if self.spec.packing_probe else {})
-        layers = getattr(self.module.config, "num_hidden_layers", None)
+        layers = getattr(self.module.config.get_text_config(), "num_hidden_layers", None)  # a VLM's: its text model's
         if "shared" in self.packing_probe and (not layers or block_layers[0] < layers):
             # some layer of this model did not take the blocks in the probe's shared forward (windowed, softcapped,
             # with sinks, or handed a mask the model copied): its tree mask would then run at the blocks' long

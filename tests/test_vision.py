@@ -4,7 +4,6 @@ positions per sequence through packing (log-probs of packed image rows equal eac
 import base64
 import io
 import json
-import logging
 
 import pytest
 import torch
@@ -223,19 +222,6 @@ def test_the_vision_tower_runs_once_per_prompt(family):
         hook.remove()
     # one call on the two image prompts' patches, though four samples hold them
     assert patches == [images[0].pixel_values.shape[0] + images[2].pixel_values.shape[0]]
-
-
-def test_shared_prompts_fall_back_to_packed_rows_for_images(family, caplog):
-    name, model, processor = family
-    seqs, mask, width, images = _rollout_batch(model, processor)
-    from rlhf_sg.vision import refuse_shared_prompts
-
-    refuse_shared_prompts.__globals__["_LOGGED"].discard(type(model).__name__)  # said once per class: say it here
-    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="rlhf_sg"):
-        shared = response_logprobs(model, seqs, mask, width, images=images, share_prompts=True)
-        alone = _alone(model, seqs, mask, width, images)
-    assert (shared - alone).abs().max() <= 1e-5
-    assert "batches with images are packed" in caplog.text
 
 
 def test_parquet_image_columns_load(qwen2_vl_dir, tmp_path):

@@ -72,7 +72,8 @@ def microbatch_plans(experience: Experience, world: int, max_tokens: int,
     lengths = mask.sum(dim=1).tolist()
     if share_prompts:
         width = experience.response_width
-        groups = prompt_groups(experience.sequences[rows], mask, width)
+        images = None if experience.images is None else [experience.images[i] for i in rows]
+        groups = prompt_groups(experience.sequences[rows], mask, width, images)
         prompt_lengths = mask[:, : mask.shape[1] - width].sum(dim=1).tolist()
         local = shared_prompt_microbatches(groups, prompt_lengths, lengths, max_tokens, world)
     else:
@@ -98,8 +99,8 @@ def update_plans(experience: Experience, world: int, t: TrainConfig, rng: random
     num_mb = max(1, min(t.num_minibatches, B // world))
     # shuffled units: single rows, or with shared prompts each prompt's rows (shuffling B single rows draws
     # the same permutation as shuffling range(B))
-    units = (prompt_groups(experience.sequences, experience.attention_mask, experience.response_width)
-             if share_prompts and num_mb > 1 else [[b] for b in range(B)])
+    units = (prompt_groups(experience.sequences, experience.attention_mask, experience.response_width,
+                           experience.images) if share_prompts and num_mb > 1 else [[b] for b in range(B)])
     for _ in range(t.ppo_epochs):
         shuffled = list(units)
         rng.shuffle(shuffled)

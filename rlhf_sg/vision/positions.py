@@ -1,4 +1,4 @@
-"""M-RoPE positions per sequence, laid into packed rows; the vision tower once per prompt.
+"""M-RoPE positions per sequence, laid into packed and shared-prompt rows; the vision tower once per prompt.
 
 Models with 1-D positions (LLaVA) take packing's own positions; only their image features come from here.
 
@@ -7,6 +7,11 @@ follow its patch grid and after it jump ahead (``get_rope_index``). Packing rows
 each sequence the positions it has alone, so they are computed for each sequence alone, by the model's own
 ``get_rope_index``, and only then laid into the packed slots. The model takes ``position_ids`` [4, R, L]: the
 packed text row (restarting at 0 per sequence, which the attention mask is built from) above the three M-RoPE rows.
+
+Shared-prompt rows hold a prompt once and its responses after it: the prompt's positions are its own (computed once
+per segment), and a response, which holds no image, continues from the prompt's largest position + 1 on all three
+rows, the position the model itself gives it (``get_rope_index``'s text after the prompt; the ``rope_deltas`` it
+decodes by). Rows share a prompt only when their images are the same too.
 """
 
 from __future__ import annotations
@@ -73,6 +78,69 @@ def packed_positions(module: nn.Module, batch, sequences: torch.Tensor, attentio
         own = sequence_positions(module, sequences[b][mask[b]], images[b])
         mrope[:, slots[starts[b]:starts[b + 1]]] = own.to(mrope.dtype)
     return torch.cat((text[None], mrope.view(3, rows, width)))
+
+
+def same_images(a: ImageInputs | None, b: ImageInputs | None) -> bool:
+    """Whether two rows' images are the same: one object (a prompt's samples share one), or equal pixels and grids."""
+    if a is b:
+        return True
+    if a is None or b is None or a.pixel_values.shape != b.pixel_values.shape:
+        return False
+    grids = (a.image_grid_thw is None and b.image_grid_thw is None) or (
+        a.image_grid_thw is not None and b.image_grid_thw is not None
+        and torch.equal(a.image_grid_thw.cpu(), b.image_grid_thw.cpu()))
+    return grids and torch.equal(a.pixel_values, b.pixel_values.to(a.pixel_values.device))
+
+
+def image_groups(groups: list[list[int]], images: list[ImageInputs | None]) -> list[list[int]]:
+    """Prompt groups (rows with equal prompt tokens) split by their images: two prompts of equal text and image
+    sizes hold the same token ids, but only rows with the same images (:func:`same_images`) share a prompt."""
+    out: list[list[int]] = []
+    for group in groups:
+        parts: list[list[int]] = []
+        for b in group:
+            part = next((q for q in parts if same_images(images[q[0]], images[b])), None)
+            if part is None:
+                parts.append([b])
+            else:
+                part.append(b)
+        out.extend(parts)
+    return out
+
+
+def prompt_positions(module: nn.Module, ids: torch.Tensor, images: ImageInputs | None) -> tuple[torch.Tensor, int]:
+    """ids: [p] long, a prompt alone -> its M-RoPE positions [3, p] (:func:`sequence_positions`) and the position
+    its first response token takes: the prompt's largest position + 1 on all three rows, the ``rope_deltas`` rule
+    the model itself decodes by (``get_rope_index``: text after an image continues past the image's largest
+    position)."""
+    positions = sequence_positions(module, ids, images)
+    return positions, int(positions.max()) + 1
+
+
+def shared_positions(module: nn.Module, rows, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                     images: list[ImageInputs | None]) -> torch.Tensor:
+    """Shared-prompt rows' ``position_ids`` [4, R, L] (``rows``: a :class:`rlhf_sg.packing.SharedPromptRows`): row 0
+    ``rows.position_ids`` (the text positions each sequence has alone), rows 1-3 per segment its prompt's
+    :func:`prompt_positions` at the prompt's slots and, at each response's slots, the positions that continue the
+    prompt's (one ``get_rope_index`` per segment: its responses hold no image); pad slots: the text row's."""
+    num_rows, width = rows.input_ids.shape
+    text = rows.position_ids
+    mrope = text.reshape(1, -1).repeat(3, 1)
+    mask = attention_mask.bool()
+    branches = rows.branches.tolist()
+    if len(branches) != sum(1 + len(members) for members in rows.segment_rows):
+        raise ValueError("shared-prompt rows: every response needs a branch of its own (a response of 0 tokens?)")
+    k = 0
+    for members in rows.segment_rows:
+        start, _, _, p = branches[k]
+        own, after = prompt_positions(module, sequences[members[0]][mask[members[0]]][:p], images[members[0]])
+        mrope[:, start:start + p] = own.to(mrope.dtype)
+        for _ in members:
+            k += 1
+            _, _, cursor, n = branches[k]
+            mrope[:, cursor:cursor + n] = torch.arange(after, after + n, device=mrope.device)
+        k += 1
+    return torch.cat((text[None], mrope.view(3, num_rows, width)))
 
 
 def packed_order(batch) -> list[int]:
@@ -144,10 +212,8 @@ def placeholder_image(module: nn.Module) -> ImageInputs:
     return ImageInputs(torch.zeros(merge * merge, width, dtype=module.dtype), torch.tensor([[1, merge, merge]]))
 
 
-def vision_forward_kwargs(module: nn.Module, batch, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                          images: list[ImageInputs | None]) -> dict:
-    """What a forward on ``batch``'s packed rows needs besides ids and mask: ``position_ids`` [4, R, L]
-    (:func:`packed_positions`) and the image encoder outputs in packed order (:func:`image_features`)."""
+def _check_image_tokens(module: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                        images: list[ImageInputs | None]) -> None:
     if len(images) != sequences.shape[0]:
         raise ValueError(f"images: {len(images)} entries for {sequences.shape[0]} sequences")
     for b, inputs in enumerate(images):
@@ -155,10 +221,38 @@ def vision_forward_kwargs(module: nn.Module, batch, sequences: torch.Tensor, att
         want = 0 if inputs is None else sum(image_token_counts(module.config, inputs))
         if have != want:
             raise ValueError(f"sequence {b}: {have} image tokens but the model makes {want} features of its images")
+
+
+def vision_forward_kwargs(module: nn.Module, batch, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                          images: list[ImageInputs | None]) -> dict:
+    """What a forward on ``batch``'s packed rows needs besides ids and mask: ``position_ids`` [4, R, L]
+    (:func:`packed_positions`) and the image encoder outputs in packed order (:func:`image_features`)."""
+    _check_image_tokens(module, sequences, attention_mask, images)
     kwargs = {}
     if uses_mrope(module):
         kwargs["position_ids"] = packed_positions(module, batch, sequences, attention_mask, images)
     features = image_features(module, images, packed_order(batch))
+    if features is not None:
+        kwargs["mm_encoder_outputs"] = {"image": features}
+    return kwargs
+
+
+def shared_vision_kwargs(module: nn.Module, rows, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                         images: list[ImageInputs | None]) -> dict:
+    """What a forward on shared-prompt ``rows`` (:class:`rlhf_sg.packing.SharedPromptRows`) needs besides ids and
+    mask: ``position_ids`` [4, R, L] (:func:`shared_positions`) and the image encoder outputs of each segment's
+    prompt, in the order the segments lie (:func:`image_features`: the tower runs once on the distinct prompts'
+    images, however many samples or segments hold them). Rows that share a segment must share its images
+    (:func:`image_groups`)."""
+    _check_image_tokens(module, sequences, attention_mask, images)
+    for members in rows.segment_rows:
+        if not all(same_images(images[members[0]], images[b]) for b in members):
+            raise ValueError(f"shared-prompt rows {members}: one segment's rows hold different images; group them "
+                             "by their images too (rlhf_sg.vision.image_groups)")
+    kwargs = {}
+    if uses_mrope(module):
+        kwargs["position_ids"] = shared_positions(module, rows, sequences, attention_mask, images)
+    features = image_features(module, images, [members[0] for members in rows.segment_rows])
     if features is not None:
         kwargs["mm_encoder_outputs"] = {"image": features}
     return kwargs
