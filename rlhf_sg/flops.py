@@ -186,9 +186,11 @@ def row_lengths(attention_mask: torch.Tensor, response_width: int) -> tuple[list
 
 
 def microbatch_segments(sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
-                        plan: Sequence[Sequence[int]], share_prompts: bool, segment_tokens: int) -> list[Segment]:
+                        plan: Sequence[Sequence[int]], share_prompts: bool, segment_tokens: int,
+                        images: Sequence | None = None) -> list[Segment]:
     """The segments the micro-batches of ``plan`` (lists of row indices) compute: each row alone, or with
-    ``share_prompts`` the rows of one prompt within a micro-batch cut as the shared-prompt packing cuts them
+    ``share_prompts`` the rows of one prompt (and, ``images`` given per row, of the same images: what the forward
+    shares) within a micro-batch cut as the shared-prompt packing cuts them
     (``segment_tokens``: its segment size, as :func:`rlhf_sg.packing.default_segment_tokens` gives it: the hidden
     size on the tree mask, :data:`rlhf_sg.packing.UNCAPPED_SEGMENT_TOKENS` on the blocks)."""
     from rlhf_sg.packing import prompt_groups, shared_prompt_segments
@@ -200,7 +202,8 @@ def microbatch_segments(sequences: torch.Tensor, attention_mask: torch.Tensor, r
         if not share_prompts:
             segments += [Segment(prompt_len[b], (response_len[b],)) for b in micro]
             continue
-        local = prompt_groups(sequences[micro], attention_mask[micro], response_width)
+        local = prompt_groups(sequences[micro], attention_mask[micro], response_width,
+                              None if images is None else [images[b] for b in micro])
         groups = [[micro[i] for i in g] for g in local]
         capacity = max([segment_tokens] + [prompt_len[b] + response_len[b] for b in micro])
         for seg in shared_prompt_segments(groups, prompt_len, response_len, capacity):
@@ -338,7 +341,7 @@ class StepAccounting:
         segment_tokens = self.segment_tokens.get(role) or min(shape.hidden_size, MAX_DEFAULT_SEGMENT_TOKENS)
         segments = [seg for plan in plans for seg in microbatch_segments(
             experience.sequences, experience.attention_mask, experience.response_width, plan, share_prompts,
-            segment_tokens)]
+            segment_tokens, getattr(experience, "images", None))]
         head = "value" if role == "critic" else "lm"
         done = (train_flops if train else forward_flops)(shape, segments, head)
         total, ranks = self.flops.setdefault(phase, {}).get(role, (0.0, 0))

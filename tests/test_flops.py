@@ -78,6 +78,18 @@ def test_a_shared_prompt_counts_once_per_micro_batch_and_segment():
     # a segment budget of 7 tokens cannot hold 3 + 2 + 4: the group is cut, each part with its prompt
     cut = flops.microbatch_segments(seq, mask, 4, [[0, 1]], share_prompts=True, segment_tokens=7)
     assert cut == [flops.Segment(3, (2,)), flops.Segment(3, (4,))]
+    # a vision-language batch: equal ids with other images are another prompt (the forward shares only equal images)
+    from rlhf_sg.vision import ImageInputs
+
+    image = ImageInputs(torch.zeros(4, 6), torch.tensor([[1, 2, 2]]))
+    other = ImageInputs(torch.ones(4, 6), torch.tensor([[1, 2, 2]]))
+    apart = flops.microbatch_segments(seq, mask, 4, [[0, 1, 2]], share_prompts=True, segment_tokens=64,
+                                      images=[image, other, None])
+    assert apart == [flops.Segment(3, (2,)), flops.Segment(3, (4,)), flops.Segment(2, (1,))]
+    together = flops.microbatch_segments(seq, mask, 4, [[0, 1, 2]], share_prompts=True, segment_tokens=64,
+                                         images=[image, ImageInputs(image.pixel_values.clone(), image.image_grid_thw),
+                                                 None])
+    assert together == shared
 
 
 def test_the_count_cuts_segments_at_the_size_the_ranks_use():
