@@ -1,7 +1,11 @@
 """Async rollout: the engines generate the batches of the next steps while the trainer trains.
 
-A thread of the driver (the producer) runs :meth:`RolloutMaker.make` for step after step and keeps the
-finished batches until the trainer takes them (:meth:`AsyncRollout.take`). Three rules hold it::
+A thread of the driver (the producer) makes the batches of later steps and keeps them until the trainer takes them
+(:meth:`AsyncRollout.take`). With ``per_sample`` (single-turn rollouts, :attr:`RolloutMaker.per_sample`) it admits
+one prompt group at a time (:class:`rlhf_sg.offpolicy.InFlight`): each round of generate calls continues the
+completions a sync cut short and starts every group the capacity holds, of whichever steps, and a batch is scored as
+soon as its last group finishes. Otherwise it runs :meth:`RolloutMaker.make` for step after step. Three rules hold
+it::
 
     staleness   the producer starts a batch only when its samples are admitted by capacity
                 (:class:`rlhf_sg.offpolicy.Admission`, AReaL's rule counted in samples): for the batch of step s,
@@ -168,6 +172,7 @@ class AsyncRollout:
         n = params.n
         samples: dict[Group, list] = {}  # running group -> its n completions so far
         segment, restarts_before = 0, self.maker.restarts
+        generate_s = 0.0  # generate calls' time since the last batch handed out (rounds serve several steps)
         try:
             while True:
                 with self._cond:
@@ -175,6 +180,7 @@ class AsyncRollout:
                     if self._stopping:
                         return
                     fresh = self.inflight.admit(self._engine_version)
+                round_start = time.perf_counter()
                 cut = [(g, j) for g, got in samples.items() for j, c in enumerate(got) if c.finish_reason == "abort"]
                 by_room: dict[int, list[tuple[Group, int]]] = {}
                 for g, j in cut:  # one call per remaining budget (no continuation asks for more context than it had)
@@ -193,6 +199,7 @@ class AsyncRollout:
                                                   fresh[0].index, images=images)
                     for i, g in enumerate(fresh):
                         samples[g] = out[i * n : (i + 1) * n]
+                generate_s += time.perf_counter() - round_start
                 done = [g for g, got in samples.items() if all(c.finish_reason != "abort" for c in got)]
                 with self._cond:
                     for g in done:
@@ -201,7 +208,10 @@ class AsyncRollout:
                 for step, groups in ready:
                     prompts = [g.prompt for g in groups]
                     completions = [c for g in groups for c in g.samples]
+                    reward_start = time.perf_counter()
                     experience, metrics = self.maker.score_batch(prompts, completions)
+                    metrics["rollout_time/reward"] = time.perf_counter() - reward_start
+                    metrics["rollout_time/generate"], generate_s = generate_s, 0.0
                     metrics["rollout/engine_restarts"] = self.maker.restarts - restarts_before
                     restarts_before = self.maker.restarts
                     metrics["rollout/partial_samples"] = sum(len(set(c.token_versions or ())) > 1
