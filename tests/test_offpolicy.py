@@ -357,10 +357,10 @@ class _GroupMaker:
         return completions, {"reward/mean": 0.0}
 
 
-def _producer(maker, first_step, k=2, restore=None, version=None):
+def _producer(maker, first_step, k=2, restore=None, version=None, last_step=None):
     from rlhf_sg.trainer.async_rollout import AsyncRollout
 
-    return AsyncRollout(maker, first_step=first_step, last_step=first_step + 10,
+    return AsyncRollout(maker, first_step=first_step, last_step=last_step or first_step + 10,
                         engine_version=first_step if version is None else version, max_staleness=k, timeout_s=30,
                         data_state=maker.stream.state, batch_size=2 * maker.cfg.rollout.n_samples_per_prompt,
                         per_sample=True, restore=restore)
@@ -451,5 +451,35 @@ def test_a_producer_resumed_from_a_checkpoint_trains_the_saved_samples_and_draws
             prompts, completions, _ = resumed.take(s)
             assert [p.text for p in prompts] == [p.text for p in made[s][0]]
             assert completions == made[s][1]
+    finally:
+        resumed.stop()
+
+
+def test_a_producer_resumed_with_every_step_left_made_hands_them_out_without_a_generate_call():
+    """The run's last steps were all made before the checkpoint: the resumed producer has nothing to start and still
+    hands out the saved batches."""
+    import json
+
+    from rlhf_sg.data import PromptStream
+
+    maker = _GroupMaker(PromptStream(_prompts(40), 2, seed=3))
+    producer = _producer(maker, 0, last_step=3)
+    producer.start()
+    try:
+        _wait(lambda: 2 in producer._ready, "step 2's batch")
+        producer.take(0)
+        _, inflight = producer.checkpoint_state(1)
+        inflight = json.loads(json.dumps(inflight))
+        made = {s: producer.take(s) for s in (1, 2)}
+    finally:
+        producer.stop()
+    stream = PromptStream(_prompts(40), 2, seed=3)
+    again = _GroupMaker(stream)
+    resumed = _producer(again, 1, restore=inflight, version=1, last_step=3)
+    resumed.start()
+    try:
+        for s in (1, 2):
+            assert resumed.take(s)[1] == made[s][1]
+        assert again.calls == []
     finally:
         resumed.stop()

@@ -176,6 +176,22 @@ class AsyncRollout:
         try:
             while True:
                 with self._cond:
+                    ready = self.inflight.ready()  # a resume's buffer may hold whole batches already
+                for step, groups in ready:
+                    prompts = [g.prompt for g in groups]
+                    completions = [c for g in groups for c in g.samples]
+                    reward_start = time.perf_counter()
+                    experience, metrics = self.maker.score_batch(prompts, completions)
+                    metrics["rollout_time/reward"] = time.perf_counter() - reward_start
+                    metrics["rollout_time/generate"], generate_s = generate_s, 0.0
+                    metrics["rollout/engine_restarts"] = self.maker.restarts - restarts_before
+                    restarts_before = self.maker.restarts
+                    metrics["rollout/partial_samples"] = sum(len(set(c.token_versions or ())) > 1
+                                                             for c in completions)
+                    with self._cond:
+                        self._ready[step] = (prompts, experience, metrics)
+                        self._cond.notify_all()
+                with self._cond:
                     self._cond.wait_for(lambda: self._stopping or self._may_admit_or_continue(samples))
                     if self._stopping:
                         return
@@ -204,21 +220,6 @@ class AsyncRollout:
                 with self._cond:
                     for g in done:
                         self.inflight.finish(g, samples.pop(g))
-                    ready = self.inflight.ready()
-                for step, groups in ready:
-                    prompts = [g.prompt for g in groups]
-                    completions = [c for g in groups for c in g.samples]
-                    reward_start = time.perf_counter()
-                    experience, metrics = self.maker.score_batch(prompts, completions)
-                    metrics["rollout_time/reward"] = time.perf_counter() - reward_start
-                    metrics["rollout_time/generate"], generate_s = generate_s, 0.0
-                    metrics["rollout/engine_restarts"] = self.maker.restarts - restarts_before
-                    restarts_before = self.maker.restarts
-                    metrics["rollout/partial_samples"] = sum(len(set(c.token_versions or ())) > 1
-                                                             for c in completions)
-                    with self._cond:
-                        self._ready[step] = (prompts, experience, metrics)
-                        self._cond.notify_all()
         except RolloutStopped:
             return
         except BaseException as exc:  # handed to the trainer at its next take
