@@ -429,20 +429,30 @@ def test_async_resume_sees_the_prompts_an_uninterrupted_run_saw(ray_cluster, tas
     The uninterrupted run (without partial rollout, bound 2) also keeps every sample within the bound: each batch's
     samples come from weights at most ``max_staleness`` versions behind the trainer's (the trainer checks each
     sample; here also from the logged metrics), batches do get stale (the overlap is real), and the weight version
-    advances once per step."""
+    advances once per step.
+
+    The checkpoint holds the samples made and not trained and the admission counters (per-sample admission): the
+    resumed run trains those very samples (the weight versions they were sampled with, older than the checkpoint's),
+    within the bound, and its admission count goes on from the saved one (no burst)."""
+    import json
+
     import arith_task
 
     from rlhf_sg.trainer import PPOTrainer, train
     from rlhf_sg.trainer.checkpoint import checkpoint_root
 
     seen: dict[str, list] = {}
-    versions: list[tuple[int, list[int]]] = []
+    versions: dict[str, list[tuple[int, list[int], list]]] = {}
+    counts: list[tuple[int, int]] = []
 
     def recorder(name):
         class Recording(PPOTrainer):
             def on_experience(self, experience):
-                if name == "full":
-                    versions.append((self.step, experience.weight_version.tolist()))
+                versions.setdefault(name, []).append((self.step, experience.weight_version.tolist(),
+                                                      experience.sequences.tolist()))
+                if name == "resumed" and self.step == 2:
+                    admission = self.async_rollout.admission
+                    counts.append((admission.accepted, admission.running))
 
             def on_step_end(self, step, metrics):
                 seen.setdefault(name, []).append((step, [p.text for p in self.prompts]))
@@ -455,8 +465,14 @@ def test_async_resume_sees_the_prompts_an_uninterrupted_run_saw(ray_cluster, tas
     cfg.log.save_steps = 2
     cfg.train.actor_num_ranks, cfg.train.kl_coef = 1, 0.0  # the prompt order and the bound need no more groups
     history = train(cfg, trainer_cls=recorder("full"), reward_fn=arith_task.addition_reward)
-    _check_staleness_bound(history, versions, 4, max_staleness)
+    _check_staleness_bound(history, [(s, v) for s, v, _ in versions["full"]], 4, max_staleness)
     root = checkpoint_root(out)
+    with open(os.path.join(root, "step2.trainer.json")) as f:
+        inflight = json.load(f)["inflight"]
+    made = {int(s) for s, saved in inflight["steps"].items() if all(g is not None for g in saved["groups"])}
+    assert 2 in made and set(map(int, inflight["steps"])) <= {2, 3, 4}
+    finished = sum(len(g) for saved in inflight["steps"].values() for g in saved["groups"] if g is not None)
+    assert inflight["accepted"] == 2 * 16 * 8 + finished
     with open(os.path.join(root, "latest"), "w") as f:  # back to the checkpoint after step 2
         f.write("step2")
     os.remove(os.path.join(root, "step4.trainer.json"))
@@ -466,3 +482,9 @@ def test_async_resume_sees_the_prompts_an_uninterrupted_run_saw(ray_cluster, tas
     train(resumed, trainer_cls=recorder("resumed"), reward_fn=arith_task.addition_reward)
     assert [s for s, _ in seen["resumed"]] == [3, 4]
     assert seen["resumed"] == seen["full"][2:]
+    for (step, vs, rows), full in zip(versions["resumed"], versions["full"][2:], strict=True):
+        assert all(0 <= step - v <= max_staleness for v in vs), (step, vs)
+        if step in made:  # trained from the checkpoint's buffer: the very samples of the run that went on
+            assert (step, vs, rows) == full
+    assert min(versions["resumed"][0][1]) < 2  # sampled before the checkpoint
+    assert counts and counts[0][0] >= inflight["accepted"]

@@ -13,9 +13,10 @@ the weights it started with (its first token's); tokens a partial rollout sample
 is dropped after it ran (a filtered group) frees its place (:meth:`Admission.finish` with fewer kept); nothing is
 discarded to make room, so a long sample is never starved by short ones.
 
-The counters restart from the trainer's version on resume (:meth:`Admission.resume`): samples admitted before a
-checkpoint but not trained are not in it (their prompts are drawn again), and counting from 0 at version ``v`` would
-admit ``v`` batches at once, each trained up to ``v + max_staleness`` versions late (AReaL's resume burst)."""
+Counting from 0 after a resume at version ``v`` would admit ``v`` batches at once, each trained up to
+``v + max_staleness`` versions late (AReaL's resume burst). Where the checkpoint holds the samples made and not
+trained (:class:`rlhf_sg.offpolicy.InFlight`) the counts come back with them; where it does not, they restart from
+the trainer's version (:meth:`Admission.resume`) and those samples' prompts are drawn again."""
 
 from __future__ import annotations
 

@@ -1,7 +1,11 @@
 """Async rollout: the engines generate the batches of the next steps while the trainer trains.
 
-A thread of the driver (the producer) runs :meth:`RolloutMaker.make` for step after step and keeps the
-finished batches until the trainer takes them (:meth:`AsyncRollout.take`). Three rules hold it::
+A thread of the driver (the producer) makes the batches of later steps and keeps them until the trainer takes them
+(:meth:`AsyncRollout.take`). With ``per_sample`` (single-turn rollouts, :attr:`RolloutMaker.per_sample`) it admits
+one prompt group at a time (:class:`rlhf_sg.offpolicy.InFlight`): each round of generate calls continues the
+completions a sync cut short and starts every group the capacity holds, of whichever steps, and a batch is scored as
+soon as its last group finishes. Otherwise it runs :meth:`RolloutMaker.make` for step after step. Three rules hold
+it::
 
     staleness   the producer starts a batch only when its samples are admitted by capacity
                 (:class:`rlhf_sg.offpolicy.Admission`, AReaL's rule counted in samples): for the batch of step s,
@@ -29,15 +33,19 @@ weights with the version the engines hold, which only a sync changes.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from backends.base import Completion
 from rlhf_sg.offpolicy.admission import Admission
+from rlhf_sg.offpolicy.inflight import Group, InFlight
 from rlhf_sg.timing import StepTimer
-from rlhf_sg.trainer.rollout import RolloutMaker
+from rlhf_sg.trainer.rollout import RolloutMaker, continue_completion, prompt_images
 
 log = logging.getLogger("rlhf_sg")
 
@@ -61,10 +69,21 @@ class AsyncRollout:
     def __init__(self, maker: RolloutMaker, first_step: int, last_step: int, engine_version: int,
                  max_staleness: int, timeout_s: float, data_state: Callable[[], dict],
                  abort: Callable[[], Any] | None = None, resume: Callable[[], Any] | None = None,
-                 batch_size: int = 1):
+                 batch_size: int = 1, per_sample: bool = False, restore: dict | None = None):
         self.maker, self.max_staleness, self.timeout_s = maker, max_staleness, timeout_s
         self.batch_size = batch_size
-        self.admission = Admission(batch_size, max_staleness, version=first_step)  # under self._cond
+        #: per_sample: groups admitted one at a time (:class:`InFlight`); else whole batches, one after another
+        self.inflight: InFlight | None = None  # under self._cond
+        if per_sample:
+            n = maker.cfg.rollout.n_samples_per_prompt
+            self.inflight = InFlight(batch_size // n, n, max_staleness, first_step, last_step, self._draw)
+            if restore is not None:
+                self.inflight.load_state_dict(restore, self._prompts_at, Completion)
+            self.admission = self.inflight.admission
+        else:
+            if restore is not None:
+                raise ValueError("AsyncRollout: a checkpoint's in-flight samples need per_sample admission")
+            self.admission = Admission(batch_size, max_staleness, version=first_step)  # under self._cond
         self._abort, self._resume, self._data_state = abort, resume, data_state
         self._cond = threading.Condition()
         # held by a sync, an engine restart, and the trainer while it calls the ranks (re-entered by its sync)
@@ -89,6 +108,8 @@ class AsyncRollout:
         self._thread.start()
 
     def _run(self) -> None:
+        if self.inflight is not None:
+            return self._run_per_sample()
         try:
             while True:
                 with self._cond:
@@ -129,6 +150,100 @@ class AsyncRollout:
         fits = self.admission.capacity(self._engine_version) >= self.batch_size
         self._waiting_for = None if fits else self.admission.version_needed(self.batch_size)
         return fits
+
+    # ---- the producer, one prompt group at a time ----------------------------------------------------------
+    def _draw(self, step: int) -> tuple[dict, list]:
+        """A step's prompts, drawn when its first group starts (under the condition's lock)."""
+        position = self._data_state()
+        self._data_states[step] = position
+        return position, self.maker.stream.next_batch()
+
+    def _prompts_at(self, position: dict) -> list:
+        """The prompts a step drew from stream ``position`` (a resume's buffer)."""
+        stream = copy.copy(self.maker.stream)
+        stream.load_state(position)
+        return stream.next_batch()
+
+    def _run_per_sample(self) -> None:
+        """Rounds of generate calls: the completions a sync cut short continue (partial rollout), then every group
+        the capacity admits now starts, whichever steps they belong to; a batch is scored and handed out as soon
+        as its last group finishes."""
+        params = self.maker.sampling_params()
+        n = params.n
+        samples: dict[Group, list] = {}  # running group -> its n completions so far
+        segment, restarts_before = 0, self.maker.restarts
+        generate_s = 0.0  # generate calls' time since the last batch handed out (rounds serve several steps)
+        try:
+            while True:
+                with self._cond:
+                    ready = self.inflight.ready()  # a resume's buffer may hold whole batches already
+                for step, groups in ready:
+                    prompts = [g.prompt for g in groups]
+                    completions = [c for g in groups for c in g.samples]
+                    reward_start = time.perf_counter()
+                    experience, metrics = self.maker.score_batch(prompts, completions)
+                    metrics["rollout_time/reward"] = time.perf_counter() - reward_start
+                    metrics["rollout_time/generate"], generate_s = generate_s, 0.0
+                    metrics["rollout/engine_restarts"] = self.maker.restarts - restarts_before
+                    restarts_before = self.maker.restarts
+                    metrics["rollout/partial_samples"] = sum(len(set(c.token_versions or ())) > 1
+                                                             for c in completions)
+                    with self._cond:
+                        self._ready[step] = (prompts, experience, metrics)
+                        self._cond.notify_all()
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stopping or self._may_admit_or_continue(samples))
+                    if self._stopping:
+                        return
+                    fresh = self.inflight.admit(self._engine_version)
+                round_start = time.perf_counter()
+                cut = [(g, j) for g, got in samples.items() for j, c in enumerate(got) if c.finish_reason == "abort"]
+                by_room: dict[int, list[tuple[Group, int]]] = {}
+                for g, j in cut:  # one call per remaining budget (no continuation asks for more context than it had)
+                    by_room.setdefault(params.max_new_tokens - len(samples[g][j].token_ids), []).append((g, j))
+                for room, rows in sorted(by_room.items()):
+                    segment += 1  # every continuation call gets a random stream of its own
+                    images = prompt_images([g.prompt for g, _ in rows])
+                    tails = self.maker.generate_ids([g.prompt.token_ids + samples[g][j].token_ids for g, j in rows],
+                                                    dataclasses.replace(params, n=1, max_new_tokens=room),
+                                                    rows[0][0].step, rows[0][0].index, segment, images=images)
+                    for (g, j), tail in zip(rows, tails):
+                        samples[g][j] = continue_completion(samples[g][j], tail, params.max_new_tokens)
+                if fresh:
+                    images = prompt_images([g.prompt for g in fresh])
+                    out = self.maker.generate_ids([g.prompt.token_ids for g in fresh], params, fresh[0].step,
+                                                  fresh[0].index, images=images)
+                    for i, g in enumerate(fresh):
+                        samples[g] = out[i * n : (i + 1) * n]
+                generate_s += time.perf_counter() - round_start
+                done = [g for g, got in samples.items() if all(c.finish_reason != "abort" for c in got)]
+                with self._cond:
+                    for g in done:
+                        self.inflight.finish(g, samples.pop(g))
+        except RolloutStopped:
+            return
+        except BaseException as exc:  # handed to the trainer at its next take
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def _may_admit_or_continue(self, samples: dict) -> bool:
+        """A round may go out: completions were cut short, or a group fits the capacity at the engines' version.
+        Under the condition's lock; records the version waited for (:attr:`waiting_for_version`)."""
+        if samples or self.inflight.can_admit(self._engine_version):
+            self._waiting_for = None
+            return True
+        self._waiting_for = self.inflight.version_needed()
+        return False
+
+    def checkpoint_state(self, step: int) -> tuple[dict, dict | None]:
+        """What a checkpoint taken before ``step`` trains holds of async rollout, at one moment: with per-sample
+        admission the prompt stream's position (after every step drawn) and the in-flight buffer with its counters
+        (:meth:`InFlight.state_dict`); else :meth:`data_state` and None (the batches not trained are drawn again)."""
+        with self._cond:
+            if self.inflight is None:
+                return self.data_state(step), None
+            return self._data_state(), self.inflight.state_dict()
 
     @property
     def waiting_for_version(self) -> int | None:
@@ -184,6 +299,8 @@ class AsyncRollout:
                     raise TimeoutError(f"step {step + 1}: no rollout batch within --train.timeout_s "
                                        f"{self.timeout_s:.0f} s (engines or the reward function stuck?)")
             self._data_states.pop(step, None)
+            if self.inflight is not None:
+                self.inflight.trained(step)
             return self._ready.pop(step)
 
     def data_state(self, step: int) -> dict:

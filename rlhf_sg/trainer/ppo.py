@@ -143,6 +143,7 @@ class PPOTrainer:
         self.eval_reward_fn = None
         self.eval_history: list[tuple[int, dict[str, float]]] = []  # (step, metrics) of each evaluation
         self._resumed_from = -1  # the checkpoint step a resumed run went on from
+        self._inflight_state: dict | None = None  # a resumed checkpoint's in-flight async samples
         self.async_rollout: AsyncRollout | None = None  # the producer of async rollout (--rollout.mode async)
         self._errors_reported = 0  # async: reward errors already put in a step's metrics
         self.accounting = None  # per-phase FLOP / bandwidth accounting (--perf.accounting), made at setup
@@ -365,7 +366,9 @@ class PPOTrainer:
             abort=cluster.abort_generation if abortable else None,
             resume=(lambda: cluster.engines_call("resume_generation")) if abortable else None,
             batch_size=r.prompts_per_step * r.n_samples_per_prompt,
+            per_sample=self.rollout.per_sample, restore=self._inflight_state,
         )
+        self._inflight_state = None
         self.async_rollout.start()
 
     def score(self, experience: Experience, timer: StepTimer) -> dict[str, float]:
@@ -633,9 +636,15 @@ class PPOTrainer:
     def save_checkpoint(self, data_state: dict | None = None) -> str:
         """Checkpoint the run as of the last finished step; ``data_state``: the prompt stream's position to
         record, when it has moved since (a step that failed after drawing its prompts)."""
-        if data_state is None:  # async: the stream has moved on to batches not yet trained
-            data_state = self.async_rollout.data_state(self.step) if self.async_rollout else self.stream.state()
+        inflight = None
+        if self.async_rollout is not None:  # the stream has moved on to batches not yet trained
+            saved, inflight = self.async_rollout.checkpoint_state(self.step)
+            data_state = saved if inflight is not None or data_state is None else data_state
+        elif data_state is None:
+            data_state = self.stream.state()
         state = {"data": data_state, "rng": self.rng.getstate(), "kl_coef": self.kl_ctl.value}
+        if inflight is not None:  # samples made and not trained, and the admission counters: no burst on resume
+            state["inflight"] = inflight
         if self.cfg.lora.rank > 0:  # the checkpoint holds the adapter only: name the base it was trained on
             state["lora_base"] = self._lora_base()
         with self._trainer_calls():
@@ -657,6 +666,11 @@ class PPOTrainer:
         self.step = int(state["step"])
         self._resumed_from = self.step  # the run before this one evaluated up to here
         self.stream.load_state(state["data"])
+        self._inflight_state = state.get("inflight")
+        if self._inflight_state is not None and not (rollout_is_async(self.cfg) and self.rollout.per_sample):
+            raise checkpoint.CheckpointError(
+                f"{state['tag']}: it holds samples of async rollout made and not trained; resume with "
+                "--rollout.mode async (and the rollout settings it was saved with)")
         self.rng.setstate(checkpoint.rng_state_from_json(state["rng"]))
         self.kl_ctl.value = float(state["kl_coef"])
         # engines started from the initial weights: give them the checkpoint's

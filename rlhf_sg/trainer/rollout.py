@@ -176,7 +176,7 @@ def harness_metrics(results: list) -> dict[str, float]:
             "agent/tool_calls_per_call": sum(r.tool_calls for r in results) / calls if calls else 0.0}
 
 
-def _prompt_images(prompts: list[Prompt]) -> list | None:
+def prompt_images(prompts: list[Prompt]) -> list | None:
     """Each prompt's image inputs (a vision-language policy's :class:`rlhf_sg.vision.VisionPrompt`), the samples of
     one prompt sharing its object; None when no prompt has images (text rows)."""
     images = [getattr(p, "images", None) for p in prompts]
@@ -258,7 +258,7 @@ class RolloutMaker:
             return self._agent_generate(prompts, params, step, draw)
         if self.harness is not None:
             return self._harness_generate(prompts, params)
-        images = _prompt_images(prompts)
+        images = prompt_images(prompts)
         completions = self._generate([p.token_ids for p in prompts], params, step, draw, images=images)
         calls, spanning = 0, set()
         while True:
@@ -349,6 +349,27 @@ class RolloutMaker:
                 self._restart(engine, error)
             pending = [j for j in pending if j not in results]
         return [results[j] for j in range(len(calls))]
+
+    @property
+    def per_sample(self) -> bool:
+        """Whether async rollout may admit this maker's samples one prompt group at a time
+        (:class:`rlhf_sg.offpolicy.InFlight`): single-turn rollouts whose batch is its groups as drawn (no dynamic
+        sampling, no multi-turn or harness runs, no routed experts to keep)."""
+        return (self.env_factory is None and self.harness is None and not self.cfg.train.dynamic_filtering
+                and not self.cfg.train.routing_replay)
+
+    def generate_ids(self, prompts: list[list[int]], params, step: int, draw: int, segment: int = 0,
+                     images: list | None = None) -> list:
+        """``params.n`` completions per token-id prompt, prompt-major, over the engines (restarting any that dies),
+        one call per engine seeded by :func:`rollout_seed` of (``step``, ``draw``, the engine, ``segment``)."""
+        return self._generate(prompts, params, step, draw, segment, images)
+
+    def score_batch(self, prompts: list[Prompt], completions: list) -> tuple[Experience, dict[str, float]]:
+        """A step's batch from its prompts and their completions (n each, prompt-major), scored by the reward (the
+        overlong penalty added): (experience with ``scores``, reward metrics)."""
+        experience = self._experience(prompts, completions)
+        experience.scores = self.shape_scores(self._agent_scores(prompts, completions, experience), experience)
+        return experience, reward_metrics(experience.scores)
 
     def _generate(self, prompts: list[list[int]], params, step: int, draw: int, segment: int = 0,
                   images: list | None = None) -> list:
@@ -466,7 +487,7 @@ class RolloutMaker:
             action_masks=[c.action_mask for c in completions] if agent else None,
             routed_experts=[c.routed_experts for c in completions] if self.cfg.train.routing_replay else None,
         )
-        experience.images = _prompt_images([prompts[i // n] for i in range(len(completions))])
+        experience.images = prompt_images([prompts[i // n] for i in range(len(completions))])
         if self.harness is not None:  # unscored harness runs: out of the group baselines and the losses
             experience.scored = torch.tensor([c.env_reward is not None for c in completions])
             experience.loss_rows = experience.scored.clone()
