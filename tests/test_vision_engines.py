@@ -133,9 +133,9 @@ def test_vllm_never_samples_placeholders_and_reports_the_untruncated_log_probs(v
             completions = engine.generate([p for p, _ in prompts], params, images=[i for _, i in prompts])
             sampled = {t for c in completions for t in c.token_ids}
             assert sampled and not sampled & set(placeholders), (family, sampled & set(placeholders))
-        gap, _ = _gap(model, completions, prompts)
-        print(f"{family}: placeholder-favouring model, engine vs trainer {gap:.2e}")
-        assert gap <= GAP, (family, gap)
+            gap, _ = _gap(model, completions, prompts)
+            print(f"{family}: placeholder-favouring model, T={params.temperature}, engine vs trainer {gap:.2e}")
+            assert gap <= GAP, (family, params.temperature, gap)
     finally:
         _sync(engine, trainer, engine.weight_version + 1)
 
