@@ -719,9 +719,10 @@ def _model_type(path: str) -> str | None:
 #: what a vision-language policy's run does not carry images through yet: (the setting is on, the flag, why)
 _VISION_NOT_YET = (
     (lambda c: c.rollout.backend not in ("hf", "vllm"), "--rollout.backend",
-     "only the embedded engine (hf) and vLLM generate with images: SGLang's CPU mode cannot load a Qwen-VL model "
-     "(its Qwen-VL image processor imports CPU kernels of sgl-kernel's CPU build, not on PyPI) and the SGLang backend "
-     "passes no image_data yet; use --rollout.backend hf or vllm"),
+     "only the embedded engine (hf) and vLLM generate with images: SGLang 0.5.23 cannot load a Qwen-VL model here "
+     "(its Qwen-VL image processor imports kernels of sgl-kernel's CPU build, not on PyPI, and its Qwen2-VL tower "
+     "reads vision_config.in_chans, which transformers 5 names in_channels), so the SGLang backend passes no "
+     "image_data; use --rollout.backend hf or vllm"),
     (lambda c: c.rollout.backend == "vllm" and _model_type(c.model.pretrain) not in ("qwen2_vl", "qwen2_5_vl"),
      "--rollout.backend vllm", "the vLLM backend hands images to vLLM for Qwen2-VL and Qwen2.5-VL models only; "
      "use --rollout.backend hf"),
