@@ -320,6 +320,8 @@ class RolloutBackend(abc.ABC):
     supports_lora_adapter: ClassVar[bool] = False
     #: whether ``generate`` takes ``images=`` (each prompt's processor output) for a vision-language model
     supports_images: ClassVar[bool] = False
+    #: which vision-language models, said by ``rlhf-sg backends``
+    image_models: ClassVar[str] = "vision-language models"
 
     def __init__(self, config: BackendConfig):
         self.config = config

@@ -76,7 +76,7 @@ def available_backends() -> dict[str, str]:
         status[name] = "available"
         if name == "hf" and not torch.cuda.is_available():
             status[name] = "available (CPU only: torch sees no CUDA device)"
-        status[name] += "; takes images (vision-language models)" if cls.supports_images else "; text only"
+        status[name] += (f"; takes images ({cls.image_models})" if cls.supports_images else "; text only")
     for name, entry_point in _entry_points().items():
         try:
             _load_plugin(name, entry_point)

@@ -126,6 +126,8 @@ _EXTENSION = "backends.vllm_worker.WeightSyncExtension"
 _SEED_MASK = (1 << 63) - 1
 #: the longest abort_generation waits for the running generate to return (one engine step)
 _ABORT_WAIT_S = 600.0
+#: vision-language model types whose images reach vLLM (rlhf_sg.vision.engines), measured on its CPU build
+_VISION_TYPES = ("qwen2_vl", "qwen2_5_vl")
 _LOADING_METHODS = {"rlhf_receive_bucket", "rlhf_load_tensor_bucket", "rlhf_reload_from_disk"}
 
 
@@ -145,7 +147,9 @@ def vllm_engine_kwargs(config: BackendConfig) -> dict[str, Any]:
         _set_cpu_threads(config)
     kwargs: dict[str, Any] = {
         "model": config.model_path,
-        "skip_tokenizer_init": True,  # token ids in and out, nothing to detokenise
+        # token ids in and out, nothing to detokenise; a vision-language model keeps its tokenizer, which vLLM's
+        # image processing needs (it refuses skip_tokenizer_init for multimodal processors)
+        "skip_tokenizer_init": not _is_vision(config.model_path),
         "dtype": config.dtype,
         "max_model_len": config.max_model_len,
         "seed": config.seed,
@@ -196,6 +200,9 @@ class VLLMBackend(RolloutBackend):
     #: the engine starts with LoRA on when the trainer will load adapters (BackendConfig.lora_adapter_rank:
     #: enable_lora, and max_lora_rank the smallest of vLLM's ranks that holds --lora.rank)
     supports_lora_adapter = True
+    #: Qwen2-VL and Qwen2.5-VL (_VISION_TYPES): generate takes each prompt's processor output
+    supports_images = True
+    image_models = "Qwen2-VL, Qwen2.5-VL; on CPU with torchvision, which recipes/install/vllm_cpu.sh installs"
 
     def __init__(self, config: BackendConfig):
         super().__init__(config)
@@ -207,6 +214,8 @@ class VLLMBackend(RolloutBackend):
                 f"the vLLM backend needs the vllm package, which is not importable ({exc}); {INSTALL_HINT}"
             ) from exc
         _check_platform(config)
+        #: a vision-language model's (config, image processor); None for a text model
+        self._vision = _vision_inputs(config.model_path)
         engine_kwargs = vllm_engine_kwargs(config)
         self._vllm = vllm
         self._sleep_level = sleep_level(config)
@@ -235,7 +244,8 @@ class VLLMBackend(RolloutBackend):
                 f"vLLM could not start on {config.model_path!r} (device={config.device}, "
                 f"tensor_parallel_size={config.tensor_parallel_size}): {type(exc).__name__}: {exc}"
             ) from exc
-        self._rpc("rlhf_install_logprob_hook")
+        # a vision-language model's placeholders are never sampled (banned after the log-prob read-out)
+        self._rpc("rlhf_install_logprob_hook", [] if self._vision is None else _placeholder_ids(self._vision[0]))
         # On CPU with the engine core in process the model runs in whichever thread calls generate, and OpenMP's
         # thread count is per thread: one started after the engine has the machine's default, and vLLM's CPU
         # attention aborts the process when the count its metadata was built with differs from the kernel's.
@@ -245,18 +255,27 @@ class VLLMBackend(RolloutBackend):
         self._lora_dir: str | None = None
 
     # ---- rollout -------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Sample ``params.n`` completions per prompt; prompt-major, ``len(prompts) * n`` of them."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, images: list | None = None
+                 ) -> list[Completion]:
+        """Sample ``params.n`` completions per prompt; prompt-major, ``len(prompts) * n`` of them.
+
+        ``images``: for a vision-language model, each prompt's :class:`rlhf_sg.vision.ImageInputs` (None for a text
+        prompt) beside its expanded ids. vLLM expands one placeholder per image itself from raw images, so it gets
+        each image's run collapsed and the images rebuilt from ``pixel_values`` (:mod:`rlhf_sg.vision.engines`);
+        its expansion must give our ids back, checked per prompt."""
         self._check_usable("generate")
         check_generate_args(prompts, params, self._vocab_size, self.config.max_model_len)
+        sent = self._prompts_with_images(prompts, images)
         self._close_sync()
         vllm = self._vllm
         seed = params.seed if params.seed is not None else self._unseeded.getrandbits(63)
         n = params.n
         stop_token_ids = sorted(self._eos_ids | set(params.stop_token_ids))
         requests, sampling = [], []
-        for i, prompt in enumerate(prompts):
-            tokens_prompt = vllm.TokensPrompt(prompt_token_ids=list(prompt))
+        for i, (ids, pictures) in enumerate(sent):
+            tokens_prompt = vllm.TokensPrompt(prompt_token_ids=ids)
+            if pictures:
+                tokens_prompt["multi_modal_data"] = {"image": pictures}
             for j in range(n):
                 requests.append(tokens_prompt)
                 sampling.append(
@@ -285,6 +304,11 @@ class VLLMBackend(RolloutBackend):
         version = self._weight_version
         completions = []
         for k, out in enumerate(outputs):
+            if sent[k // n][1] and list(out.prompt_token_ids) != list(prompts[k // n]):
+                raise BackendError(
+                    f"generate: vLLM expanded prompt {k // n}'s images to {len(out.prompt_token_ids)} tokens, not "
+                    f"the {len(prompts[k // n])} of the ids given (its processor and ours disagree on the images)"
+                )
             sample = out.outputs[0]
             if sample.finish_reason not in ("stop", "length") and not (aborted and sample.finish_reason == "abort"):
                 raise BackendError(
@@ -310,6 +334,28 @@ class VLLMBackend(RolloutBackend):
                 )
             )
         return completions
+
+    def _prompts_with_images(self, prompts: list[list[int]], images: list | None) -> list[tuple[list[int], list]]:
+        """(the ids vLLM gets, the images it gets) per prompt; a text prompt's ids are ours unchanged."""
+        if images is None and self._vision is None:
+            return [(list(p), []) for p in prompts]
+        if self._vision is None:
+            raise BackendError(f"generate: images given, but the model {self.config.model_path!r} is text-only")
+        images = [None] * len(prompts) if images is None else images
+        if len(images) != len(prompts):
+            raise BackendError(f"generate: {len(images)} image entries for {len(prompts)} prompts; give one (or None) "
+                               "per prompt")
+        from rlhf_sg.vision.engines import engine_images
+
+        config, image_processor = self._vision
+        sent = []
+        for i, (prompt, inputs) in enumerate(zip(prompts, images)):
+            try:
+                sent.append(engine_images(config, image_processor, list(prompt), inputs))
+            except ValueError as exc:
+                raise BackendError(f"generate: prompt {i}: {exc}; pass the processor's expanded ids with its "
+                                   "images") from None
+        return sent
 
     def _run(self, requests: list, sampling: list) -> tuple[list, bool]:
         """``LLM.generate`` (its ``enqueue`` then its engine loop, as ``LLM._run_engine`` steps it), checking
@@ -614,6 +660,8 @@ class VLLMBackend(RolloutBackend):
             return  # sleeping dropped the KV cache, prefix entries included
         if not self.llm.reset_prefix_cache():
             raise BackendError("reset_prefix_cache: vLLM refused (requests still hold KV blocks); retry when idle")
+        if self._vision is not None:  # image features the tower computed with the old weights
+            self.llm.llm_engine.reset_encoder_cache()
 
     def shutdown(self) -> None:
         if self._closed:
@@ -799,6 +847,39 @@ def _host_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _is_vision(model_path: str) -> bool:
+    return isinstance(_read_json(os.path.join(model_path, "config.json")).get("vision_config"), dict)
+
+
+def _vision_inputs(model_path: str):
+    """(config, image processor) of a vision-language model directory, None for a text model. BackendError for a
+    family whose images this backend cannot hand to vLLM, or where vLLM's model code cannot import."""
+    if not _is_vision(model_path):
+        return None
+    import importlib.util
+
+    from rlhf_sg.vision import load_processor
+
+    model_type = _read_json(os.path.join(model_path, "config.json")).get("model_type")
+    if model_type not in _VISION_TYPES:
+        raise BackendError(f"model {model_path!r} is a {model_type} vision-language model; the vLLM backend hands "
+                           f"images to vLLM for {list(_VISION_TYPES)} only: use --rollout.backend hf")
+    if importlib.util.find_spec("torchvision") is None:
+        # vLLM's Qwen-VL model files import transformers' torchvision image processor at module level
+        raise BackendError(f"model {model_path!r} is a vision-language model and vLLM's Qwen-VL code needs "
+                           "torchvision, which this venv lacks: rebuild it with `bash recipes/install/vllm_cpu.sh` "
+                           "(it installs torchvision and its operator hook)")
+    config, processor = load_processor(model_path, flag="BackendConfig.model_path")
+    return config, processor.image_processor
+
+
+def _placeholder_ids(config) -> list[int]:
+    """A vision-language config's placeholder ids (image / video pad, vision start / end), never sampled."""
+    from backends.embedded import _PLACEHOLDER_KEYS
+
+    return sorted({int(getattr(config, k)) for k in _PLACEHOLDER_KEYS if getattr(config, k, None) is not None})
 
 
 def _read_model_facts(model_path: str) -> tuple[int, set[int]]:

@@ -64,30 +64,47 @@ class WeightSyncExtension:
     ``self.rank``, ``self.device``, ``self.vllm_config``)."""
 
     # ---- log-probs -----------------------------------------------------------------------
-    def rlhf_install_logprob_hook(self) -> str:
+    def rlhf_install_logprob_hook(self, banned: list[int] | None = None) -> str:
         """Make the sampler report log-probs taken before top-k / top-p truncation.
 
+        ``banned``: token ids never sampled (a vision-language model's image placeholders), a truncation like
+        top-k: masked after the log-probs are read, so the reported log-probs stay the untruncated ones the
+        trainer computes; greedy decoding takes the argmax over the others.
         Returns which sampler was hooked ("v1" or "v2"). Raises RuntimeError when this vLLM's
         sampler has neither known shape (then the convention cannot be guaranteed).
         """
         sampler = self.model_runner.sampler
         if getattr(sampler, "_rlhf_hooked", False):
             return sampler._rlhf_hooked
+        ban = torch.tensor(sorted(set(banned or ())), dtype=torch.long)
+
+        def mask(logits):
+            if len(ban):
+                logits[:, ban.to(logits.device)] = float("-inf")
+            return logits
+
         if hasattr(sampler, "topk_topp_sampler"):  # the V1 model runner (CPU, and GPU when chosen)
             truncating = sampler.topk_topp_sampler
             inner = truncating.forward
 
             def forward(logits, generators, k, p):
-                if k is None and p is None:
+                if k is None and p is None and not len(ban):
                     return inner(logits, generators, k, p)
                 # ``logits`` are temperature-scaled here; ``inner`` truncates them in place.
                 scaled_logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
-                sampled, _ = inner(logits, generators, k, p)
+                sampled, _ = inner(mask(logits), generators, k, p)
                 return sampled, scaled_logprobs
 
             truncating.forward = forward
+            if len(ban):  # greedy rows: the argmax of the unscaled logits, read before this call
+                greedy = sampler.greedy_sample
+                sampler.greedy_sample = lambda logits: greedy(mask(logits.clone()))
             sampler._rlhf_hooked = "v1"
         elif hasattr(sampler, "_sample_random"):  # the V2 model runner (GPU default)
+            if len(ban):
+                raise RuntimeError("vLLM's V2 model runner: banning the image placeholders is built for the V1 "
+                                   "runner only; start vLLM with VLLM_USE_V2_MODEL_RUNNER=0 for a "
+                                   "vision-language model")
             inner = sampler._sample_random
 
             def _sample_random(processed_logits, expanded_idx_mapping, idx_mapping_np, pos, top_k, top_p, *rest):
@@ -206,7 +223,7 @@ class WeightSyncExtension:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         model = self.model_runner.get_model()
-        packed = getattr(model, "packed_modules_mapping", {})
+        packed = self._rlhf_packed_modules()
         missing = []
         for (module_path, param_name), shards in sorted(self._rlhf_loaded.items(), key=lambda kv: kv[0]):
             if None in shards:
@@ -281,13 +298,27 @@ class WeightSyncExtension:
             return False
         return not hasattr(experts, rest.split(".", 1)[0])  # not a ModuleList of per-expert modules
 
+    def _rlhf_packed_modules(self) -> dict[str, list[str]]:
+        """Fused module name -> the checkpoint's parts, of the model and its inner models (a Qwen-VL's language
+        model declares its own)."""
+        if getattr(self, "_rlhf_packed", None) is None:
+            self._rlhf_packed = {}
+            for module in self.model_runner.get_model().modules():
+                self._rlhf_packed.update(getattr(module, "packed_modules_mapping", None) or {})
+        return self._rlhf_packed
+
     def _rlhf_resolve(self, name: str):
         """(module, its path, parameter name, packed shard index or None) holding HF tensor ``name``,
         or None when the model has no such weight."""
         model = self.model_runner.get_model()
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        if mapper is not None:  # the checkpoint's names renamed as the model's load_weights renames them
+            name = mapper.get_rename_mapper().map_name(name)  # (Qwen-VL: model.visual. -> visual., ...)
+            if name is None:
+                return None
         module_path, _, param_name = name.rpartition(".")
         shard = None
-        for packed, parts in getattr(model, "packed_modules_mapping", {}).items():
+        for packed, parts in self._rlhf_packed_modules().items():
             for i, part in enumerate(parts):
                 suffix = "." + part
                 if module_path.endswith(suffix) and part != packed:

@@ -706,10 +706,26 @@ def is_vision_language(path: str) -> bool:
         return isinstance(json.load(f).get("vision_config"), dict)
 
 
+def _model_type(path: str) -> str | None:
+    """``model_type`` of the model directory's config.json (None without one)."""
+    import json
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        return json.load(f).get("model_type")
+
+
 #: what a vision-language policy's run does not carry images through yet: (the setting is on, the flag, why)
 _VISION_NOT_YET = (
-    (lambda c: c.rollout.backend != "hf", "--rollout.backend",
-     "only the embedded engine (hf) generates with images so far; use --rollout.backend hf"),
+    (lambda c: c.rollout.backend not in ("hf", "vllm"), "--rollout.backend",
+     "only the embedded engine (hf) and vLLM generate with images: SGLang 0.5.23 cannot load a Qwen-VL model here "
+     "(its Qwen-VL image processor imports kernels of sgl-kernel's CPU build, not on PyPI, and its Qwen2-VL tower "
+     "reads vision_config.in_chans, which transformers 5 names in_channels), so the SGLang backend passes no "
+     "image_data; use --rollout.backend hf or vllm"),
+    (lambda c: c.rollout.backend == "vllm" and _model_type(c.model.pretrain) not in ("qwen2_vl", "qwen2_5_vl"),
+     "--rollout.backend vllm", "the vLLM backend hands images to vLLM for Qwen2-VL and Qwen2.5-VL models only; "
+     "use --rollout.backend hf"),
     (lambda c: uses_critic_model(c), "--train.advantage_estimator",
      "a critic's values do not take images yet; use a critic-free estimator (grpo, dr_grpo, rloo, reinforce++)"),
     (lambda c: c.rollout.mode != "sync", "--rollout.mode", "async rollouts do not carry images yet; use sync"),

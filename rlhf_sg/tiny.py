@@ -346,10 +346,11 @@ def _vision_config_classes() -> dict:
 VISION_FAMILIES = tuple(_vision_config_classes())
 
 
-def tiny_vision_model(family: str, tokenizer=None, seed: int = 0):
+def tiny_vision_model(family: str, tokenizer=None, seed: int = 0, head_dim: int | None = None):
     """A random-weight float32 vision-language model of ``family`` (one of :data:`VISION_FAMILIES`), in eval
     mode, its vocabulary and image / vision start / end ids those of ``tokenizer`` (default
-    :func:`build_vision_tokenizer`)."""
+    :func:`build_vision_tokenizer`). ``head_dim``: a Qwen-VL text model of 2 heads of that size (1 key/value head,
+    ``mrope_section`` a quarter, an eighth and an eighth of the head), as vLLM's CPU attention needs (32, 64, ...)."""
     import transformers
 
     if family not in VISION_FAMILIES:
@@ -361,6 +362,15 @@ def tiny_vision_model(family: str, tokenizer=None, seed: int = 0):
     if family == "llava":
         token_ids = dict(image_token_index=llava_image)
     class_name, kwargs = _vision_family_configs(len(tok), token_ids, tok.eos_token_id, tok.pad_token_id)[family]
+    if head_dim is not None:
+        if family == "llava":
+            raise ValueError("head_dim is for the Qwen-VL families")
+        text = kwargs["text_config"]
+        text.update(hidden_size=2 * head_dim, intermediate_size=4 * head_dim, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=head_dim,
+                    rope_parameters=dict(text["rope_parameters"], mrope_section=[head_dim // 4, head_dim // 8,
+                                                                                 head_dim // 8]))
+        kwargs["vision_config"]["hidden_size" if family == "qwen2-vl" else "out_hidden_size"] = 2 * head_dim
     config = getattr(transformers, class_name)(**kwargs)
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -115,6 +115,22 @@ def test_install_writes_a_pth_that_loads_both_shims(tmp_path):
         sglang_cpu.install(tmp_path / "nowhere")
 
 
+def test_the_torchvision_hook_pth_loads_the_hook_alone(tmp_path):
+    """The vLLM venv's .pth: a fresh interpreter that reads it has the torchvision hook loaded and no stand-in
+    sgl_kernel on its path (vLLM imports a real one where it finds it)."""
+    from backends import sglang_cpu
+
+    path = sglang_cpu.install_torchvision_hook(tmp_path)
+    assert path.name == sglang_cpu.TORCHVISION_PTH_NAME
+    code = (f"import site, sys, importlib.util; site.addsitedir({str(tmp_path)!r}); "
+            f"assert {sglang_cpu.HOOK_MODULE!r} in sys.modules, 'hook not loaded'; "
+            "assert importlib.util.find_spec('sgl_kernel') is None, 'stand-in kernels on the path'; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
+    with pytest.raises(FileNotFoundError):
+        sglang_cpu.install_torchvision_hook(tmp_path / "nowhere")
+
+
 @needs_sglang
 def test_shims_are_active_in_a_fresh_process_of_the_venv():
     """What every SGLang child process sees: the hook loaded at start, the stand-in kernels, torchvision."""

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from PIL import Image
+from transformers import AutoConfig
 
 from rlhf_sg.data import DataError
 from rlhf_sg.packing import _pack_for, response_logprobs
@@ -282,7 +283,13 @@ def test_the_trainer_refuses_what_does_not_carry_images_yet_before_ray(qwen2_vl_
         return cfg
 
     validate(cfg_with())  # GRPO on the embedded engine
-    for settings, flag in (({"rollout__backend": "vllm"}, "--rollout.backend"),
+    validate(cfg_with(rollout__backend="vllm"))  # and on vLLM (tests/test_vision_engines.py)
+    with pytest.raises(ConfigError, match=r"--rollout.backend.*vision-language.*SGLang 0.5.23 cannot load a Qwen-VL"):
+        validate(cfg_with(rollout__backend="sglang"))
+    llava = save_tiny_vision_model(str(tmp_path / "llava"), "llava")
+    with pytest.raises(ConfigError, match=r"--rollout.backend vllm.*Qwen2-VL and Qwen2.5-VL models only"):
+        validate(cfg_with(rollout__backend="vllm", model__pretrain=llava))
+    for settings, flag in (
                            ({"train__advantage_estimator": "gae"}, "--train.advantage_estimator"),
                            ({"rollout__mode": "async"}, "--rollout.mode"),
                            ({"lora__rank": 4}, "--lora.rank"),
@@ -345,3 +352,70 @@ def test_a_frozen_tower_stays_bit_identical_through_training_steps(family):
 
     assert train(freeze=True) == (True, False)
     assert train(freeze=False) == (False, False)
+
+
+# ---- images for the engines that process them themselves (rlhf_sg.vision.engines) ---------------------------
+
+
+@pytest.mark.parametrize("name", [f for f in VISION_FAMILIES if f != "llava"])
+def test_engine_images_collapse_each_run_and_rebuild_the_processors_pixels(name, tmp_path):
+    """Each image's run becomes one placeholder (the processor, run on that text and the rebuilt images, expands
+    it back to our ids), and the images rebuilt from pixel_values re-process to those pixel_values."""
+    from rlhf_sg.vision.engines import engine_images
+
+    _, processor = load_processor(save_tiny_vision_model(str(tmp_path / name), name))
+    config = AutoConfig.from_pretrained(str(tmp_path / name))
+    unit = config.vision_config.patch_size * 2
+    text = f"a {processor.image_placeholder} b {processor.image_placeholder} c"
+    pictures = [_image(3 * unit + 5, 2 * unit, 1), _image(90, 41, 2)]  # resized by the processor, other grids
+    out = processor(images=pictures, text=[text], return_tensors="pt")
+    ids, inputs = out["input_ids"][0].tolist(), ImageInputs(out["pixel_values"], out["image_grid_thw"])
+    collapsed, rebuilt = engine_images(config, processor.image_processor, ids, inputs)
+    tokens = len(inputs.pixel_values) // config.vision_config.spatial_merge_size ** 2
+    assert collapsed.count(config.image_token_id) == 2 and len(collapsed) == len(ids) - tokens + 2
+    again = processor(images=rebuilt, text=[processor.tokenizer.decode(collapsed)], return_tensors="pt")
+    assert again["input_ids"][0].tolist() == ids
+    assert [im.size for im in rebuilt] == [(w * config.vision_config.patch_size, h * config.vision_config.patch_size)
+                                           for _, h, w in inputs.image_grid_thw.tolist()]
+    assert (again["pixel_values"] - inputs.pixel_values).abs().max() <= 1e-6
+
+
+def test_engine_images_refuse_ids_that_are_not_the_images_and_foreign_pixels(tmp_path):
+    from rlhf_sg.vision.engines import collapse_image_runs, engine_images
+
+    assert collapse_image_runs([1, 7, 7, 7, 2, 7, 7, 3], 7, [3, 2]) == [1, 7, 2, 7, 3]
+    with pytest.raises(ValueError, match=r"image-token runs are \[3, 2\], its images make \[2, 2\]"):
+        collapse_image_runs([1, 7, 7, 7, 2, 7, 7, 3], 7, [2, 2])
+    with pytest.raises(ValueError, match=r"image-token runs are \[4\], its images make \[2, 2\]"):
+        collapse_image_runs([1, 7, 7, 7, 7, 3], 7, [2, 2])  # two images' runs touching
+    path = save_tiny_vision_model(str(tmp_path / "q"), "qwen2-vl")
+    config, processor = AutoConfig.from_pretrained(path), load_processor(path)[1]
+    out = processor(images=[_image(56, 56, 3)], text=[f"a {processor.image_placeholder}"], return_tensors="pt")
+    ids = out["input_ids"][0].tolist()
+    with pytest.raises(ValueError, match="holds image tokens but no images"):
+        engine_images(config, processor.image_processor, ids, None)
+    shifted = ImageInputs(out["pixel_values"] + 0.5, out["image_grid_thw"])  # not this processor's normalisation
+    with pytest.raises(ValueError, match="re-process to pixel_values .* away from those given"):
+        engine_images(config, processor.image_processor, ids, shifted)
+
+
+def test_vllm_refuses_a_vision_model_it_cannot_hand_images_to_by_name(tmp_path, monkeypatch):
+    """Before vLLM starts: a LLaVA (its images are not rebuilt for vLLM), and a Qwen-VL where torchvision, which
+    vLLM's Qwen-VL code imports, is missing, naming the install script."""
+    import importlib.util
+
+    from backends.base import BackendError
+    from backends.vllm_backend import _vision_inputs
+
+    with pytest.raises(BackendError, match=r"is a llava vision-language model.*--rollout.backend hf"):
+        _vision_inputs(save_tiny_vision_model(str(tmp_path / "llava"), "llava"))
+    path = save_tiny_vision_model(str(tmp_path / "q"), "qwen2-vl")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchvision"
+                        else find_spec(name, *a))
+    with pytest.raises(BackendError, match=r"needs torchvision.*recipes/install/vllm_cpu.sh"):
+        _vision_inputs(path)
+    monkeypatch.undo()
+    if find_spec("torchvision") is not None:
+        config, image_processor = _vision_inputs(path)
+        assert config.model_type == "qwen2_vl" and image_processor.merge_size == 2

@@ -129,7 +129,9 @@ def test_rlhf_sg_backends_says_which_engines_take_images():
 
     status = available_backends()
     assert status["hf"].endswith("; takes images (vision-language models)")
-    assert all(s.endswith("; text only") for name, s in status.items() if name != "hf" and
+    if status["vllm"].startswith("available"):
+        assert "; takes images (Qwen2-VL, Qwen2.5-VL; on CPU with torchvision" in status["vllm"], status["vllm"]
+    assert all(s.endswith("; text only") for name, s in status.items() if name not in ("hf", "vllm") and
                s.startswith("available")), status
 
 

