@@ -321,45 +321,40 @@ def _calculate(arguments: str) -> str:
         return f"error: {type(e).__name__}"
 
 
-def sampling_calculator_harness(temperature: float, follow_up: str = "Are you sure?"):
-    """An agent written with the openai package, sampling at ``temperature``: call the model with the tools, run
-    the tool calls it makes, and after its first answer ask ``follow_up`` once; reward 1.0 when an answer holds
-    15846."""
+async def sampling_calculator_harness(base_url, api_key, prompt):
+    """An agent written with the openai package: the model's tool-call turn greedy, the tool run and its message
+    sent, then the model's answer and, after a follow-up question, its second answer, both sampled at temperature 1
+    (an engine's greedy log-probs are temperature 1's, so the row has one temperature); reward 1.0 when an answer
+    holds 15846."""
+    import openai
 
-    async def harness(base_url, api_key, prompt):
-        import openai
-
-        reward, asked = 0.0, False
-        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=300) as client:
-            messages = [{"role": "user", "content": prompt}]
-            for _ in range(4):
-                out = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
-                                                           temperature=temperature, max_tokens=100)
-                message = out.choices[0].message
-                messages.append(message.model_dump(exclude_none=True))
-                if message.tool_calls:
-                    messages += [{"role": "tool", "tool_call_id": call.id, "content": _calculate(
-                        call.function.arguments)} for call in message.tool_calls]
-                    continue
-                reward = max(reward, float("15846" in (message.content or "")))
-                if asked or out.choices[0].finish_reason != "stop":
-                    break
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=300) as client:
+        messages = [{"role": "user", "content": prompt}]
+        first = (await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+                                                      temperature=0)).choices[0].message
+        messages.append(first.model_dump(exclude_none=True))
+        messages += [{"role": "tool", "tool_call_id": call.id, "content": _calculate(call.function.arguments)}
+                     for call in first.tool_calls or []]
+        reward = 0.0
+        for follow_up in (None, "Are you sure?"):
+            if follow_up:
                 messages.append({"role": "user", "content": follow_up})
-                asked = True
-        return reward
+            out = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+                                                       temperature=1.0, max_tokens=24)
+            messages.append(out.choices[0].message.model_dump(exclude_none=True))
+            reward = max(reward, float("15846" in (out.choices[0].message.content or "")))
+            if out.choices[0].finish_reason == "length":  # a cut turn is not continued (the next call would fork)
+                break
+    return reward
 
-    return harness
 
-
-def check_harness_rows_logprobs_match_the_trainer(backend, tokenizer, model_path: str, runs: int = 4,
-                                                  temperature: float = 1.0) -> None:
+def check_harness_rows_logprobs_match_the_trainer(backend, tokenizer, model_path: str, runs: int = 4) -> None:
     """``runs`` harness runs (:func:`sampling_calculator_harness`: a tool call, the tool's message, an answer, a
     user's follow-up, an answer) against the endpoint, their samples made training rows as the trainer makes them
     (:func:`rlhf_sg.serve.harness.as_trajectory`, :func:`rlhf_sg.experience.build_rollout_batch`); the trainer's
-    recomputation on that batch (:func:`rlhf_sg.packing.response_logprobs`, the model's own forward, fp32, at the
-    sampling temperature) equals the engine's log-prob of every sampled token within ``LOGPROB_ATOL``. Some rows
-    must hold a tool message between turns, and the log-probs must be spread enough that a comparison one token off
-    would fail."""
+    recomputation on that batch (:func:`rlhf_sg.packing.response_logprobs`, the model's own forward, fp32,
+    temperature 1) equals the engine's log-prob of every sampled token within ``LOGPROB_ATOL``. Every row holds a
+    tool message between turns, and the log-probs are spread enough that a comparison one token off would fail."""
     from transformers import AutoModelForCausalLM
 
     from rlhf_sg.experience import build_rollout_batch
@@ -368,7 +363,7 @@ def check_harness_rows_logprobs_match_the_trainer(backend, tokenizer, model_path
 
     endpoint, server, base_url = _serve(backend, tokenizer)
     try:
-        results = run_harnesses(endpoint, base_url, sampling_calculator_harness(temperature),
+        results = run_harnesses(endpoint, base_url, sampling_calculator_harness,
                                 [QUESTION[0]["content"]], n=runs, workers=2, budget_tokens=400,
                                 max_context=TOOL_CONTEXT, timeout_s=300)
     finally:
@@ -376,17 +371,17 @@ def check_harness_rows_logprobs_match_the_trainer(backend, tokenizer, model_path
     assert all(r.error is None and r.sample is not None for r in results), [r.error for r in results]
     rows = [as_trajectory(r, [], tokenizer.pad_token_id) for r in results]
     with_tools = [t for t in rows if t.tool_calls and t.turns > 1 and not all(t.action_mask)]
-    assert with_tools, "no harness run sent a tool message between turns"
+    assert len(with_tools) == len(rows), "a harness run's row holds no tool message between turns"
     exp = build_rollout_batch([t.prompt_ids for t in rows], [t.token_ids for t in rows], [t.logprobs for t in rows],
                               tokenizer.pad_token_id, action_masks=[t.action_mask for t in rows])
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     with torch.no_grad():
-        trainer = response_logprobs(model, exp.sequences, exp.attention_mask, exp.response_width, temperature)
+        trainer = response_logprobs(model, exp.sequences, exp.attention_mask, exp.response_width, 1.0)
     mask = exp.action_mask
     worst = (trainer - exp.rollout_logp)[mask].abs().max().item()
     assert worst <= LOGPROB_ATOL, f"harness rows: engine vs trainer log-prob max abs diff {worst:.2e}"
     # the rows can tell a comparison one token off: the engine's log-probs against the trainer's of the next token
     shifted = (trainer[:, 1:] - exp.rollout_logp[:, :-1])[mask[:, 1:] & mask[:, :-1]].abs().max().item()
     assert shifted > 100 * LOGPROB_ATOL, f"the rows' log-probs are too alike to test ({shifted:.2e} one token off)"
-    print(f"harness rows: {len(rows)} ({len(with_tools)} with a tool message), {int(mask.sum())} sampled tokens; "
+    print(f"harness rows: {len(rows)}, {int(mask.sum())} sampled tokens; "
           f"engine vs trainer max abs diff {worst:.2e}, one token off {shifted:.2e}")

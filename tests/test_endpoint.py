@@ -3,8 +3,9 @@ tool calls round-trip, recorded ids are the engine's own, turns continue by toke
 forks, 401 / 400 / 413 and budget answers, and a generation cut by a weight sync continues.
 
 The tool-call model is the tiny Qwen2 model of rlhf_sg.tiny over the byte-level BPE chat tokenizer (Qwen2.5's
-format), trained here for a few seconds to answer one conversation with a tool call and, after the tool's answer,
-with the result: a random tiny model never writes a tool call on cue."""
+format), taught for a few seconds to answer one conversation with a tool call and, after the tool's answer, with the
+result (endpoint_checks.teach_tool_conversation, which the SGLang and vLLM suites use too): a random tiny model never
+writes a tool call on cue."""
 
 from __future__ import annotations
 

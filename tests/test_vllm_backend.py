@@ -275,22 +275,6 @@ def test_an_endpoint_call_cut_by_a_vllm_abort_continues(backend, model_dir):
 
 
 @requires_vllm
-def test_the_endpoint_round_trips_chat_tool_calls_on_vllm(tool_engine):
-    from endpoint_checks import check_tool_calls_round_trip
-
-    engine, tok, taught, _ = tool_engine
-    check_tool_calls_round_trip(engine, tok, taught)
-
-
-@requires_vllm
-def test_harness_rows_from_the_endpoint_have_the_trainers_logprobs_on_vllm(tool_engine):
-    from endpoint_checks import check_harness_rows_logprobs_match_the_trainer
-
-    engine, tok, _, path = tool_engine
-    check_harness_rows_logprobs_match_the_trainer(engine, tok, path)
-
-
-@requires_vllm
 def test_truncated_sampling_reports_pre_truncation_logprobs(backend, reference, prompts):
     """With top-p / top-k on, vLLM's processed log-probs are renormalised over the kept tokens; ours are not.
 
@@ -712,3 +696,21 @@ def test_cuda_sleep_frees_memory_and_wake_restores_the_engine(model_dir, prompts
         assert contract.greedy(engine, prompts) == before
     finally:
         engine.shutdown()
+
+
+# ---- the endpoint's chat with tools, on a second engine (last in the module: it runs beside the first for these
+# tests alone) --------------------------------------------------------------------------------------------------
+@requires_vllm
+def test_the_endpoint_round_trips_chat_tool_calls_on_vllm(tool_engine):
+    from endpoint_checks import check_tool_calls_round_trip
+
+    engine, tok, taught, _ = tool_engine
+    check_tool_calls_round_trip(engine, tok, taught)
+
+
+@requires_vllm
+def test_harness_rows_from_the_endpoint_have_the_trainers_logprobs_on_vllm(tool_engine):
+    from endpoint_checks import check_harness_rows_logprobs_match_the_trainer
+
+    engine, tok, _, path = tool_engine
+    check_harness_rows_logprobs_match_the_trainer(engine, tok, path)
