@@ -3,11 +3,13 @@ tool calls round-trip, recorded ids are the engine's own, turns continue by toke
 forks, 401 / 400 / 413 and budget answers, and a generation cut by a weight sync continues.
 
 The tool-call model is the tiny Qwen2 model of rlhf_sg.tiny over the byte-level BPE chat tokenizer (Qwen2.5's
-format), trained here for a few seconds to answer one conversation with a tool call and, after the tool's answer,
-with the result: a random tiny model never writes a tool call on cue."""
+format), taught for a few seconds to answer one conversation with a tool call and, after the tool's answer, with the
+result (endpoint_checks.teach_tool_conversation, which the SGLang and vLLM suites use too): a random tiny model never
+writes a tool call on cue."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import urllib.error
 import urllib.request
@@ -17,66 +19,23 @@ import torch
 
 openai = pytest.importorskip("openai")
 
+from endpoint_checks import QUESTION, TOOL_CONTEXT, TOOLS, Taught, teach_tool_conversation  # noqa: E402
+
 from backends.base import BackendConfig, SamplingParams  # noqa: E402
 from rlhf_sg.serve.endpoint import Endpoint, EndpointServer  # noqa: E402
 from rlhf_sg.serve.renderer import HermesRenderer, renderer_for  # noqa: E402
-
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "evaluate arithmetic",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
-QUESTION = [{"role": "user", "content": "What is 417*38?"}]
-CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "417*38"}}\n</tool_call><|im_end|>'
-ANSWER_TEXT = "The answer is 15846.<|im_end|>"
-
-
-def _train_tool_model(tok, path):
-    """The tiny model, taught the two assistant turns of the calculator conversation (teacher forcing on them)."""
-    from rlhf_sg.tiny import build_tiny_model
-
-    enc = lambda text: list(tok.encode(text, add_special_tokens=False))  # noqa: E731
-    p1 = list(tok.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True, tokenize=True,
-                                      return_dict=False))
-    # the call as the engine may sample it: its JSON one character a token, which the tokenizer's merges would
-    # encode otherwise (a re-rendering of the conversation gives other ids; the endpoint must keep these)
-    body = CALL_TEXT[len("<tool_call>"):-len("</tool_call><|im_end|>")]
-    call = enc("<tool_call>") + [i for ch in body for i in enc(ch)] + enc("</tool_call><|im_end|>")
-    assert call != enc(CALL_TEXT)
-    glue = enc("\n<|im_start|>user\n<tool_response>\n15846\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
-    p2 = p1 + call + glue
-    answer = enc(ANSWER_TEXT)
-    model = build_tiny_model(vocab_size=len(tok), seed=0, max_len=512)
-    model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    # one right-padded batch of the two turns (causal: the padding after a row changes nothing of it)
-    rows = [(p1, call), (p2, answer)]
-    width = max(len(p) + len(t) for p, t in rows)
-    ids = torch.full((2, width), tok.pad_token_id)
-    labels, mask = torch.full_like(ids, -100), torch.zeros_like(ids)
-    for r, (prompt, target) in enumerate(rows):
-        n = len(prompt) + len(target)
-        ids[r, :n], labels[r, len(prompt):n], mask[r, :n] = torch.tensor(prompt + target), torch.tensor(target), 1
-    for _ in range(300):
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if loss.item() < 0.01:
-            break
-    model.eval()
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return p1, call, glue, answer
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from backends.embedded import EmbeddedBackend
-    from rlhf_sg.tiny import build_chat_tokenizer
+    from rlhf_sg.tiny import build_chat_tokenizer, build_tiny_model
 
     tok = build_chat_tokenizer()
     path = str(tmp_path_factory.mktemp("endpoint_model"))
-    taught = _train_tool_model(tok, path)
-    backend = EmbeddedBackend(BackendConfig(model_path=path, max_model_len=512, num_threads=1))
+    taught = dataclasses.astuple(teach_tool_conversation(tok, build_tiny_model(vocab_size=len(tok), seed=0,
+                                                                               max_len=TOOL_CONTEXT), path))
+    backend = EmbeddedBackend(BackendConfig(model_path=path, max_model_len=TOOL_CONTEXT, num_threads=1))
     endpoint = Endpoint([backend], tok, "tiny-qwen", max_request_bytes=64 * 1024)
     server = EndpointServer(endpoint)
     base_url = server.start()
@@ -90,32 +49,10 @@ def client(base_url, key):
 
 
 def test_tool_calls_round_trip_and_the_next_turn_continues_the_sample(served):
-    endpoint, backend, tok, base_url, (p1, call_ids, glue, answer_ids) = served
-    session, key = endpoint.open_session(budget_tokens=200, max_context=512)
-    c = client(base_url, key)
-    first = c.chat.completions.create(model="tiny-qwen", messages=QUESTION, tools=TOOLS, temperature=0)
-    choice = first.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    (call,) = choice.message.tool_calls
-    assert call.type == "function" and call.function.name == "calculator"
-    assert json.loads(call.function.arguments) == {"expression": "417*38"}
-    messages = QUESTION + [choice.message.model_dump(exclude_none=True),
-                           {"role": "tool", "tool_call_id": call.id, "content": "15846"}]
-    second = c.chat.completions.create(model="tiny-qwen", messages=messages, tools=TOOLS, temperature=0)
-    assert second.choices[0].message.content == "The answer is 15846."
-    assert second.choices[0].finish_reason == "stop"
-    first_call, second_call = session.calls
-    # the engine's exact ids: the prompt the template renders, the ids it sampled, then the new turn's glue alone
-    assert first_call.prompt_ids == p1 and first_call.completion_ids == call_ids
-    assert second_call.prompt_ids == p1 + call_ids + glue and second_call.completion_ids == answer_ids
-    assert (first_call.tool_calls, second_call.tool_calls) == (1, 0)
-    assert first_call.tool_parse_errors == second_call.tool_parse_errors == 0
-    (sample,) = session.samples
-    assert sample.prompt_ids == p1 and sample.token_ids == call_ids + glue + answer_ids
-    assert sample.action_mask == [True] * len(call_ids) + [False] * len(glue) + [True] * len(answer_ids)
-    assert (session.continued, session.forked) == (1, 0)
-    assert first.model_extra["prompt_token_ids"] == p1 and choice.model_extra["token_ids"] == call_ids
-    endpoint.close_session(session.session_id)
+    from endpoint_checks import check_tool_calls_round_trip
+
+    endpoint, backend, tok, base_url, taught = served
+    check_tool_calls_round_trip(backend, tok, Taught(*taught))
 
 
 def test_a_streaming_client_gets_the_recorded_completion_replayed(served):
@@ -337,6 +274,13 @@ def test_harness_runs_become_rows_with_masks_from_provenance_and_the_trainers_lo
     mask = torch.tensor(sample.action_mask)
     assert torch.allclose(trainer[mask], torch.tensor(sample.logprobs)[mask], atol=1e-4)
     assert batch.action_mask[0].sum().item() == len(call_ids) + len(answer_ids)
+
+
+def test_sampled_harness_rows_with_tool_messages_have_the_trainers_logprobs(served):
+    from endpoint_checks import check_harness_rows_logprobs_match_the_trainer
+
+    endpoint, backend, tok, base_url, _ = served
+    check_harness_rows_logprobs_match_the_trainer(backend, tok, backend.config.model_path, runs=2)  # fast tier
 
 
 def test_harness_pool_is_bounded_and_failures_stay_with_their_sample(served):

@@ -549,3 +549,44 @@ def test_a_call_fails_soon_after_an_engine_process_dies_naming_it():
         release.set()
         child.wait()
         driver._thread.shutdown(wait=True)
+
+
+# ---- the endpoint's chat with tools, on a second engine (last in the module: it runs beside the first for these
+# tests alone) --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tool_engine(tmp_path_factory):
+    """An engine on a tiny Llama taught to call the calculator over the chat tokenizer (endpoint_checks: the module's
+    own model has no chat template); (engine, tokenizer, taught ids, model path)."""
+    from endpoint_checks import TOOL_CONTEXT, teach_tool_conversation
+
+    from backends.sglang_backend import SGLangBackend
+    from rlhf_sg.tiny import build_chat_tokenizer
+
+    tok = build_chat_tokenizer()
+    path = str(tmp_path_factory.mktemp("sglang-tool-llama"))
+    taught = teach_tool_conversation(tok, build_tiny_model("llama", "tiny", seed=0, vocab_size=len(tok),
+                                                           max_len=TOOL_CONTEXT), path)
+    backend = SGLangBackend(BackendConfig(model_path=path, dtype="float32", max_model_len=TOOL_CONTEXT, seed=0,
+                                          num_threads=1))
+    yield backend, tok, taught, path
+    backend.shutdown()
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_the_endpoint_round_trips_chat_tool_calls_on_sglang(tool_engine):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from endpoint_checks import check_tool_calls_round_trip
+
+    backend, tok, taught, _ = tool_engine
+    check_tool_calls_round_trip(backend, tok, taught)
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_harness_rows_from_the_endpoint_have_the_trainers_logprobs_on_sglang(tool_engine):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from endpoint_checks import check_harness_rows_logprobs_match_the_trainer
+
+    backend, tok, _, path = tool_engine
+    check_harness_rows_logprobs_match_the_trainer(backend, tok, path)

@@ -156,11 +156,11 @@ def test_shared_bucket_opens_in_an_unrelated_process_and_refuses_another_device_
         open_shared_bucket(as_cuda, torch.device("cpu"))
 
 
-def _head32_model(seed: int):
+def _head32_model(seed: int, **config_kw):
     """The tiny Qwen2 with 2 attention heads of 32 (1 KV head): a shape vLLM's CPU build runs."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config("qwen2", "tiny")
+    config = tiny_config("qwen2", "tiny", **config_kw)
     config.num_attention_heads, config.num_key_value_heads = 2, 1
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -207,6 +207,26 @@ if HAVE_VLLM:
         """One engine for the whole module (a vLLM start costs tens of seconds on CPU)."""
         engine = VLLMBackend(contract._contract_config("vllm", VLLMBackend, model_dir))
         yield engine
+        engine.shutdown()
+
+
+    @pytest.fixture(scope="module")
+    def tool_engine(tmp_path_factory):
+        """An engine on the head-32 Qwen2 taught to call the calculator over the chat tokenizer (endpoint_checks:
+        the module's own model has no chat template); (engine, tokenizer, taught ids, model path)."""
+        import dataclasses
+
+        from endpoint_checks import TOOL_CONTEXT, teach_tool_conversation
+
+        from rlhf_sg.tiny import build_chat_tokenizer
+
+        tok = build_chat_tokenizer()
+        path = str(tmp_path_factory.mktemp("vllm-tool-model"))
+        model = _head32_model(seed=0, vocab_size=len(tok), max_len=TOOL_CONTEXT)
+        taught = teach_tool_conversation(tok, model, path)
+        config = contract._contract_config("vllm", VLLMBackend, path)
+        engine = VLLMBackend(dataclasses.replace(config, max_model_len=TOOL_CONTEXT))
+        yield engine, tok, taught, path
         engine.shutdown()
 
 
@@ -676,3 +696,21 @@ def test_cuda_sleep_frees_memory_and_wake_restores_the_engine(model_dir, prompts
         assert contract.greedy(engine, prompts) == before
     finally:
         engine.shutdown()
+
+
+# ---- the endpoint's chat with tools, on a second engine (last in the module: it runs beside the first for these
+# tests alone) --------------------------------------------------------------------------------------------------
+@requires_vllm
+def test_the_endpoint_round_trips_chat_tool_calls_on_vllm(tool_engine):
+    from endpoint_checks import check_tool_calls_round_trip
+
+    engine, tok, taught, _ = tool_engine
+    check_tool_calls_round_trip(engine, tok, taught)
+
+
+@requires_vllm
+def test_harness_rows_from_the_endpoint_have_the_trainers_logprobs_on_vllm(tool_engine):
+    from endpoint_checks import check_harness_rows_logprobs_match_the_trainer
+
+    engine, tok, _, path = tool_engine
+    check_harness_rows_logprobs_match_the_trainer(engine, tok, path)
