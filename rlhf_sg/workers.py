@@ -411,10 +411,6 @@ class ModelWorker:
         # instead of materialising it whole on every rank.
         self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
         model = self._load_model()
-        if self.sequence_parallel is not None:
-            from rlhf_sg.parallel import use_ulysses_attention
-
-            use_ulysses_attention(model, self.spec.sequence_parallel_size)
         optimizer = self._make_optimizer(model) if self.spec.train else None
         schedule = (lr_schedule(self.spec.lr_scheduler, self.spec.lr_warmup_steps, self.spec.lr_total_steps)
                     if self.spec.train else None)
@@ -434,6 +430,10 @@ class ModelWorker:
             # with sinks, or handed a mask the model copied): its tree mask would then run at the blocks' long
             # segments, so the model keeps the tree mask and its segments
             stop_shared_prompt_attention(self.module)
+        if self.sequence_parallel is not None:  # after the probe, which checks the packed forwards it wraps
+            from rlhf_sg.parallel import use_ulysses_attention
+
+            use_ulysses_attention(self.module, self.spec.sequence_parallel_size)
         self.syncer = None
         self._sync_setups = 0  # weight-sync set-ups so far (each gets group names of its own)
         self._profiler = None

@@ -425,9 +425,11 @@ class PPOTrainer:
         return metrics
 
     def _count(self, phase: str, role: str, experience: Experience, plans: list, train: bool = False) -> None:
-        """Charge ``phase`` the model FLOPs of ``role``'s micro-batches ``plans`` (per rank) for the perf/* metrics."""
+        """Charge ``phase`` the model FLOPs of ``role``'s micro-batches ``plans`` (per data-parallel rank) for the
+        perf/* metrics."""
         if self.accounting:
-            self.accounting.count(phase, role, experience, plans, self.share_prompts, train)
+            self.accounting.count(phase, role, experience, plans, self.share_prompts, train,
+                                  self.layout.sequence_parallel_size(role))
 
     def compute_advantages(self, experience: Experience) -> None:
         """Fill ``experience.advantages`` (and ``.returns`` with a critic) with the run's advantage estimator.
