@@ -65,11 +65,12 @@ def _experience():
     return batch
 
 
-def _rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str) -> dict:
+def _rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str, checkpointing: bool) -> dict:
     """One rank of a ``role`` group of ``world`` ranks in SP groups of ``size``, given its micro-batches as the
     controller gives them (the batch split over the data-parallel ranks, the normaliser per data-parallel rank): the
     scoring forward's rows and result, one optimizer step's metrics, the reduced gradients at the step and the
-    parameters after it."""
+    parameters after it. ``checkpointing``: gradient checkpointing (the backward recomputes each layer, its
+    all-to-alls included)."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
@@ -84,12 +85,16 @@ def _rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str
     torch.set_num_threads(1)
     spec = WorkerSpec(role=role, model_path=model_dir, world_size=world, master_addr="127.0.0.1", master_port=port,
                       train=True, lr=LR, timeout_s=TIMEOUT_S, zero_stage=3,
-                      sequence_parallel_size=size)
+                      sequence_parallel_size=size, gradient_checkpointing=checkpointing)
     worker = ModelWorker(dataclasses.asdict(spec), rank)
     try:
         columns: list[int] = []  # the widest rows the model's embedding was handed (this rank's columns)
         embedding = next(m for name, m in worker.module.named_modules() if name.endswith("embed_tokens"))
         embedding.register_forward_hook(lambda _m, args, _out: columns.append(args[0].shape[-1]))
+        layer_calls: list[int] = []  # the first decoder layer's forwards begun (a recomputation, which stops once it
+        # has what the backward needs, counts)
+        layer = next(m for name, m in worker.module.named_modules() if name.endswith("layers.0"))
+        layer.register_forward_pre_hook(lambda *_: layer_calls.append(1))
         batch = _experience()
         # the controller's optimizer step: one epoch, one minibatch, split over the data-parallel ranks
         train = TrainConfig(ppo_epochs=1, num_minibatches=1, max_tokens_per_microbatch=MAX_TOKENS)
@@ -117,7 +122,7 @@ def _rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str
             metrics = worker.train_critic(batch, steps, CriticUpdate(value_clip=0.2))
         params = {name: safe_get_full_fp32_param(p).clone() for name, p in named}
         return {"rows": order, "scored": scored, "metrics": metrics, "grads": grads, "params": params,
-                "backward_loss": losses, "columns": max(columns)}
+                "backward_loss": losses, "columns": max(columns), "layer_calls": len(layer_calls)}
     finally:
         dist.destroy_process_group()
 
@@ -126,20 +131,21 @@ def _rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str
 _GROUPS: dict[tuple, list[dict]] = {}
 
 
-def _group(role: str, world: int, size: int, model_dir: str) -> list[dict]:
-    if (role, world, size, model_dir) not in _GROUPS:
-        _GROUPS[role, world, size, model_dir] = _spawn(role, world, size, model_dir)
-    return _GROUPS[role, world, size, model_dir]
+def _group(role: str, world: int, size: int, model_dir: str, checkpointing: bool = False) -> list[dict]:
+    key = (role, world, size, model_dir, checkpointing)
+    if key not in _GROUPS:
+        _GROUPS[key] = _spawn(*key)
+    return _GROUPS[key]
 
 
-def _spawn(role: str, world: int, size: int, model_dir: str) -> list[dict]:
+def _spawn(role: str, world: int, size: int, model_dir: str, checkpointing: bool) -> list[dict]:
     from zero3_rank import in_fresh_process
 
     from rlhf_sg.distributed import free_port
 
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(world) as pool:
-        futures = [pool.submit(in_fresh_process, _rank, role, rank, world, size, port, model_dir,
+        futures = [pool.submit(in_fresh_process, _rank, role, rank, world, size, port, model_dir, checkpointing,
                                timeout_s=4 * TIMEOUT_S) for rank in range(world)]
         failed = {rank: f.exception() for rank, f in enumerate(futures)}
     if any(failed.values()):
@@ -200,6 +206,17 @@ def test_an_sp_group_of_two_ranks_takes_the_one_rank_training_step(role, model_d
     assert alone["columns"] == max(p + r for p, r in zip(PROMPTS, RESPONSES))
     assert [seen["columns"] for seen in split] == [alone["columns"] // 2] * 2, (alone["columns"], split)
     _assert_the_one_rank_step(role, model_dir, alone, split, 2)
+
+
+@pytest.mark.slow
+def test_an_sp_group_with_gradient_checkpointing_takes_the_one_rank_training_step(model_dir):
+    """The same with gradient checkpointing on the SP group: the backward recomputes each layer, all-to-alls and
+    all, in the same order on both ranks."""
+    (alone,) = _group("actor", 1, 1, model_dir)
+    split = _group("actor", 2, 2, model_dir, checkpointing=True)
+    # scoring forward, the update's forward, and the backward's recomputation of the layer
+    assert alone["layer_calls"] == 2 and [seen["layer_calls"] for seen in split] == [3, 3], split
+    _assert_the_one_rank_step("actor", model_dir, alone, split, 2)
 
 
 @pytest.mark.slow
