@@ -209,22 +209,15 @@ def test_an_sp_group_of_two_ranks_takes_the_one_rank_training_step(role, model_d
 
 
 @pytest.mark.slow
-def test_an_sp_group_with_gradient_checkpointing_takes_the_one_rank_training_step(model_dir):
-    """The same with gradient checkpointing on the SP group: the backward recomputes each layer, all-to-alls and
-    all, in the same order on both ranks."""
-    (alone,) = _group("actor", 1, 1, model_dir)
-    split = _group("actor", 2, 2, model_dir, checkpointing=True)
-    # scoring forward, the update's forward, and the backward's recomputation of the layer
-    assert alone["layer_calls"] == 2 and [seen["layer_calls"] for seen in split] == [3, 3], split
-    _assert_the_one_rank_step("actor", model_dir, alone, split, 2)
-
-
-@pytest.mark.slow
-def test_two_data_parallel_sp_groups_take_the_one_rank_training_step(model_dir):
+def test_two_data_parallel_sp_groups_with_gradient_checkpointing_take_the_one_rank_training_step(model_dir):
     """4 actor ranks: 2 data-parallel ranks x SP groups of 2, the batch split over the data-parallel ranks only (as
-    the controller splits it) and each SP group's gradients summed, then averaged over data parallelism."""
+    the controller splits it) and each SP group's gradients summed, then averaged over data parallelism; with
+    gradient checkpointing, whose backward recomputes each layer, all-to-alls included, in the same order on the
+    group's ranks."""
     (alone,) = _group("actor", 1, 1, model_dir)
-    split = _group("actor", 4, 2, model_dir)
+    split = _group("actor", 4, 2, model_dir, checkpointing=True)
+    # scoring forward, the update's forward, and the backward's recomputation of the layer
+    assert alone["layer_calls"] == 2 and [seen["layer_calls"] for seen in split] == [3] * 4, split
     assert split[0]["rows"] == split[1]["rows"] and split[2]["rows"] == split[3]["rows"]
     assert sorted(split[0]["rows"] + split[2]["rows"]) == [0, 1, 2, 3]
     _assert_the_one_rank_step("actor", model_dir, alone, split, 2)
