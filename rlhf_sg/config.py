@@ -782,7 +782,8 @@ def _heads(path: str) -> tuple[int, int] | None:
 
 
 def _check_sequence_parallel(cfg: Config) -> None:
-    """--train.sequence_parallel_size: it divides every group's ranks and every model's heads split over it."""
+    """--train.sequence_parallel_size: it divides the ranks of the groups it splits (actor, critic, reference) and
+    their models' heads split over it; what the SP groups do not run yet is refused by its flag."""
     from rlhf_sg.parallel.heads import check_sequence_parallel_heads
 
     m, t, rw = cfg.model, cfg.train, cfg.reward
@@ -794,8 +795,7 @@ def _check_sequence_parallel(cfg: Config) -> None:
     groups = (("--train.actor_num_ranks", t.actor_num_ranks, m.pretrain, True),
               ("--train.critic_num_ranks", t.critic_num_ranks, m.critic_pretrain or m.reward_pretrain or m.pretrain,
                critic),
-              ("--train.ref_num_ranks", t.ref_num_ranks, m.pretrain, t.kl_coef > 0),
-              ("--reward.num_ranks", rw.num_ranks, m.reward_pretrain, rw.kind == "model"))
+              ("--train.ref_num_ranks", t.ref_num_ranks, m.pretrain, t.kl_coef > 0))
     for ranks_flag, ranks, path, used in groups:
         if not used:
             continue
@@ -804,8 +804,24 @@ def _check_sequence_parallel(cfg: Config) -> None:
         heads = _heads(path) if path and os.path.isfile(os.path.join(path, "config.json")) else None
         if heads is not None:
             check_sequence_parallel_heads(path, *heads, n, flag)
-    _need(False, f"{flag} {n}: the trainer's workers do not run sequence parallelism yet (rlhf_sg.parallel holds the "
-                 "sharded forwards, tested on gloo, but no group uses them); set it to 1")
+    policy = m.pretrain if m.pretrain and os.path.isfile(os.path.join(m.pretrain, "config.json")) else None
+    # what the SP groups do not run yet: each refused by its flag
+    refused = (
+        ("--train.share_prompts true", shares_prompts(cfg), "shared-prompt rows and blocks are not split across "
+                                                             "ranks yet; set --train.share_prompts false"),
+        ("--reward.kind model", rw.kind == "model", "the reward model's group does not split sequences yet"),
+        ("--distill.teacher", cfg.distill.teacher is not None, "the teacher's group does not split sequences yet"),
+        ("--lora.rank", cfg.lora.rank > 0, "a LoRA policy is not run with split sequences yet"),
+        ("--model.attn_implementation flash_attention_2", m.attn_implementation == "flash_attention_2",
+         "the flash-attention varlen path under sequence parallelism is not tested on a GPU yet; use sdpa or eager"),
+        ("--train.routing_replay", t.routing_replay, "routes are replayed per whole row, not per shard"),
+        ("--model.pretrain (a mixture-of-experts model)", policy is not None and _has_experts(policy),
+         "its router loss would see one shard's tokens"),
+        ("--model.pretrain (a vision-language model)", policy is not None and is_vision_language(policy),
+         "image features are not split across ranks"),
+    )
+    for what, hit, reason in refused:
+        _need(not hit, f"{flag} {n} with {what}: {reason} (or set {flag} 1)")
 
 
 def validate(cfg: Config) -> Config:

@@ -331,10 +331,11 @@ class StepAccounting:
         self.flops = {}
 
     def count(self, phase: str, role: str, experience, plans: list[list[list[int]]], share_prompts: bool,
-              train: bool = False) -> None:
-        """Add the model FLOPs of ``role``'s forwards (``train``: forward and backward) over ``plans`` (per rank,
-        micro-batches of row indices) to ``phase``. A phase runs on the ranks of every role counted in it (the actor's
-        and the critic's updates run side by side)."""
+              train: bool = False, sequence_parallel: int = 1) -> None:
+        """Add the model FLOPs of ``role``'s forwards (``train``: forward and backward) over ``plans`` (per
+        data-parallel rank, micro-batches of row indices) to ``phase``; each plan ran on ``sequence_parallel`` ranks
+        (an SP group, which shares its FLOPs). A phase runs on the ranks of every role counted in it (the actor's and
+        the critic's updates run side by side)."""
         from rlhf_sg.packing import MAX_DEFAULT_SEGMENT_TOKENS
 
         shape = self.shapes[role]
@@ -345,7 +346,7 @@ class StepAccounting:
         head = "value" if role == "critic" else "lm"
         done = (train_flops if train else forward_flops)(shape, segments, head)
         total, ranks = self.flops.setdefault(phase, {}).get(role, (0.0, 0))
-        self.flops[phase][role] = (total + done, max(ranks, len(plans)))
+        self.flops[phase][role] = (total + done, max(ranks, len(plans) * sequence_parallel))
 
     def report(self, times: dict[str, float], experience, sync_stats: list[dict] | None) -> dict[str, float]:
         """The ``perf/*`` metrics of the step: the counted phases, generation from the experience's real tokens, and

@@ -67,6 +67,9 @@ class WorkerSpec:
     lora: dict | None = None
     #: 3: ZeRO-3 partitioning; 0: none (a group of one rank, --train.single_rank_zero3 false)
     zero_stage: int = 3
+    #: --train.sequence_parallel_size: consecutive ranks form SP groups of this size (:mod:`rlhf_sg.parallel`); the
+    #: controller gives every rank of one the same micro-batches
+    sequence_parallel_size: int = 1
 
 
 class NonFiniteSkip:
@@ -155,7 +158,7 @@ def without_dropout(config) -> list[str]:
 
 
 def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate, normalizer: float,
-                          replay=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                          replay=None, sequence_parallel=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's actor loss (:func:`rlhf_sg.algorithms.actor_loss`) and its per-token metrics.
 
     model: the policy (a DeepSpeed engine or a causal LM), in train mode; mb: the micro-batch on the model's
@@ -167,17 +170,26 @@ def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate, normalizer
     step's term is then the micro-batches' weighted mean. Logged as ``router_aux_loss``.
 
     ``replay``: a :class:`rlhf_sg.moe.RouteReplay` in its active scope (routing replay): the micro-batch's
-    ``routes`` are replayed in the forward."""
+    ``routes`` are replayed in the forward. ``sequence_parallel``: this rank's
+    :class:`rlhf_sg.parallel.SequenceParallelGroup`; the log-probs are then the group's (the whole micro-batch's on
+    every rank: :mod:`rlhf_sg.parallel.forward`)."""
     from rlhf_sg.algorithms import actor_loss, masked_mean
     from rlhf_sg.moe import RouterLoad
     from rlhf_sg.packing import response_logprobs
 
     coef = router_aux_loss_coef(model, update.router_aux_loss_coef)
     router = RouterLoad(model) if coef > 0 else None
-    logp, entropy = response_logprobs(model, mb.sequences, mb.attention_mask, mb.response_width,
-                                      update.temperature, with_entropy=True, share_prompts=update.share_prompts,
-                                      router=router, routes=mb.routes if replay is not None else None,
-                                      replay=replay, images=_images_of(model, mb))
+    if sequence_parallel is not None:
+        from rlhf_sg.parallel import sp_response_logprobs
+
+        _check_sequence_parallel(model, mb, update.share_prompts, router is not None or replay is not None)
+        logp, entropy = sp_response_logprobs(model, mb.sequences, mb.attention_mask, mb.response_width,
+                                             sequence_parallel, update.temperature, with_entropy=True)
+    else:
+        logp, entropy = response_logprobs(model, mb.sequences, mb.attention_mask, mb.response_width,
+                                          update.temperature, with_entropy=True, share_prompts=update.share_prompts,
+                                          router=router, routes=mb.routes if replay is not None else None,
+                                          replay=replay, images=_images_of(model, mb))
     # a single update on fresh samples: the policy that sampled is the one being trained, so the old
     # log-probs are this forward's own
     old_logp = logp.detach() if update.old_logp_from_update else mb.old_logp
@@ -197,6 +209,17 @@ def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate, normalizer
         loss = loss + coef * aux * (units / normalizer)
         metrics["router_aux_loss"] = aux.detach()
     return loss * scale, metrics
+
+
+def _check_sequence_parallel(model, mb: Experience, share_prompts: bool, routed: bool) -> None:
+    """Refuse what the SP forwards do not run (config.py refuses the flags before Ray starts; this holds a direct
+    caller to it)."""
+    module = getattr(model, "module", model)
+    refused = ("shared prompts" if share_prompts else "routing replay or a router loss" if routed
+               else "a vision-language model's images" if _images_of(model, mb) is not None else None)
+    if refused is not None:
+        raise ValueError(f"{type(module).__name__}: sequence parallelism does not run {refused}; set "
+                         "--train.sequence_parallel_size 1")
 
 
 def _images_of(model, mb: Experience) -> list | None:
@@ -241,14 +264,21 @@ def loss_tokens(mb: Experience) -> torch.Tensor:
     return mask.sum().float()
 
 
-def critic_microbatch_loss(model, mb: Experience, update: CriticUpdate,
-                           normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One micro-batch's value loss (:func:`rlhf_sg.algorithms.value_loss`, token mean) and its metrics."""
+def critic_microbatch_loss(model, mb: Experience, update: CriticUpdate, normalizer: float,
+                           sequence_parallel=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's value loss (:func:`rlhf_sg.algorithms.value_loss`, token mean) and its metrics; with
+    ``sequence_parallel`` the values are the SP group's (as :func:`actor_microbatch_loss`)."""
     from rlhf_sg.algorithms import value_loss
     from rlhf_sg.packing import critic_values
 
-    values = critic_values(model, mb.sequences, mb.attention_mask, mb.response_width,
-                           share_prompts=update.share_prompts)
+    if sequence_parallel is not None:
+        from rlhf_sg.parallel import sp_critic_values
+
+        _check_sequence_parallel(model, mb, update.share_prompts, False)
+        values = sp_critic_values(model, mb.sequences, mb.attention_mask, mb.response_width, sequence_parallel)
+    else:
+        values = critic_values(model, mb.sequences, mb.attention_mask, mb.response_width,
+                               share_prompts=update.share_prompts)
     keep, scale = _rows_in_loss(mb)
     if keep is not None:
         values, mb = values[keep], mb.rows(keep)
@@ -358,6 +388,14 @@ class ModelWorker:
             timeout_s=self.spec.timeout_s,
             local_rank=self.placement.local_rank,
         )
+        #: this rank's SP group (None without sequence parallelism) and the factor its backward's loss takes
+        self.sequence_parallel, self._loss_scale = None, 1.0
+        if self.spec.sequence_parallel_size > 1:
+            from rlhf_sg.parallel import loss_scale, sequence_parallel_groups
+
+            self.sequence_parallel = sequence_parallel_groups(self.spec.world_size, self.spec.sequence_parallel_size,
+                                                              rank, self.spec.timeout_s)
+            self._loss_scale = loss_scale(self.spec.sequence_parallel_size)
         #: where this rank's micro-batches go for the updates
         cuda = self.spec.device == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -392,6 +430,10 @@ class ModelWorker:
             # with sinks, or handed a mask the model copied): its tree mask would then run at the blocks' long
             # segments, so the model keeps the tree mask and its segments
             stop_shared_prompt_attention(self.module)
+        if self.sequence_parallel is not None:  # after the probe, which checks the packed forwards it wraps
+            from rlhf_sg.parallel import use_ulysses_attention
+
+            use_ulysses_attention(self.module, self.spec.sequence_parallel_size)
         self.syncer = None
         self._sync_setups = 0  # weight-sync set-ups so far (each gets group names of its own)
         self._profiler = None
@@ -489,6 +531,10 @@ class ModelWorker:
         outputs, order = [], []
         for micro in plan:
             mb = experience.rows(micro)
+            if self.sequence_parallel is not None:
+                outputs.append(self._sp_forward(mb, temperature, share_prompts).float().cpu())
+                order.extend(micro)
+                continue
             # routing replay: the policy's forwards; a LoRA actor's reference (the adapter off) routes live, as a
             # reference group of its own does
             if self.spec.role == "actor" and mb.routes is not None and not without_adapter:
@@ -507,6 +553,20 @@ class ModelWorker:
             order.extend(micro)
         result = torch.cat(outputs) if outputs else torch.empty(0)
         return order, result
+
+    def _sp_forward(self, mb: Experience, temperature: float, share_prompts: bool) -> torch.Tensor:
+        """A scoring forward of this rank's SP group: the whole micro-batch's log-probs or values."""
+        from rlhf_sg.parallel import sp_critic_values, sp_response_logprobs
+
+        _check_sequence_parallel(self.module, mb, share_prompts, mb.routes is not None and self.spec.role == "actor")
+        if self.spec.role in ("actor", "ref"):
+            return sp_response_logprobs(self.module, mb.sequences, mb.attention_mask, mb.response_width,
+                                        self.sequence_parallel, temperature)
+        if self.spec.role == "critic":
+            return sp_critic_values(self.module, mb.sequences, mb.attention_mask, mb.response_width,
+                                    self.sequence_parallel)
+        raise ValueError(f"{self.spec.role}: this group does not run sequence parallelism; give it "
+                         "sequence_parallel_size 1")
 
     # ---- training -----------------------------------------------------------------------------------
     def _route_replay(self):
@@ -541,7 +601,8 @@ class ModelWorker:
                 mb = experience.rows(micro).to(device)
                 with scope() if scope is not None else contextlib.nullcontext():
                     loss, metrics = micro_loss(mb, step.normalizer)
-                    self.engine.backward(loss, scale_wrt_gas=False)
+                    # x N under sequence parallelism: ZeRO-3 then sums the SP group (rlhf_sg.parallel.groups)
+                    self.engine.backward(loss * self._loss_scale, scale_wrt_gas=False)
                 tokens = loss_tokens(mb)
                 for k, v in metrics.items():
                     sums[k] = sums[k] + v.detach() * tokens if k in sums else v.detach() * tokens
@@ -567,7 +628,8 @@ class ModelWorker:
         experience.require("advantages", why="compute the advantages before the actor's update")
         replay = self._route_replay() if experience.routes is not None else None
         return self._run_updates(experience, steps,
-                                 lambda mb, norm: actor_microbatch_loss(self.engine, mb, update, norm, replay),
+                                 lambda mb, norm: actor_microbatch_loss(self.engine, mb, update, norm, replay,
+                                                                        self.sequence_parallel),
                                  "actor", scope=replay.active if replay is not None else None)
 
     def train_critic(self, experience: Experience, steps: list[OptimizerStep],
@@ -575,7 +637,8 @@ class ModelWorker:
         """Value updates over ``steps`` (this rank's part of each optimizer step)."""
         experience.require("values", "returns", why="the critic's update needs its old values and the returns")
         return self._run_updates(experience, steps,
-                                 lambda mb, norm: critic_microbatch_loss(self.engine, mb, update, norm), "critic")
+                                 lambda mb, norm: critic_microbatch_loss(self.engine, mb, update, norm,
+                                                                         self.sequence_parallel), "critic")
 
     # ---- weight sync (actor) --------------------------------------------------------------------------
     def setup_weight_sync(self, engines: list, transport: str, bucket_bytes: int, timeout_s: float) -> None:
@@ -972,12 +1035,20 @@ class ModelGroup:
 
     def forward(self, batch_ref, plans: list[list[list[int]]], batch_size: int, temperature: float = 1.0,
                 share_prompts: bool = False, without_adapter: bool = False):
-        """Results of every rank reassembled in global row order: [B, T] or [B]. ``without_adapter``: a LoRA
-        actor's base model (the reference)."""
+        """Results of every rank reassembled in global row order: [B, T] or [B]. ``plans``: one per data-parallel
+        rank (every rank of an SP group runs its data-parallel rank's, :mod:`rlhf_sg.parallel.groups`).
+        ``without_adapter``: a LoRA actor's base model (the reference)."""
+        from rlhf_sg.parallel.groups import rank_plans
+
+        size = self.spec.sequence_parallel_size
+        if len(plans) * size != len(self.workers):
+            raise ValueError(f"{self.spec.role}: {len(plans)} plans for {len(self.workers)} ranks in SP groups of "
+                             f"{size}; give one plan per data-parallel rank")
+        plans = rank_plans(plans, size)
         results = self.call("forward", per_rank=[(batch_ref, plans[i], temperature, share_prompts, without_adapter)
                                                  for i in range(len(plans))])
         out = None
-        for order, tensor in results:
+        for order, tensor in results[::size]:  # an SP group's ranks each return the group's result
             if not order:
                 continue
             if out is None:

@@ -240,3 +240,20 @@ def test_the_cpu_ceiling_is_measured_before_the_cluster_starts(tmp_path, monkeyp
     with pytest.raises(Started):
         trainer.setup()
     assert events == ["ceiling measured, group None", "cluster starts"]
+
+
+def test_an_sp_groups_plan_is_counted_once_on_all_its_ranks():
+    """Under sequence parallelism a data-parallel rank's plan runs on the N ranks of an SP group, which share its
+    FLOPs: the same FLOPs, N x the ranks (what the phase's ceiling is taken over)."""
+    from types import SimpleNamespace
+
+    seq, mask = _layout([([5, 6, 7], [1, 2]), ([5, 6], [1, 2, 3, 4])], prompt_width=4, response_width=4)
+    experience = SimpleNamespace(sequences=seq, attention_mask=mask, response_width=4)
+    counted = {}
+    for size in (1, 2):
+        accounting = flops.StepAccounting({"actor": SHAPE}, None, engines=1)
+        accounting.start_step()
+        accounting.count("train", "actor", experience, [[[0]], [[1]]], share_prompts=False, train=True,
+                         sequence_parallel=size)
+        counted[size] = accounting.flops["train"]["actor"]
+    assert counted[2] == (counted[1][0], 2 * counted[1][1]) and counted[1][1] == 2

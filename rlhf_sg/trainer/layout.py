@@ -170,7 +170,21 @@ class Layout:
             share_prompts=shares_prompts(cfg), packing_probe=t.packing_probe,
             lora=self.lora_of(role),
             zero_stage=self.zero_stage(role),
+            sequence_parallel_size=self.sequence_parallel_size(role),
         )
+
+    def sequence_parallel_size(self, role: str) -> int:
+        """``role``'s SP group size: --train.sequence_parallel_size for the actor, critic and reference groups, 1 for
+        the others (config.py refuses a run that would need them split)."""
+        return self.cfg.train.sequence_parallel_size if role in ("actor", "critic", "ref") else 1
+
+    def data_parallel_ranks(self, role: str) -> int:
+        """The ranks of ``role``'s group a batch is split over: its ranks / its SP size (every rank of an SP group
+        takes the same micro-batches)."""
+        t = self.cfg.train
+        world = {"actor": t.actor_num_ranks, "critic": t.critic_num_ranks, "ref": t.ref_num_ranks,
+                 "teacher": self.cfg.distill.num_ranks, "reward": self.cfg.reward.num_ranks}[role]
+        return world // self.sequence_parallel_size(role)
 
     def lora_of(self, role: str) -> dict | None:
         """--lora.* for the groups that carry the adapter: the actor, and a reference started from

@@ -47,6 +47,7 @@ from rlhf_sg.config import (
 from rlhf_sg.data import Prompt, PromptStream, load_run_prompts, load_tokenizer
 from rlhf_sg.experience import ActorUpdate, CriticUpdate, Experience, OptimizerStep
 from rlhf_sg.offpolicy.versions import token_staleness
+from rlhf_sg.parallel.groups import rank_plans
 from rlhf_sg.timing import StepTimer
 from rlhf_sg.trainer import checkpoint
 from rlhf_sg.trainer.async_rollout import AsyncRollout
@@ -383,14 +384,14 @@ class PPOTrainer:
         if self.uses_ref:
             with timer.phase("reference"):
                 if self.layout.ref_in_actor:  # a LoRA actor with its adapter disabled is the base model
-                    plans = microbatch_plans(experience, t.actor_num_ranks, t.max_tokens_per_microbatch,
-                                             share_prompts=self.share_prompts)
+                    plans = microbatch_plans(experience, self.layout.data_parallel_ranks("actor"),
+                                             t.max_tokens_per_microbatch, share_prompts=self.share_prompts)
                     experience.ref_logp = self.cluster.actor.forward(ref, plans, B, temperature, self.share_prompts,
                                                                      without_adapter=True)
                     self._count("reference", "actor", experience, plans)
                 else:
-                    plans = microbatch_plans(experience, t.ref_num_ranks, t.max_tokens_per_microbatch,
-                                             share_prompts=self.share_prompts)
+                    plans = microbatch_plans(experience, self.layout.data_parallel_ranks("ref"),
+                                             t.max_tokens_per_microbatch, share_prompts=self.share_prompts)
                     experience.ref_logp = self.cluster.ref.forward(ref, plans, B, temperature, self.share_prompts)
                     self._count("reference", "ref", experience, plans)
         if self.layout.uses_teacher:
@@ -401,15 +402,15 @@ class PPOTrainer:
                 self._count("teacher", "teacher", experience, plans)
         if self.uses_critic:
             with timer.phase("critic"):
-                plans = microbatch_plans(experience, t.critic_num_ranks, t.max_tokens_per_microbatch,
-                                         share_prompts=self.share_prompts)
+                plans = microbatch_plans(experience, self.layout.data_parallel_ranks("critic"),
+                                         t.max_tokens_per_microbatch, share_prompts=self.share_prompts)
                 experience.values = self.cluster.critic.forward(ref, plans, B, share_prompts=self.share_prompts)
                 self._count("critic", "critic", experience, plans)
         if not self.recomputes_old_logp:
             return {}  # the actor's update measures the log-prob gap (and the KL in the loss) itself
         with timer.phase("actor_logprob"):
-            plans = microbatch_plans(experience, t.actor_num_ranks, t.max_tokens_per_microbatch,
-                                     share_prompts=self.share_prompts)
+            plans = microbatch_plans(experience, self.layout.data_parallel_ranks("actor"),
+                                     t.max_tokens_per_microbatch, share_prompts=self.share_prompts)
             experience.old_logp = self.cluster.actor.forward(ref, plans, B, temperature, self.share_prompts)
             self._count("actor_logprob", "actor", experience, plans)
         mask = experience.action_mask
@@ -428,9 +429,11 @@ class PPOTrainer:
         return metrics
 
     def _count(self, phase: str, role: str, experience: Experience, plans: list, train: bool = False) -> None:
-        """Charge ``phase`` the model FLOPs of ``role``'s micro-batches ``plans`` (per rank) for the perf/* metrics."""
+        """Charge ``phase`` the model FLOPs of ``role``'s micro-batches ``plans`` (per data-parallel rank) for the
+        perf/* metrics."""
         if self.accounting:
-            self.accounting.count(phase, role, experience, plans, self.share_prompts, train)
+            self.accounting.count(phase, role, experience, plans, self.share_prompts, train,
+                                  self.layout.sequence_parallel_size(role))
 
     def compute_advantages(self, experience: Experience) -> None:
         """Fill ``experience.advantages`` (and ``.returns`` with a critic) with the run's advantage estimator.
@@ -501,17 +504,20 @@ class PPOTrainer:
         t, cluster = self.cfg.train, self.cluster
         ref, calls = _put(experience), []
         if self.uses_critic:
-            steps = update_plans(experience, t.critic_num_ranks, t, self.rng, share_prompts=self.share_prompts)
+            steps = update_plans(experience, self.layout.data_parallel_ranks("critic"), t, self.rng,
+                                 share_prompts=self.share_prompts)
             update = CriticUpdate(value_clip=t.value_clip, share_prompts=self.share_prompts)
             self._count("train", "critic", experience, [[mb for s in rank for mb in s.plan] for rank in steps], True)
+            steps = rank_plans(steps, self.layout.sequence_parallel_size("critic"))
             calls += [("critic", i, w.train_critic.remote(ref, steps[i], update))
                       for i, w in enumerate(cluster.critic.workers)]
         if not (self.uses_critic and self.step < t.critic_warmup_steps):
             update = self.actor_update()
-            steps = update_plans(experience, t.actor_num_ranks, t, self.rng,
+            steps = update_plans(experience, self.layout.data_parallel_ranks("actor"), t, self.rng,
                                  normalize_rows=update.loss.aggregation != "token_mean",
                                  share_prompts=self.share_prompts)
             self._count("train", "actor", experience, [[mb for s in rank for mb in s.plan] for rank in steps], True)
+            steps = rank_plans(steps, self.layout.sequence_parallel_size("actor"))
             calls += [("actor", i, w.train_actor.remote(ref, steps[i], update))
                       for i, w in enumerate(cluster.actor.workers)]
         results = wait_ranks(calls, f"step {self.step + 1} updates", t.timeout_s)

@@ -1,0 +1,268 @@
+"""Sequence parallelism in the trainer's workers: an actor or critic group of 2 ZeRO-3 ranks with
+``sequence_parallel_size`` 2 (one SP group, one data-parallel rank) takes the same training step as one rank alone.
+
+Each rank is a real :class:`rlhf_sg.workers.ModelWorker` (DeepSpeed ZeRO-3 on gloo) in a process of its own
+(:mod:`zero3_rank`); both ranks of the SP group are given the same batch and plan, as the controller gives them
+(:func:`rlhf_sg.parallel.rank_plans`). Each runs the scoring forward, then one optimizer step through ``train_actor``
+/ ``train_critic``; the test reads the gradients DeepSpeed reduced (at the step, before the optimizer consumes them),
+the reported loss and gradient norm, and the parameters after the step. All must equal the one-rank group's: the SP
+group's gradients are summed (the loss convention of :mod:`rlhf_sg.parallel.forward`) and not averaged by ZeRO-3's
+reduction over the group's ranks (the loss scale of :mod:`rlhf_sg.parallel.groups`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import random
+
+import pytest
+import torch
+from test_packing import TOL, assert_grads_close
+
+#: every collective of a rank's groups fails after this long
+TIMEOUT_S = 120
+#: prompt and response lengths of the batch: packed rows of 14 tokens (14 | 13 | 7 + 5), so that one row packs two
+#: sequences, and sequence 0's response (columns 5..13) crosses the shard edge of N = 2 (column 7)
+PROMPTS, RESPONSES = (5, 3, 7, 2), (9, 4, 6, 3)
+LR = 1e-2
+#: the token budget of a micro-batch: the whole batch (or a data-parallel rank's part) in one
+MAX_TOKENS = 64
+#: a gradient entry above this fraction of its tensor's largest is 10 x the fp32 rounding of a sum in another
+#: order (1e-5 of the largest, :func:`test_packing.assert_grads_close`)
+STEADY = 1e-4
+
+
+def _model_dir(path: str) -> str:
+    """The tiny preset's llama saved with a value head (so the critic's head is the same on every run)."""
+    from safetensors.torch import save_file
+
+    from rlhf_sg.models import VALUE_HEAD_FILE, VALUE_HEAD_KEY
+    from rlhf_sg.tiny import build_tiny_model
+
+    model = build_tiny_model("llama", "tiny", seed=11)
+    model.save_pretrained(path)
+    head = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(12)) * 0.1
+    save_file({VALUE_HEAD_KEY: head}, os.path.join(path, VALUE_HEAD_FILE))
+    return path
+
+
+def _experience():
+    """The batch: rollout log-probs, advantages, old values and returns (the old log-probs are the scoring
+    forward's, shifted, so that the ratio's clip binds on some tokens)."""
+    from rlhf_sg.trainer import build_rollout_batch
+
+    gen = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in PROMPTS]
+    responses = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in RESPONSES]
+    batch = build_rollout_batch(prompts, responses, [[0.0] * len(r) for r in responses], pad_id=0)
+    action = batch.action_mask
+    batch.advantages = torch.randn(action.shape, generator=gen) * action
+    batch.values = torch.randn(action.shape, generator=gen) * action
+    batch.returns = torch.randn(action.shape, generator=gen) * action
+    batch.old_logp = torch.randn(action.shape, generator=gen) * 0.3  # added to the scoring forward's
+    return batch
+
+
+def _rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str, checkpointing: bool) -> dict:
+    """One rank of a ``role`` group of ``world`` ranks in SP groups of ``size``, given its micro-batches as the
+    controller gives them (the batch split over the data-parallel ranks, the normaliser per data-parallel rank): the
+    scoring forward's rows and result, one optimizer step's metrics, the reduced gradients at the step and the
+    parameters after it. ``checkpointing``: gradient checkpointing (the backward recomputes each layer, its
+    all-to-alls included)."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+    from zero3_rank import PLAIN_UPDATE
+
+    from rlhf_sg.config import TrainConfig
+    from rlhf_sg.experience import CriticUpdate
+    from rlhf_sg.parallel import data_parallel_ranks, rank_plans
+    from rlhf_sg.trainer.ppo import update_plans
+    from rlhf_sg.workers import ModelWorker, WorkerSpec
+
+    torch.set_num_threads(1)
+    spec = WorkerSpec(role=role, model_path=model_dir, world_size=world, master_addr="127.0.0.1", master_port=port,
+                      train=True, lr=LR, timeout_s=TIMEOUT_S, zero_stage=3,
+                      sequence_parallel_size=size, gradient_checkpointing=checkpointing)
+    worker = ModelWorker(dataclasses.asdict(spec), rank)
+    try:
+        columns: list[int] = []  # the widest rows the model's embedding was handed (this rank's columns)
+        embedding = next(m for name, m in worker.module.named_modules() if name.endswith("embed_tokens"))
+        embedding.register_forward_hook(lambda _m, args, _out: columns.append(args[0].shape[-1]))
+        layer_calls: list[int] = []  # the first decoder layer's forwards begun (a recomputation, which stops once it
+        # has what the backward needs, counts)
+        layer = next(m for name, m in worker.module.named_modules() if name.endswith("layers.0"))
+        layer.register_forward_pre_hook(lambda *_: layer_calls.append(1))
+        batch = _experience()
+        # the controller's optimizer step: one epoch, one minibatch, split over the data-parallel ranks
+        train = TrainConfig(ppo_epochs=1, num_minibatches=1, max_tokens_per_microbatch=MAX_TOKENS)
+        data_parallel = data_parallel_ranks(world, size)
+        steps = rank_plans(update_plans(batch, data_parallel, train, random.Random(0)), size)[rank]
+        order, scored = worker.forward(batch, steps[0].plan)
+        named = list(worker.module.named_parameters())
+        grads: dict[str, torch.Tensor] = {}
+        losses: list[float] = []
+        step, backward = worker.engine.step, worker.engine.backward
+
+        def step_reading_grads(*args, **kwargs):
+            grads.update({name: safe_get_full_grad(p).clone() for name, p in named})
+            return step(*args, **kwargs)
+
+        def backward_reading_loss(loss, **kwargs):
+            losses.append(loss.item())
+            return backward(loss, **kwargs)
+
+        worker.engine.step, worker.engine.backward = step_reading_grads, backward_reading_loss
+        if role == "actor":
+            batch.old_logp[order] += scored
+            metrics = worker.train_actor(batch, steps, PLAIN_UPDATE)
+        else:
+            metrics = worker.train_critic(batch, steps, CriticUpdate(value_clip=0.2))
+        params = {name: safe_get_full_fp32_param(p).clone() for name, p in named}
+        return {"rows": order, "scored": scored, "metrics": metrics, "grads": grads, "params": params,
+                "backward_loss": losses, "columns": max(columns), "layer_calls": len(layer_calls)}
+    finally:
+        dist.destroy_process_group()
+
+
+#: each group's ranks' results, by (role, ranks, SP size, model): the one-rank step is shared by the tests
+_GROUPS: dict[tuple, list[dict]] = {}
+
+
+def _group(role: str, world: int, size: int, model_dir: str, checkpointing: bool = False) -> list[dict]:
+    key = (role, world, size, model_dir, checkpointing)
+    if key not in _GROUPS:
+        _GROUPS[key] = _spawn(*key)
+    return _GROUPS[key]
+
+
+def _spawn(role: str, world: int, size: int, model_dir: str, checkpointing: bool) -> list[dict]:
+    from zero3_rank import in_fresh_process
+
+    from rlhf_sg.distributed import free_port
+
+    port = free_port()
+    with concurrent.futures.ThreadPoolExecutor(world) as pool:
+        futures = [pool.submit(in_fresh_process, _rank, role, rank, world, size, port, model_dir, checkpointing,
+                               timeout_s=4 * TIMEOUT_S) for rank in range(world)]
+        failed = {rank: f.exception() for rank, f in enumerate(futures)}
+    if any(failed.values()):
+        pytest.fail("\n".join(f"{role} rank {rank}: {type(e).__name__}: {e}" for rank, e in failed.items()
+                              if e is not None), pytrace=False)
+    return [f.result() for f in futures]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return _model_dir(str(tmp_path_factory.mktemp("tiny-sp")))
+
+
+def _assert_the_one_rank_step(role: str, model_dir: str, alone: dict, split: list[dict], size: int) -> None:
+    """Each rank of ``split`` (SP groups of ``size``) saw ``alone``'s step: its rows' scoring results, the loss,
+    metrics, gradient norm, every reduced gradient, and the updated weights (fp32, the one-rank packed forward's
+    tolerance). Each rank back-propagates ``size`` x its data-parallel rank's loss (ZeRO-3 divides the sum over the
+    group's ranks by all of them)."""
+    steady_weights = []
+    assert f"{role}/grad_norm" in alone["metrics"], sorted(alone["metrics"])
+    for rank, seen in enumerate(split):
+        where = f"{role} rank {rank} of {len(split)} (SP {size})"
+        expected = torch.stack([alone["scored"][alone["rows"].index(row)] for row in seen["rows"]])
+        torch.testing.assert_close(seen["scored"], expected, atol=TOL, rtol=0, msg=where)
+        norm = f"{role}/grad_norm"
+        assert seen["metrics"][norm] == pytest.approx(alone["metrics"][norm], rel=1e-5), \
+            f"{where}: gradient norm {seen['metrics'][norm]} vs one rank's {alone['metrics'][norm]}"
+        assert seen["metrics"].keys() == alone["metrics"].keys(), where
+        for key, value in alone["metrics"].items():  # the losses' parts, the clip fractions, the entropy
+            assert seen["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), f"{where}: {key}"
+        for name, grad in alone["grads"].items():
+            assert_grads_close(seen["grads"][name], grad, f"{where} grad {name}")
+        for name, param in alone["params"].items():
+            # Adam's first step moves a weight by LR x g / (|g| + 1e-8): exact where the gradient is 0 (rows of tokens
+            # not in the batch) or well above its rounding, and hanging on the rounding of the few that are not
+            grad = alone["grads"][name]
+            steady = (grad == 0) | (grad.abs() > STEADY * grad.abs().max())
+            steady_weights += [steady.sum().item(), grad.numel()]
+            torch.testing.assert_close(seen["params"][name][steady], param[steady], atol=TOL, rtol=0,
+                                       msg=lambda m, at=f"{where} {name}": f"{at}: {m}")
+    assert sum(steady_weights[::2]) > 0.99 * sum(steady_weights[1::2]), steady_weights
+    # the SP group's ranks back-propagate one loss, size x their data-parallel rank's; those average to one rank's
+    groups = [split[k:k + size] for k in range(0, len(split), size)]
+    assert all(seen["backward_loss"] == group[0]["backward_loss"] for group in groups for seen in group)
+    mean = sum(group[0]["backward_loss"][0] for group in groups) / (size * len(groups))
+    assert mean == pytest.approx(alone["backward_loss"][0], rel=1e-5), (mean, alone["backward_loss"])
+    moved = max((alone["params"][n] - p).abs().max().item() for n, p in _initial(role, model_dir).items())
+    assert moved > LR / 2  # the step changed the weights (Adam's first step moves each by about the LR)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_an_sp_group_of_two_ranks_takes_the_one_rank_training_step(role, model_dir):
+    """One SP group of 2 ranks (one data-parallel rank) takes one rank's step, each rank on half the columns."""
+    (alone,) = _group(role, 1, 1, model_dir)
+    split = _group(role, 2, 2, model_dir)
+    # each rank ran its half of the packed rows' columns (a response crosses the edge), the rank alone all of them
+    assert alone["columns"] == max(p + r for p, r in zip(PROMPTS, RESPONSES))
+    assert [seen["columns"] for seen in split] == [alone["columns"] // 2] * 2, (alone["columns"], split)
+    _assert_the_one_rank_step(role, model_dir, alone, split, 2)
+
+
+@pytest.mark.slow
+def test_two_data_parallel_sp_groups_with_gradient_checkpointing_take_the_one_rank_training_step(model_dir):
+    """4 actor ranks: 2 data-parallel ranks x SP groups of 2, the batch split over the data-parallel ranks only (as
+    the controller splits it) and each SP group's gradients summed, then averaged over data parallelism; with
+    gradient checkpointing, whose backward recomputes each layer, all-to-alls included, in the same order on the
+    group's ranks."""
+    (alone,) = _group("actor", 1, 1, model_dir)
+    split = _group("actor", 4, 2, model_dir, checkpointing=True)
+    # scoring forward, the update's forward, and the backward's recomputation of the layer
+    assert alone["layer_calls"] == 2 and [seen["layer_calls"] for seen in split] == [3] * 4, split
+    assert split[0]["rows"] == split[1]["rows"] and split[2]["rows"] == split[3]["rows"]
+    assert sorted(split[0]["rows"] + split[2]["rows"]) == [0, 1, 2, 3]
+    _assert_the_one_rank_step("actor", model_dir, alone, split, 2)
+
+
+def _initial(role: str, model_dir: str) -> dict[str, torch.Tensor]:
+    """The parameters before the step, by the workers' names."""
+    from rlhf_sg.workers import WorkerSpec, load_worker_model
+
+    model = load_worker_model(WorkerSpec(role=role, model_path=model_dir, world_size=1, master_addr="",
+                                         master_port=0, train=True))
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_a_trainer_run_with_sequence_parallel_groups(ray_cluster, tmp_path):
+    """PPO with a critic (GAE) and a reference through the trainer, every group 2 ranks in one SP group of 2 on the
+    tiny preset: the run completes its steps, and the actor's SP forward gives the engine's log-probs of the sampled
+    tokens (the gap every run logs, within the tolerance the other end-to-end runs hold)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
+    import arith_task
+    from quickstart_cpu import make_config
+
+    from rlhf_sg.tiny import build_tiny_model, build_tokenizer
+    from rlhf_sg.trainer import train
+
+    policy = str(tmp_path / "policy")
+    tokenizer = build_tokenizer()
+    build_tiny_model("qwen2", "tiny", seed=0).save_pretrained(policy, safe_serialization=True)
+    tokenizer.save_pretrained(policy)
+    prompts = arith_task.write_prompts(str(tmp_path / "prompts.jsonl"), seed=0)
+    steps = 2
+    cfg = make_config(policy, prompts, str(tmp_path / "run"), steps=steps, algo="gae", backend="hf")
+    cfg.log.progress_bar = cfg.log.tensorboard = cfg.log.export_hf = False
+    cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt = 4, 4
+    cfg.train.critic_warmup_steps = 0
+    cfg.train.sequence_parallel_size = 2
+    cfg.train.actor_num_ranks = cfg.train.critic_num_ranks = cfg.train.ref_num_ranks = 2
+    cfg.train.share_prompts = False
+    history = train(cfg, reward_fn=arith_task.addition_reward)
+    assert len(history) == steps and history[-1]["weight_version"] == steps
+    first = history[0]
+    assert first["time/actor_logprob"] > 0 and first["time/critic"] > 0 and first["time/reference"] > 0
+    assert all(h["actor/updates"] > 0 and h["critic/updates"] > 0 and h["actor/grad_norm"] > 0 for h in history)
+    print("engine vs trainer log-prob gap per step:", [h["rollout/logp_gap_engine_vs_trainer"] for h in history])
+    assert 0 <= first["rollout/logp_gap_engine_vs_trainer"] < 0.05, first["rollout/logp_gap_engine_vs_trainer"]
