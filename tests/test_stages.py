@@ -225,7 +225,8 @@ def test_a_trained_reward_model_loads_as_a_reward_group_scoring_normalised(tmp_p
         seqs[i, :e], attn[i, :e] = torch.tensor(r.ids[:e]), 1
     rollout = SimpleNamespace(sequences=seqs, attention_mask=attn, response_width=1,
                               rows=lambda idx: SimpleNamespace(sequences=seqs[idx], attention_mask=attn[idx]))
-    worker = SimpleNamespace(engine=rm, module=rm, spec=SimpleNamespace(role="reward", lora=None))
+    worker = SimpleNamespace(engine=rm, module=rm, spec=SimpleNamespace(role="reward", lora=None),
+                             sequence_parallel=None)
     _, scores = ModelWorker.forward(worker, rollout, [list(range(len(ends)))])
     _, raw = score_rows(rm, batch, [list(range(batch.batch_size))], "score")
     torch.testing.assert_close(scores, (raw - stats["mean"]) / stats["std"], atol=1e-5, rtol=0)
