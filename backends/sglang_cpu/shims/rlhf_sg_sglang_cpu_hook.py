@@ -55,12 +55,20 @@ def define_torchvision_schemas() -> bool:
 
 
 class _BeforeTorchvision(importlib.abc.MetaPathFinder):
-    """Runs :func:`define_torchvision_schemas` once, just before torchvision is first imported."""
+    """Runs :func:`define_torchvision_schemas` whenever torchvision is looked for (a no-op once defined), so
+    also at its import itself: an availability check (``importlib.util.find_spec``, as transformers makes on its
+    import) comes earlier, and a schema torchvision's library gave then can be gone by the import (seen in the
+    vLLM venv after ``import vllm``)."""
+
+    _busy = False  # define_torchvision_schemas looks torchvision up itself
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname == "torchvision":
-            sys.meta_path.remove(self)
-            define_torchvision_schemas()
+        if fullname == "torchvision" and "torchvision" not in sys.modules and not self._busy:
+            self._busy = True
+            try:
+                define_torchvision_schemas()
+            finally:
+                self._busy = False
         return None  # the normal finders import torchvision itself
 
 
