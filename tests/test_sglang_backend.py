@@ -125,7 +125,8 @@ def test_the_torchvision_hook_pth_loads_the_hook_alone(tmp_path):
     code = (f"import site, sys, importlib.util; site.addsitedir({str(tmp_path)!r}); "
             f"assert {sglang_cpu.HOOK_MODULE!r} in sys.modules, 'hook not loaded'; "
             "assert importlib.util.find_spec('sgl_kernel') is None, 'stand-in kernels on the path'; print('ok')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # -S: no site-packages of this venv (the SGLang venv's own .pth puts the stand-in kernels on every path)
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
     with pytest.raises(FileNotFoundError):
         sglang_cpu.install_torchvision_hook(tmp_path / "nowhere")
