@@ -133,10 +133,14 @@ class AsyncRollout:
                     self._cond.notify_all()
         except RolloutStopped:
             return
-        except BaseException as exc:  # handed to the trainer at its next take
-            with self._cond:
-                self._error = exc
-                self._cond.notify_all()
+        except BaseException as exc:
+            self._hand_over(exc)
+
+    def _hand_over(self, exc: BaseException) -> None:
+        """A producer loop's failure, handed to the trainer at its next take."""
+        with self._cond:
+            self._error = exc
+            self._cond.notify_all()
 
     def _may_start_next(self) -> bool:
         """The staleness bound: the next batch's samples fit the admission's capacity at the engines' version
@@ -222,10 +226,8 @@ class AsyncRollout:
                         self.inflight.finish(g, samples.pop(g))
         except RolloutStopped:
             return
-        except BaseException as exc:  # handed to the trainer at its next take
-            with self._cond:
-                self._error = exc
-                self._cond.notify_all()
+        except BaseException as exc:
+            self._hand_over(exc)
 
     def _may_admit_or_continue(self, samples: dict) -> bool:
         """A round may go out: completions were cut short, or a group fits the capacity at the engines' version.
