@@ -483,3 +483,22 @@ def test_a_producer_resumed_with_every_step_left_made_hands_them_out_without_a_g
         assert again.calls == []
     finally:
         resumed.stop()
+
+
+def test_an_engine_failure_in_the_per_sample_producer_is_raised_at_the_trainers_take():
+    """The producer thread's failure (an engine's error in generate) is the trainer's: its next take raises it,
+    rather than waiting out the time-out or naming a stopped thread."""
+    from rlhf_sg.data import PromptStream
+
+    class _FailingMaker(_GroupMaker):
+        def generate_ids(self, prompts, params, step, draw, segment=0, images=None):
+            raise RuntimeError("engine 0: generate failed")
+
+    maker = _FailingMaker(PromptStream(_prompts(40), 2, seed=3))
+    producer = _producer(maker, 0)
+    producer.start()
+    try:
+        with pytest.raises(RuntimeError, match="engine 0: generate failed"):
+            producer.take(0)
+    finally:
+        producer.stop()
