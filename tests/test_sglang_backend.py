@@ -289,101 +289,10 @@ def test_tensor_transport_takes_a_bucket_packed_in_this_process(engine, llama_di
     engine.finish_weight_update(engine.weight_version + 1)
 
 
-# ---- the weight round trip from a 2-rank ZeRO-3 trainer over gloo ---------------------------------
-def _zero3_trainer_rank(rank: int, master_port: int, model_path: str, bucket_bytes: int, queue, replies) -> None:
-    """One DeepSpeed ZeRO-3 rank; rank 0 also hosts the SGLang weight-update group and broadcasts."""
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    try:
-        import torch.distributed as dist
-
-        from backends.sglang_backend import open_weight_update_group
-        from rlhf_sg.bench.weight_sync import Zero3SyncRank
-        from rlhf_sg.distributed import create_group_store
-        from rlhf_sg.sync import gather_bucket, named_weights, plan_buckets
-
-        trainer = Zero3SyncRank(rank, 2, master_port, model_path, timeout_s=TIMEOUT_S)
-        trainer.perturb(seed=5)  # new weights, each rank changing its own shards as an optimizer step does
-        expected = trainer.full_state_dict()
-        named = named_weights(trainer.engine)
-        plan = plan_buckets([(n, p.ds_shape, p.dtype) for n, p in named], bucket_bytes)
-        params = dict(named)
-        group = None
-        if rank == 0:
-            store = create_group_store("127.0.0.1", TIMEOUT_S)
-            spec = WeightGroupSpec("127.0.0.1", store.port, 1, 2, "zero3_to_sglang", "gloo", TIMEOUT_S)
-            queue.put(("plan", spec, plan, expected))
-            group = open_weight_update_group(spec, 0, store=store)
-        for manifest in plan:
-            out = torch.empty(manifest.numel, dtype=manifest.dtype) if rank == 0 else None
-            gather_bucket([params[s.name] for s in manifest.tensors], manifest, out)
-            if rank == 0:
-                opts = dist.BroadcastOptions()
-                opts.rootRank = 0
-                group.broadcast([out], opts).wait()
-        if rank == 0:
-            replies.get(timeout=TIMEOUT_S)  # the engine has loaded every bucket
-            dist.destroy_process_group(group)
-            queue.put(("done", len(plan)))
-    except Exception as exc:  # reported by the test
-        queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
-        raise
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@needs_sglang
-@pytest.mark.slow
-def test_round_trip_from_a_zero3_trainer_over_gloo(engine, llama_dir):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue, replies = ctx.Queue(), ctx.Queue()
-    master_port = _free_port()
-    ranks = [
-        ctx.Process(target=_zero3_trainer_rank, args=(r, master_port, llama_dir, 64 * 1024, queue, replies))
-        for r in range(2)
-    ]
-    for p in ranks:
-        p.start()
-    try:
-        message = queue.get(timeout=300)
-        assert message[0] == "plan", message
-        _, spec, plan, expected = message
-        assert len(plan) >= 3, "the round trip should span several buckets"
-        version = engine.weight_version + 1
-        engine.init_weight_update_group(spec)
-        for manifest in plan:
-            engine.update_weights_from_collective(manifest, 0)
-        engine.finish_weight_update(version)
-        engine.destroy_weight_update_group()
-        replies.put("loaded")
-        assert queue.get(timeout=TIMEOUT_S) == ("done", len(plan))
-    finally:
-        for p in ranks:
-            p.join(timeout=TIMEOUT_S)
-            if p.is_alive():
-                p.kill()
-    assert engine.weight_version == version
-    for name in ("model.embed_tokens.weight", "model.layers.1.mlp.up_proj.weight", "lm_head.weight"):
-        assert torch.equal(engine.get_weights_by_name(name), expected[name]), name
-    trainer_model = _hf(llama_dir, expected)
-    for temperature in (0.0, 0.8):
-        out = engine.generate(PROMPTS, SamplingParams(temperature=temperature, max_new_tokens=10))
-        for c in out:
-            prompt = PROMPTS[c.prompt_index]
-            logp = _trainer_logprobs(trainer_model, prompt, c.token_ids, temperature)
-            torch.testing.assert_close(torch.tensor(c.logprobs), logp, atol=1e-4, rtol=0)
-            if temperature == 0.0:
-                assert c.token_ids == _hf_greedy(trainer_model, prompt, 10)
-            assert c.weight_version == version
-    # Back to the checkpoint for the tests after this one.
-    engine.update_weights_from_disk(llama_dir)
-    engine.finish_weight_update(version + 1)
-    assert torch.equal(engine.get_weights_by_name("lm_head.weight"), _hf(llama_dir).lm_head.weight.detach())
 
 
 # ---- http mode against a real SGLang server --------------------------------------------------------
@@ -501,7 +410,10 @@ def test_http_mode_generates_and_takes_a_collective_update(server_url):
 @needs_sglang
 @pytest.mark.slow
 def test_weight_syncer_reaches_sglang_engine_actors_without_a_group_hook(ray_cluster, llama_dir):
-    """The sender must build SGLang's group layout by itself (no ``open_group=`` passed), as the trainer does."""
+    """The trainer's sync from a 2-rank ZeRO-3 actor over gloo into an SGLang engine actor: the sender builds
+    SGLang's group layout by itself (no ``open_group=`` passed), as the trainer does; the engine then holds the
+    trainer's weights bit for bit, and its greedy tokens and its log-probs, greedy and sampled at temperature 0.8,
+    are the trainer model's."""
     ray = ray_cluster
     from rlhf_sg.bench.weight_sync import start_trainer_ranks
     from rlhf_sg.engine_actor import start_engine_actors
@@ -518,9 +430,20 @@ def test_weight_syncer_reaches_sglang_engine_actors_without_a_group_hook(ray_clu
         assert stats[0]["buckets"] > 2
         trainer = ray.get([r.full_state_dict.remote() for r in ranks], timeout=300)[0]
         assert ray.get(engines[0].weight_version.remote(), timeout=60) == 1
-        for name in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
+        for name in ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight",
+                     "model.layers.0.self_attn.q_proj.weight", "lm_head.weight"):
             got = ray.get(engines[0].get_weights_by_name.remote(name), timeout=300)
             assert torch.equal(got, trainer[name]), name
+        trainer_model = _hf(llama_dir, trainer)
+        for temperature in (0.0, 0.8):
+            params = SamplingParams(temperature=temperature, max_new_tokens=10)
+            for c in ray.get(engines[0].generate.remote(PROMPTS, params), timeout=300):
+                prompt = PROMPTS[c.prompt_index]
+                logp = _trainer_logprobs(trainer_model, prompt, c.token_ids, temperature)
+                torch.testing.assert_close(torch.tensor(c.logprobs), logp, atol=1e-4, rtol=0)
+                if temperature == 0.0:
+                    assert c.token_ids == _hf_greedy(trainer_model, prompt, 10)
+                assert c.weight_version == 1
     finally:
         for actor in engines + ranks:  # the session's cluster stays up
             ray.kill(actor)

@@ -88,26 +88,13 @@ def test_only_the_tokenizerless_chat_warmup_warning_is_dropped():
 
 
 @requires_vllm
-def test_an_engine_start_logs_no_chat_warmup_traceback(model_dir, monkeypatch):
+def test_an_engine_start_logs_no_chat_warmup_traceback(backend):
     """Starting the installed vLLM with ``skip_tokenizer_init=True`` (as every engine here does) leaves no warning
     from its renderer's warm-up; without the filter, vLLM 0.32 logs "Chat template warmup failed" and a ValueError
-    traceback at every start. (Records are caught where a logger hands them to its handlers, after its filters:
-    vLLM's start-up re-applies its logging config, which drops handlers added to its loggers before.)"""
-    import logging
-
-    from backends.vllm_backend import VLLMBackend
-
-    seen: list[logging.LogRecord] = []
-    call_handlers = logging.Logger.callHandlers
-
-    def recorded(self, record):
-        if record.name == "vllm.renderers.base" and record.levelno >= logging.WARNING:
-            seen.append(record)
-        return call_handlers(self, record)
-
-    monkeypatch.setattr(logging.Logger, "callHandlers", recorded)
-    VLLMBackend(contract._contract_config("vllm", VLLMBackend, model_dir)).shutdown()
-    assert [r.getMessage() for r in seen] == []
+    traceback at every start. The module's engine is started with the records caught (``backend`` below: where a
+    logger hands them to its handlers, after its filters, since vLLM's start-up re-applies its logging config,
+    which drops handlers added to its loggers before)."""
+    assert backend.start_warnings == []
 
 
 def test_device_check_compares_gpu_uuids_not_indices():
@@ -204,8 +191,24 @@ if HAVE_VLLM:
 
     @pytest.fixture(scope="module")
     def backend(model_dir):
-        """One engine for the whole module (a vLLM start costs tens of seconds on CPU)."""
-        engine = VLLMBackend(contract._contract_config("vllm", VLLMBackend, model_dir))
+        """One engine for the whole module (a vLLM start costs tens of seconds on CPU); the warnings its renderer
+        logged while it started are kept as ``start_warnings`` (the messages)."""
+        import logging
+
+        seen: list[logging.LogRecord] = []
+        call_handlers = logging.Logger.callHandlers
+
+        def recorded(self, record):
+            if record.name == "vllm.renderers.base" and record.levelno >= logging.WARNING:
+                seen.append(record)
+            return call_handlers(self, record)
+
+        logging.Logger.callHandlers = recorded
+        try:
+            engine = VLLMBackend(contract._contract_config("vllm", VLLMBackend, model_dir))
+        finally:
+            logging.Logger.callHandlers = call_handlers
+        engine.start_warnings = [r.getMessage() for r in seen]
         yield engine
         engine.shutdown()
 
