@@ -3,8 +3,9 @@
 
 Each rank is a real :class:`rlhf_sg.workers.ModelWorker` (DeepSpeed ZeRO-3 on gloo) in a process of its own
 (:mod:`zero3_rank`); both ranks of the SP group are given the same batch and plan, as the controller gives them
-(:func:`rlhf_sg.parallel.rank_plans`). Each runs the scoring forward, then one optimizer step through ``train_actor``
-/ ``train_critic``; the test reads the gradients DeepSpeed reduced (at the step, before the optimizer consumes them),
+(the trainer's :func:`rlhf_sg.trainer.ppo.group_update_steps`: the split and the normaliser over the data-parallel
+ranks). Each runs the scoring forward, then one optimizer step through ``train_actor`` / ``train_critic``; the test
+reads the gradients DeepSpeed reduced (at the step, before the optimizer consumes them),
 the reported loss and gradient norm, and the parameters after the step. All must equal the one-rank group's: the SP
 group's gradients are summed (the loss convention of :mod:`rlhf_sg.parallel.forward`) and not averaged by ZeRO-3's
 reduction over the group's ranks (the loss scale of :mod:`rlhf_sg.parallel.groups`).
@@ -76,10 +77,10 @@ def _rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
     from zero3_rank import PLAIN_UPDATE
 
-    from rlhf_sg.config import TrainConfig
+    from rlhf_sg.config import Config
     from rlhf_sg.experience import CriticUpdate
-    from rlhf_sg.parallel import data_parallel_ranks, rank_plans
-    from rlhf_sg.trainer.ppo import update_plans
+    from rlhf_sg.trainer.layout import Layout
+    from rlhf_sg.trainer.ppo import group_update_steps
     from rlhf_sg.workers import ModelWorker, WorkerSpec
 
     torch.set_num_threads(1)
@@ -96,10 +97,14 @@ def _rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str
         layer = next(m for name, m in worker.module.named_modules() if name.endswith("layers.0"))
         layer.register_forward_pre_hook(lambda *_: layer_calls.append(1))
         batch = _experience()
-        # the controller's optimizer step: one epoch, one minibatch, split over the data-parallel ranks
-        train = TrainConfig(ppo_epochs=1, num_minibatches=1, max_tokens_per_microbatch=MAX_TOKENS)
-        data_parallel = data_parallel_ranks(world, size)
-        steps = rank_plans(update_plans(batch, data_parallel, train, random.Random(0)), size)[rank]
+        # the controller's optimizer step, as the trainer makes it (the split and the normaliser over the
+        # data-parallel ranks): one epoch, one minibatch
+        cfg = Config()
+        t = cfg.train
+        t.ppo_epochs, t.num_minibatches, t.max_tokens_per_microbatch = 1, 1, MAX_TOKENS
+        t.actor_num_ranks = t.critic_num_ranks = world
+        t.sequence_parallel_size = size
+        steps = group_update_steps(batch, Layout(cfg), role, t, random.Random(0))[1][rank]
         order, scored = worker.forward(batch, steps[0].plan)
         named = list(worker.module.named_parameters())
         grads: dict[str, torch.Tensor] = {}
