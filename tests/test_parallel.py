@@ -436,6 +436,43 @@ def test_the_flag_is_validated_before_ray(sp_config):
         validate(critic)
 
 
+def test_each_group_takes_its_own_size_under_its_own_flag(sp_config):
+    """--train.actor_sequence_parallel_size / critic_ / ref_ override --train.sequence_parallel_size for their group
+    (the layout's SP and data-parallel sizes follow), and each is checked, and refused, under its own flag."""
+    from rlhf_sg.config import apply_overrides, shares_prompts, validate
+    from rlhf_sg.trainer.layout import Layout
+
+    cfg = sp_config(1, 4)
+    cfg.train.share_prompts = False
+    apply_overrides(cfg, {"train.actor_sequence_parallel_size": "4", "train.critic_sequence_parallel_size": "2"},
+                    "--train.*_sequence_parallel_size")
+    assert (cfg.train.actor_sequence_parallel_size, cfg.train.critic_sequence_parallel_size) == (4, 2)
+    cfg.train.kl_coef = 0.01
+    layout = Layout(validate(cfg))
+    sizes = {role: (layout.sequence_parallel_size(role), layout.data_parallel_ranks(role))
+             for role in ("actor", "critic", "ref")}
+    assert sizes == {"actor": (4, 1), "critic": (2, 2), "ref": (1, 4)}, sizes
+    cfg.train.sequence_parallel_size = 2  # the groups without a size of their own take it
+    assert Layout(validate(cfg)).sequence_parallel_size("ref") == 2
+    cases = {"--train.critic_sequence_parallel_size 3: --train.critic_num_ranks 4 is not a multiple of it":
+             lambda t: setattr(t, "critic_sequence_parallel_size", 3),
+             "--train.ref_sequence_parallel_size must be >= 1, got 0":
+             lambda t: setattr(t, "ref_sequence_parallel_size", 0),
+             "--train.actor_sequence_parallel_size 4 with --train.share_prompts true: ":
+             lambda t: setattr(t, "share_prompts", True)}
+    for message, change in cases.items():
+        bad = sp_config(1, 4)
+        bad.train.share_prompts, bad.train.actor_sequence_parallel_size = False, 4
+        change(bad.train)
+        with pytest.raises(ConfigError) as error:
+            validate(bad)
+        assert str(error.value).startswith(message), str(error.value)
+    # a group that does not split takes no refusal: the actor at 1 under a global 2, no critic, no reference
+    alone = sp_config(2, 4)
+    alone.train.actor_sequence_parallel_size, alone.train.advantage_estimator, alone.train.kl_coef = 1, "grpo", 0.0
+    assert shares_prompts(validate(alone)) and Layout(alone).data_parallel_ranks("actor") == 4
+
+
 def _saved_bytes(group, length: int) -> int:
     """Bytes this rank of ``group`` keeps for the backward (parameters aside) in the log-prob forward of one row of
     ``length`` tokens (sdpa, half of it response)."""
