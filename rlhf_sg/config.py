@@ -138,10 +138,12 @@ class TrainConfig:
     #: ranks = data-parallel ranks x this. The heads of every model must split (checked here); what the SP groups do
     #: not run yet (shared prompts among them) is refused by its flag before Ray starts
     sequence_parallel_size: int = 1
-    #: one group's SP size in place of sequence_parallel_size (None: that); e.g. the actor's long rows split over 4
+    #: the actor's SP size in place of sequence_parallel_size (None: that); e.g. the actor's long rows split over 4
     #: ranks and the critic's over 2
     actor_sequence_parallel_size: int | None = None
+    #: the critic's SP size (None: sequence_parallel_size)
     critic_sequence_parallel_size: int | None = None
+    #: the reference's SP size (None: sequence_parallel_size)
     ref_sequence_parallel_size: int | None = None
     #: a model group of one rank under ZeRO-3 too (true) or unpartitioned (false, the default: DeepSpeed stage 0, or
     #: stage 1 with bfloat16, where one rank partitions nothing; no gathers, same numbers); groups of several ranks
