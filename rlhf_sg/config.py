@@ -133,11 +133,18 @@ class TrainConfig:
     recompute_old_logp: bool | None = None
     #: recompute activations in the backward of actor and critic (less memory, ~30% more compute)
     gradient_checkpointing: bool = False
-    #: sequence parallelism (Ulysses, rlhf_sg/parallel/): every packed row split over this many ranks of a group, each
-    #: attention computed per head over the whole row; each group's ranks = data-parallel ranks x this. The heads of
-    #: every model must split (checked here). The functions exist (rlhf_sg.parallel, tested on gloo); the trainer's
-    #: workers do not run them yet, so a size above 1 is refused before Ray starts
+    #: sequence parallelism (Ulysses, rlhf_sg/parallel/): every packed row of the actor, critic and reference groups
+    #: split over this many ranks of the group, each attention computed per head over the whole row; each group's
+    #: ranks = data-parallel ranks x this. The heads of every model must split (checked here); what the SP groups do
+    #: not run yet (shared prompts among them) is refused by its flag before Ray starts
     sequence_parallel_size: int = 1
+    #: the actor's SP size in place of sequence_parallel_size (None: that); e.g. the actor's long rows split over 4
+    #: ranks and the critic's over 2
+    actor_sequence_parallel_size: int | None = None
+    #: the critic's SP size (None: sequence_parallel_size)
+    critic_sequence_parallel_size: int | None = None
+    #: the reference's SP size (None: sequence_parallel_size)
+    ref_sequence_parallel_size: int | None = None
     #: a model group of one rank under ZeRO-3 too (true) or unpartitioned (false, the default: DeepSpeed stage 0, or
     #: stage 1 with bfloat16, where one rank partitions nothing; no gathers, same numbers); groups of several ranks
     #: stay ZeRO-3. A checkpoint written under the other setting is converted on resume (rlhf_sg/checkpoint_convert.py)
@@ -781,29 +788,47 @@ def _heads(path: str) -> tuple[int, int] | None:
     return None
 
 
+def sequence_parallel_size(cfg: Config, role: str) -> tuple[str, int]:
+    """``role``'s SP group size and the flag that sets it: ``--train.<role>_sequence_parallel_size`` where given
+    (actor, critic, ref), else ``--train.sequence_parallel_size``; 1 for the groups that do not split rows."""
+    t = cfg.train
+    if role not in ("actor", "critic", "ref"):
+        return "--train.sequence_parallel_size", 1
+    own = getattr(t, f"{role}_sequence_parallel_size")
+    if own is None:
+        return "--train.sequence_parallel_size", t.sequence_parallel_size
+    return f"--train.{role}_sequence_parallel_size", own
+
+
 def _check_sequence_parallel(cfg: Config) -> None:
-    """--train.sequence_parallel_size: it divides the ranks of the groups it splits (actor, critic, reference) and
-    their models' heads split over it; what the SP groups do not run yet is refused by its flag."""
+    """--train.sequence_parallel_size and the per-group sizes: each divides the ranks of the group it splits (actor,
+    critic, reference) and that model's heads split over it; what the SP groups do not run yet is refused by the
+    flag of a group that splits."""
     from rlhf_sg.parallel.heads import check_sequence_parallel_heads
 
     m, t, rw = cfg.model, cfg.train, cfg.reward
-    n, flag = t.sequence_parallel_size, "--train.sequence_parallel_size"
-    _need(n >= 1, f"{flag} must be >= 1, got {n}")
-    if n == 1:
-        return
+    _need(t.sequence_parallel_size >= 1,
+          f"--train.sequence_parallel_size must be >= 1, got {t.sequence_parallel_size}")
     critic = t.advantage_estimator == "gae"
-    groups = (("--train.actor_num_ranks", t.actor_num_ranks, m.pretrain, True),
-              ("--train.critic_num_ranks", t.critic_num_ranks, m.critic_pretrain or m.reward_pretrain or m.pretrain,
-               critic),
-              ("--train.ref_num_ranks", t.ref_num_ranks, m.pretrain, t.kl_coef > 0))
-    for ranks_flag, ranks, path, used in groups:
-        if not used:
+    groups = (("actor", "--train.actor_num_ranks", t.actor_num_ranks, m.pretrain, True),
+              ("critic", "--train.critic_num_ranks", t.critic_num_ranks,
+               m.critic_pretrain or m.reward_pretrain or m.pretrain, critic),
+              ("ref", "--train.ref_num_ranks", t.ref_num_ranks, m.pretrain, t.kl_coef > 0))
+    split = []  # (flag, size) of each group that splits its rows
+    for role, ranks_flag, ranks, path, used in groups:
+        flag, n = sequence_parallel_size(cfg, role)
+        _need(n >= 1, f"{flag} must be >= 1, got {n}")
+        if not used or n == 1:
             continue
+        split.append((flag, n))
         _need(ranks % n == 0, f"{flag} {n}: {ranks_flag} {ranks} is not a multiple of it (a group's ranks are "
                               f"data-parallel ranks x {n}); set {ranks_flag} to a multiple of {n}")
         heads = _heads(path) if path and os.path.isfile(os.path.join(path, "config.json")) else None
         if heads is not None:
             check_sequence_parallel_heads(path, *heads, n, flag)
+    if not split:
+        return
+    flag, n = split[0]
     policy = m.pretrain if m.pretrain and os.path.isfile(os.path.join(m.pretrain, "config.json")) else None
     # what the SP groups do not run yet: each refused by its flag
     refused = (

@@ -307,6 +307,56 @@ def test_no_attention_crosses_segments_in_an_sp_group():
         assert (seen["perturbed"][1] - seen["unperturbed"][1]).abs().max() > 1e-3
 
 
+# ---- the trainer's optimizer steps -------------------------------------------------------------------------------
+
+
+def _group_steps(ranks: int, size: int, normalize_rows: bool):
+    """The actor's steps for a batch of 8 rows of random lengths (2 minibatches) as the trainer makes them for a group
+    of ``ranks`` ranks in SP groups of ``size``: (per data-parallel rank, per rank), the batch and the config."""
+    import random
+
+    from rlhf_sg.config import Config
+    from rlhf_sg.experience import build_rollout_batch
+    from rlhf_sg.trainer.layout import Layout
+    from rlhf_sg.trainer.ppo import group_update_steps
+
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 9, (2, 8), generator=gen).tolist()
+    batch = build_rollout_batch([[7] * n for n in lengths[0]], [[8] * n for n in lengths[1]],
+                                [[0.0] * n for n in lengths[1]], pad_id=0)
+    cfg = Config()
+    cfg.train.actor_num_ranks, cfg.train.sequence_parallel_size, cfg.train.num_minibatches = ranks, size, 2
+    plans, steps = group_update_steps(batch, Layout(cfg), "actor", cfg.train, random.Random(0),
+                                      normalize_rows=normalize_rows)
+    return plans, steps, batch
+
+
+@pytest.mark.parametrize("normalize_rows", [False, True])
+def test_each_token_weighs_in_the_reduced_gradient_as_on_one_rank(normalize_rows):
+    """4 actor ranks in SP groups of 2 (2 data-parallel ranks): every rank of an SP group takes its data-parallel
+    rank's steps, and a token's weight in the gradient ZeRO-3 reduces (the loss scale over all the group's ranks x
+    the normaliser of the one SP group whose plan holds its row: the group's ranks back-propagate its columns' shares)
+    is its weight on one rank (1 / the normaliser there): the normaliser counts the data-parallel ranks, not all."""
+    from rlhf_sg.parallel import loss_scale
+
+    (alone,), (alone_rank,), _ = _group_steps(1, 1, normalize_rows)
+    assert alone == alone_rank
+    plans, steps, batch = _group_steps(4, 2, normalize_rows)
+    assert len(plans) == 2 and steps == [plans[0], plans[0], plans[1], plans[1]]
+    for k, one in enumerate(alone):  # optimizer step k
+        holders: dict[int, set[int]] = {}
+        for rank, rank_steps in enumerate(steps):
+            for row in (r for micro in rank_steps[k].plan for r in micro):
+                holders.setdefault(row, set()).add(rank)
+        assert sorted(holders) == sorted(r for micro in one.plan for r in micro)  # the same minibatch
+        for row, ranks in holders.items():
+            first = min(ranks)
+            assert ranks == {first, first + 1} and first % 2 == 0, (row, ranks)  # one SP group
+            weight = loss_scale(2) / (len(steps) * steps[first][k].normalizer)
+            assert weight == pytest.approx(1 / one.normalizer, rel=1e-12), (k, row, weight, 1 / one.normalizer)
+    assert batch.action_mask.sum() > batch.batch_size  # token and row normalisers differ
+
+
 # ---- the flag ----------------------------------------------------------------------------------------------------
 
 
@@ -384,6 +434,43 @@ def test_the_flag_is_validated_before_ray(sp_config):
     critic.train.critic_num_ranks = 3
     with pytest.raises(ConfigError, match="--train.critic_num_ranks 3 is not a multiple of it"):
         validate(critic)
+
+
+def test_each_group_takes_its_own_size_under_its_own_flag(sp_config):
+    """--train.actor_sequence_parallel_size / critic_ / ref_ override --train.sequence_parallel_size for their group
+    (the layout's SP and data-parallel sizes follow), and each is checked, and refused, under its own flag."""
+    from rlhf_sg.config import apply_overrides, shares_prompts, validate
+    from rlhf_sg.trainer.layout import Layout
+
+    cfg = sp_config(1, 4)
+    cfg.train.share_prompts = False
+    apply_overrides(cfg, {"train.actor_sequence_parallel_size": "4", "train.critic_sequence_parallel_size": "2"},
+                    "--train.*_sequence_parallel_size")
+    assert (cfg.train.actor_sequence_parallel_size, cfg.train.critic_sequence_parallel_size) == (4, 2)
+    cfg.train.kl_coef = 0.01
+    layout = Layout(validate(cfg))
+    sizes = {role: (layout.sequence_parallel_size(role), layout.data_parallel_ranks(role))
+             for role in ("actor", "critic", "ref")}
+    assert sizes == {"actor": (4, 1), "critic": (2, 2), "ref": (1, 4)}, sizes
+    cfg.train.sequence_parallel_size = 2  # the groups without a size of their own take it
+    assert Layout(validate(cfg)).sequence_parallel_size("ref") == 2
+    cases = {"--train.critic_sequence_parallel_size 3: --train.critic_num_ranks 4 is not a multiple of it":
+             lambda t: setattr(t, "critic_sequence_parallel_size", 3),
+             "--train.ref_sequence_parallel_size must be >= 1, got 0":
+             lambda t: setattr(t, "ref_sequence_parallel_size", 0),
+             "--train.actor_sequence_parallel_size 4 with --train.share_prompts true: ":
+             lambda t: setattr(t, "share_prompts", True)}
+    for message, change in cases.items():
+        bad = sp_config(1, 4)
+        bad.train.share_prompts, bad.train.actor_sequence_parallel_size = False, 4
+        change(bad.train)
+        with pytest.raises(ConfigError) as error:
+            validate(bad)
+        assert str(error.value).startswith(message), str(error.value)
+    # a group that does not split takes no refusal: the actor at 1 under a global 2, no critic, no reference
+    alone = sp_config(2, 4)
+    alone.train.actor_sequence_parallel_size, alone.train.advantage_estimator, alone.train.kl_coef = 1, "grpo", 0.0
+    assert shares_prompts(validate(alone)) and Layout(alone).data_parallel_ranks("actor") == 4
 
 
 def _saved_bytes(group, length: int) -> int:

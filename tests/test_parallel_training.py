@@ -3,8 +3,9 @@
 
 Each rank is a real :class:`rlhf_sg.workers.ModelWorker` (DeepSpeed ZeRO-3 on gloo) in a process of its own
 (:mod:`zero3_rank`); both ranks of the SP group are given the same batch and plan, as the controller gives them
-(:func:`rlhf_sg.parallel.rank_plans`). Each runs the scoring forward, then one optimizer step through ``train_actor``
-/ ``train_critic``; the test reads the gradients DeepSpeed reduced (at the step, before the optimizer consumes them),
+(the trainer's :func:`rlhf_sg.trainer.ppo.group_update_steps`: the split and the normaliser over the data-parallel
+ranks). Each runs the scoring forward, then one optimizer step through ``train_actor`` / ``train_critic``; the test
+reads the gradients DeepSpeed reduced (at the step, before the optimizer consumes them),
 the reported loss and gradient norm, and the parameters after the step. All must equal the one-rank group's: the SP
 group's gradients are summed (the loss convention of :mod:`rlhf_sg.parallel.forward`) and not averaged by ZeRO-3's
 reduction over the group's ranks (the loss scale of :mod:`rlhf_sg.parallel.groups`).
@@ -76,10 +77,10 @@ def _rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
     from zero3_rank import PLAIN_UPDATE
 
-    from rlhf_sg.config import TrainConfig
+    from rlhf_sg.config import Config
     from rlhf_sg.experience import CriticUpdate
-    from rlhf_sg.parallel import data_parallel_ranks, rank_plans
-    from rlhf_sg.trainer.ppo import update_plans
+    from rlhf_sg.trainer.layout import Layout
+    from rlhf_sg.trainer.ppo import group_update_steps
     from rlhf_sg.workers import ModelWorker, WorkerSpec
 
     torch.set_num_threads(1)
@@ -96,10 +97,14 @@ def _rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str
         layer = next(m for name, m in worker.module.named_modules() if name.endswith("layers.0"))
         layer.register_forward_pre_hook(lambda *_: layer_calls.append(1))
         batch = _experience()
-        # the controller's optimizer step: one epoch, one minibatch, split over the data-parallel ranks
-        train = TrainConfig(ppo_epochs=1, num_minibatches=1, max_tokens_per_microbatch=MAX_TOKENS)
-        data_parallel = data_parallel_ranks(world, size)
-        steps = rank_plans(update_plans(batch, data_parallel, train, random.Random(0)), size)[rank]
+        # the controller's optimizer step, as the trainer makes it (the split and the normaliser over the
+        # data-parallel ranks): one epoch, one minibatch
+        cfg = Config()
+        t = cfg.train
+        t.ppo_epochs, t.num_minibatches, t.max_tokens_per_microbatch = 1, 1, MAX_TOKENS
+        t.actor_num_ranks = t.critic_num_ranks = world
+        t.sequence_parallel_size = size
+        steps = group_update_steps(batch, Layout(cfg), role, t, random.Random(0))[1][rank]
         order, scored = worker.forward(batch, steps[0].plan)
         named = list(worker.module.named_parameters())
         grads: dict[str, torch.Tensor] = {}
@@ -121,8 +126,48 @@ def _rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str
         else:
             metrics = worker.train_critic(batch, steps, CriticUpdate(value_clip=0.2))
         params = {name: safe_get_full_fp32_param(p).clone() for name, p in named}
+        worker.save_checkpoint(_checkpoint_dir(model_dir, role, world, size, checkpointing), TAG, {})
         return {"rows": order, "scored": scored, "metrics": metrics, "grads": grads, "params": params,
-                "backward_loss": losses, "columns": max(columns), "layer_calls": len(layer_calls)}
+                "moments": _moments(named), "backward_loss": losses, "columns": max(columns),
+                "layer_calls": len(layer_calls)}
+    finally:
+        dist.destroy_process_group()
+
+
+#: the tag each group's checkpoint after its step is saved under
+TAG = "step1"
+
+
+def _checkpoint_dir(model_dir: str, role: str, world: int, size: int, checkpointing: bool) -> str:
+    return f"{model_dir}-checkpoint-{role}-{world}-{size}-{checkpointing}"
+
+
+def _moments(named) -> dict[str, torch.Tensor]:
+    """Adam's first and second moments of every parameter, whole (gathered from the ZeRO-3 partitions)."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    return {f"{name} {key}": safe_get_full_optimizer_state(p, key).clone() for name, p in named
+            for key in ("exp_avg", "exp_avg_sq")}
+
+
+def _loading_rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str, path: str) -> dict:
+    """One rank of a fresh ``role`` group of ``world`` ranks in SP groups of ``size`` that loads the checkpoint in
+    ``path`` (as a resume does): its parameters and optimizer moments."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from rlhf_sg.workers import ModelWorker, WorkerSpec
+
+    torch.set_num_threads(1)
+    spec = WorkerSpec(role=role, model_path=model_dir, world_size=world, master_addr="127.0.0.1", master_port=port,
+                      train=True, lr=LR, timeout_s=TIMEOUT_S, zero_stage=3, sequence_parallel_size=size)
+    worker = ModelWorker(dataclasses.asdict(spec), rank)
+    try:
+        worker.load_checkpoint(path, TAG)
+        named = list(worker.module.named_parameters())
+        return {"params": {name: safe_get_full_fp32_param(p).clone() for name, p in named},
+                "moments": _moments(named)}
     finally:
         dist.destroy_process_group()
 
@@ -138,14 +183,15 @@ def _group(role: str, world: int, size: int, model_dir: str, checkpointing: bool
     return _GROUPS[key]
 
 
-def _spawn(role: str, world: int, size: int, model_dir: str, checkpointing: bool) -> list[dict]:
+def _spawn(role: str, world: int, size: int, model_dir: str, last, run=None) -> list[dict]:
+    """``run`` (``_rank`` by default) in a process for each of the ``world`` ranks, ``last`` its last argument."""
     from zero3_rank import in_fresh_process
 
     from rlhf_sg.distributed import free_port
 
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(world) as pool:
-        futures = [pool.submit(in_fresh_process, _rank, role, rank, world, size, port, model_dir, checkpointing,
+        futures = [pool.submit(in_fresh_process, run or _rank, role, rank, world, size, port, model_dir, last,
                                timeout_s=4 * TIMEOUT_S) for rank in range(world)]
         failed = {rank: f.exception() for rank, f in enumerate(futures)}
     if any(failed.values()):
@@ -206,6 +252,21 @@ def test_an_sp_group_of_two_ranks_takes_the_one_rank_training_step(role, model_d
     assert alone["columns"] == max(p + r for p, r in zip(PROMPTS, RESPONSES))
     assert [seen["columns"] for seen in split] == [alone["columns"] // 2] * 2, (alone["columns"], split)
     _assert_the_one_rank_step(role, model_dir, alone, split, 2)
+
+
+@pytest.mark.slow
+def test_an_sp_groups_checkpoint_resumes_at_another_size(model_dir):
+    """The checkpoint the actor's SP group of 2 saved after its step (ZeRO-3 partitions over all the group's ranks,
+    not the data-parallel ones: DeepSpeed is given no SP groups) loads into 2 ranks at N = 1 as a resume loads it:
+    every parameter and Adam moment as the SP group held them. (The other way, N = 1 -> 2, is the same files.)"""
+    split = _group("actor", 2, 2, model_dir)
+    path = _checkpoint_dir(model_dir, "actor", 2, 2, False)
+    for seen in _spawn("actor", 2, 1, model_dir, path, run=_loading_rank):
+        for key in ("params", "moments"):
+            assert seen[key].keys() == split[0][key].keys()
+            for name, value in split[0][key].items():
+                assert torch.equal(seen[key][name], value), f"{key} {name}"
+    assert any(m.abs().max() > 0 for m in split[0]["moments"].values())  # the step left moments to resume
 
 
 @pytest.mark.slow

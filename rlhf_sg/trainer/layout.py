@@ -14,6 +14,7 @@ from rlhf_sg.config import (
     optimizer_steps,
     ref_in_actor,
     rollout_is_async,
+    sequence_parallel_size,
     shares_prompts,
     sleep_engines,
     uses_critic_model,
@@ -174,9 +175,9 @@ class Layout:
         )
 
     def sequence_parallel_size(self, role: str) -> int:
-        """``role``'s SP group size: --train.sequence_parallel_size for the actor, critic and reference groups, 1 for
-        the others (config.py refuses a run that would need them split)."""
-        return self.cfg.train.sequence_parallel_size if role in ("actor", "critic", "ref") else 1
+        """``role``'s SP group size: --train.<role>_sequence_parallel_size or --train.sequence_parallel_size for the
+        actor, critic and reference groups, 1 for the others (config.py refuses a run that would need them split)."""
+        return sequence_parallel_size(self.cfg, role)[1]
 
     def data_parallel_ranks(self, role: str) -> int:
         """The ranks of ``role``'s group a batch is split over: its ranks / its SP size (every rank of an SP group

@@ -117,6 +117,19 @@ def update_plans(experience: Experience, world: int, t: TrainConfig, rng: random
     return per_rank
 
 
+def group_update_steps(experience: Experience, layout: Layout, role: str, t: TrainConfig, rng: random.Random,
+                       normalize_rows: bool = False,
+                       share_prompts: bool = False) -> tuple[list[list[OptimizerStep]], list[list[OptimizerStep]]]:
+    """``role``'s optimizer steps: (per data-parallel rank, per rank of the group). The batch is split over the
+    data-parallel ranks only, so the normaliser is the minibatch's tokens over the data-parallel ranks
+    (:func:`update_plans`), and every rank of an SP group takes its data-parallel rank's steps
+    (:func:`rlhf_sg.parallel.rank_plans`); with the loss scale of :mod:`rlhf_sg.parallel.groups` ZeRO-3's mean over
+    all the group's ranks then gives each token the one-rank weight."""
+    steps = update_plans(experience, layout.data_parallel_ranks(role), t, rng, normalize_rows=normalize_rows,
+                         share_prompts=share_prompts)
+    return steps, rank_plans(steps, layout.sequence_parallel_size(role))
+
+
 class PPOTrainer:
     """PPO / GRPO / Dr.GRPO / RLOO / REINFORCE++ (and registered estimators) over Ray actor groups and
     rollout engines."""
@@ -504,20 +517,18 @@ class PPOTrainer:
         t, cluster = self.cfg.train, self.cluster
         ref, calls = _put(experience), []
         if self.uses_critic:
-            steps = update_plans(experience, self.layout.data_parallel_ranks("critic"), t, self.rng,
-                                 share_prompts=self.share_prompts)
+            plans, steps = group_update_steps(experience, self.layout, "critic", t, self.rng,
+                                              share_prompts=self.share_prompts)
             update = CriticUpdate(value_clip=t.value_clip, share_prompts=self.share_prompts)
-            self._count("train", "critic", experience, [[mb for s in rank for mb in s.plan] for rank in steps], True)
-            steps = rank_plans(steps, self.layout.sequence_parallel_size("critic"))
+            self._count("train", "critic", experience, [[mb for s in rank for mb in s.plan] for rank in plans], True)
             calls += [("critic", i, w.train_critic.remote(ref, steps[i], update))
                       for i, w in enumerate(cluster.critic.workers)]
         if not (self.uses_critic and self.step < t.critic_warmup_steps):
             update = self.actor_update()
-            steps = update_plans(experience, self.layout.data_parallel_ranks("actor"), t, self.rng,
-                                 normalize_rows=update.loss.aggregation != "token_mean",
-                                 share_prompts=self.share_prompts)
-            self._count("train", "actor", experience, [[mb for s in rank for mb in s.plan] for rank in steps], True)
-            steps = rank_plans(steps, self.layout.sequence_parallel_size("actor"))
+            plans, steps = group_update_steps(experience, self.layout, "actor", t, self.rng,
+                                              normalize_rows=update.loss.aggregation != "token_mean",
+                                              share_prompts=self.share_prompts)
+            self._count("train", "actor", experience, [[mb for s in rank for mb in s.plan] for rank in plans], True)
             calls += [("actor", i, w.train_actor.remote(ref, steps[i], update))
                       for i, w in enumerate(cluster.actor.workers)]
         results = wait_ranks(calls, f"step {self.step + 1} updates", t.timeout_s)
