@@ -75,7 +75,7 @@ def write_data(out: str, seed: int, label_noise: float, held_out_fraction: float
     """The stages' data files: SFT rows (every problem: the supervised data stands for pretraining), and preference
     pairs over every problem, split at random into training pairs (a ``label_noise`` fraction flipped, seeded) and
     held-out pairs (never flipped): the reward model is judged on pairs it never saw, as a preference dataset's
-    held-out split judges it. The right answer is preferred over every other number and the malformed answers, and
+    held-out split judges it. The right answer is preferred over every other sum and two of the malformed answers, and
     over each wrong answer in ``policy_samples`` (prompt -> the SFT policy's sampled answers, repeats kept:
     preferences over the policy's own samples, weighted as often as it makes each mistake, which PPO will sample).
     The PPO prompt files split the problems by :func:`split_problems` (PPO never trains on the held-out problems)."""
