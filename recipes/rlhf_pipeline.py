@@ -1,4 +1,5 @@
-"""The RLHF pipeline end to end on a CPU, on the quickstart's task (single-digit addition, ``arith_task.py``):
+"""The RLHF pipeline end to end on a CPU, on single-digit addition (``arith_task.py``'s task over every "a+b=" with
+a, b in 0..9: 100 problems, 20 of them held out of PPO by :func:`split_problems`):
 
 1. **SFT** (``rlhf_sg.stages.train_sft``): a tiny base model learns the answer format from a few supervised steps, so it
    is right some of the time (the supervised policy RL starts from);
@@ -45,6 +46,21 @@ from rlhf_sg.trainer import train  # noqa: E402
 #: answers a sampling policy produces (so the reward model has seen what PPO's samples can look like)
 MALFORMED = ["+", "=", "1+", "4=", "00", "2 2"]
 
+#: the pipeline's task: every "a+b=" with 0 <= a, b <= MAX_DIGIT (100 problems, sums 0 to 18), of which a
+#: HELD_OUT_FRACTION (seeded, by problem) is held out of PPO: enough problems that what PPO learns on the training
+#: ones can carry over to the held-out ones (on the quickstart's 25, RL memorises the 20 it trains on)
+MAX_DIGIT = 9
+HELD_OUT_FRACTION = 0.2
+
+
+def split_problems(seed: int, max_digit: int = MAX_DIGIT,
+                   held_out_fraction: float = HELD_OUT_FRACTION) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(training problems, held-out problems): the task's (prompt, answer) problems in their seeded order, the first
+    ``held_out_fraction`` of them held out. PPO trains on the first part only and is judged on both."""
+    problems = arith_task.problems(seed, max_digit)
+    cut = round(len(problems) * held_out_fraction)
+    return problems[cut:], problems[:cut]
+
 
 def _write_jsonl(path: str, rows: list[dict]) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -59,17 +75,18 @@ def write_data(out: str, seed: int, label_noise: float, held_out_fraction: float
     """The stages' data files: SFT rows (every problem: the supervised data stands for pretraining), and preference
     pairs over every problem, split at random into training pairs (a ``label_noise`` fraction flipped, seeded) and
     held-out pairs (never flipped): the reward model is judged on pairs it never saw, as a preference dataset's
-    held-out split judges it. The right answer is preferred over every other number and the malformed answers, and
+    held-out split judges it. The right answer is preferred over every other sum and two of the malformed answers, and
     over each wrong answer in ``policy_samples`` (prompt -> the SFT policy's sampled answers, repeats kept:
     preferences over the policy's own samples, weighted as often as it makes each mistake, which PPO will sample).
-    The PPO prompt files split the problems as the quickstart does (RL never trains on the held-out problems)."""
+    The PPO prompt files split the problems by :func:`split_problems` (PPO never trains on the held-out problems)."""
     rng = random.Random(seed)
-    problems = arith_task.problems(seed)
+    train_problems, held_out_problems = split_problems(seed)
+    problems = arith_task.problems(seed, MAX_DIGIT)
     sums = sorted({int(answer) for _, answer in problems})
     policy_samples = policy_samples or {}
     pairs = []
     for prompt, answer in problems:
-        synthetic = [str(s) for s in sums if str(s) != answer] + MALFORMED
+        synthetic = [str(s) for s in sums if str(s) != answer] + rng.sample(MALFORMED, 2)
         # one pair per wrong sample, repeats kept: the mistakes the policy makes most weigh most
         sampled = [a for a in policy_samples.get(prompt, []) if a.strip() and a != answer]
         pairs += [{"prompt": prompt, "chosen": answer, "rejected": rejected} for rejected in synthetic + sampled]
@@ -85,8 +102,10 @@ def write_data(out: str, seed: int, label_noise: float, held_out_fraction: float
                             [{"prompt": p, "completion": a} for p, a in problems]),
         "prefs": _write_jsonl(os.path.join(data, "prefs.jsonl"), train_pairs),
         "prefs_held_out": _write_jsonl(os.path.join(data, "prefs_held_out.jsonl"), held_pairs),
-        "prompts": arith_task.write_prompts(os.path.join(data, "prompts.jsonl"), seed=seed),
-        "held_out": arith_task.write_prompts(os.path.join(data, "held_out.jsonl"), seed=seed, part="held_out"),
+        "prompts": _write_jsonl(os.path.join(data, "prompts.jsonl"),
+                                [{"prompt": p, "answer": a} for p, a in train_problems]),
+        "held_out": _write_jsonl(os.path.join(data, "held_out.jsonl"),
+                                 [{"prompt": p, "answer": a} for p, a in held_out_problems]),
     }
 
 
@@ -109,7 +128,7 @@ def sample_answers(model_dir: str, seed: int, samples: int = 16) -> dict[str, li
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     g = torch.Generator().manual_seed(seed)
     answers = {}
-    for prompt, _ in arith_task.problems(seed):
+    for prompt, _ in arith_task.problems(seed, MAX_DIGIT):
         ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]] * samples)
         out, done = [[] for _ in range(samples)], [False] * samples
         for _ in range(3):
@@ -169,7 +188,7 @@ def held_out_rule_accuracy(model_dir: str, seed: int, samples: int = 16) -> floa
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    held_out = arith_task.problems(seed)[:arith_task.HELD_OUT]
+    held_out = split_problems(seed)[1]
     return arith_task.sample_accuracy(model, tokenizer, samples_per_problem=samples, seed=seed, data=held_out)
 
 
@@ -177,10 +196,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/rlhf_pipeline")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sft-epochs", type=int, default=30)
-    parser.add_argument("--rm-epochs", type=int, default=20)
+    parser.add_argument("--sft-epochs", type=int, default=60)
+    parser.add_argument("--rm-epochs", type=int, default=12)
     parser.add_argument("--rm-lr", type=float, default=3e-4)
-    parser.add_argument("--dpo-epochs", type=int, default=5)
+    parser.add_argument("--dpo-epochs", type=int, default=2)
     parser.add_argument("--dpo-lr", type=float, default=1e-4)
     parser.add_argument("--ppo-steps", type=int, default=30)
     parser.add_argument("--label-noise", type=float, default=0.1)
@@ -228,8 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary["ppo_held_out_rule_pass@1"] = [evals[0][1], evals[-1][1]]
     # the SFT policy and the PPO policy on the same problems with the same sampling seed: the reward model's score
     # and the true rule's accuracy, on the training problems and on the held-out ones
-    problems = arith_task.problems(args.seed)
-    parts = {"train": problems[arith_task.HELD_OUT:], "held_out": problems[:arith_task.HELD_OUT]}
+    parts = dict(zip(("train", "held_out"), split_problems(args.seed)))
     for name, data in parts.items():
         before, after = (policy_figures(policy, reward_model, data, args.seed, samples=args.figure_samples)
                          for policy in (sft, os.path.join(ppo_dir, "final_hf")))
@@ -249,8 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print("\n== the pipeline's figures (held-out problems: the 5 PPO never trains on; held-out pairs: a random 20 % of "
-          "the preference pairs, over every problem)")
+    print(f"\n== the pipeline's figures (held-out problems: the {len(parts['held_out'])} PPO never trains on; held-out "
+          "pairs: a random 20 % of the preference pairs, over every problem)")
     print(f"SFT policy: held-out rule accuracy {summary['sft_held_out_rule_accuracy']:.3f}")
     print("reward model: held-out pair accuracy {:.3f} -> {:.3f}".format(*summary["rm_held_out_pair_accuracy"]))
     print("PPO: reward-model score per step (its training prompts, mean of the first / last 5 steps) {:.3f} -> "

@@ -186,7 +186,7 @@ def test_the_rlhf_pipelines_preferences_hold_out_unseen_pairs_flip_only_training
 
     files = rlhf_pipeline.write_data(str(tmp_path), seed=0, label_noise=0.25)
     read = {k: [json.loads(line) for line in open(files[k])] for k in ("prefs", "prefs_held_out", "sft")}
-    answers = dict(arith_task.problems(0))
+    answers = dict(arith_task.problems(0, rlhf_pipeline.MAX_DIGIT))
     key = lambda r: (r["prompt"], frozenset((r["chosen"], r["rejected"])))  # noqa: E731
     train, held = {key(r) for r in read["prefs"]}, {key(r) for r in read["prefs_held_out"]}
     assert not train & held and len(held) == len(read["prefs_held_out"]) > 0
@@ -199,14 +199,38 @@ def test_the_rlhf_pipelines_preferences_hold_out_unseen_pairs_flip_only_training
         rows = load_stage_rows(files[name], stage, tokenizer, eos_ids(tokenizer), d)
         assert (rows.num_units, rows.dropped, rows.truncated) == (len(read[name]), 0, 0), name
     # the SFT policy's own wrong samples join the pairs, one per sample (repeats kept), its right ones do not
-    prompt, answer = arith_task.problems(0)[0]
-    wrong = str((int(answer) + 1) % 9)
+    prompt, answer = arith_task.problems(0, rlhf_pipeline.MAX_DIGIT)[0]
+    wrong = str((int(answer) + 1) % 19)
     files = rlhf_pipeline.write_data(str(tmp_path / "sampled"), seed=0, label_noise=0.0,
                                      policy_samples={prompt: [wrong, wrong, answer, "7+"]})
     rows = [json.loads(line) for k in ("prefs", "prefs_held_out") for line in open(files[k])]
     of_prompt = [r["rejected"] for r in rows if r["prompt"] == prompt]
     assert (of_prompt.count(wrong), of_prompt.count("7+"), of_prompt.count(answer)) == (3, 1, 0)
     assert len(rows) == sum(len(read[k]) for k in ("prefs", "prefs_held_out")) + 3
+
+
+def test_the_rlhf_pipelines_ppo_never_trains_on_its_held_out_problems(tmp_path):
+    """recipes/rlhf_pipeline.py splits its problems by problem: the PPO prompt file holds the training problems
+    only, the held-out file the rest (about a fifth, none of them in the prompt file), together every problem once
+    with its right answer, and the same seed gives the same split (the SFT and the PPO policy are judged on it)."""
+    sys.path.insert(0, RECIPES)
+    try:
+        import arith_task
+        import rlhf_pipeline
+    finally:
+        sys.path.remove(RECIPES)
+
+    every = arith_task.problems(0, rlhf_pipeline.MAX_DIGIT)
+    assert len(every) == (rlhf_pipeline.MAX_DIGIT + 1) ** 2 == len(set(every))
+    files = rlhf_pipeline.write_data(str(tmp_path), seed=0, label_noise=0.1)
+    read = {k: [(r["prompt"], r["answer"]) for r in map(json.loads, open(files[k]))] for k in ("prompts", "held_out")}
+    train, held_out = set(read["prompts"]), set(read["held_out"])
+    assert not {p for p, _ in train} & {p for p, _ in held_out}
+    assert sorted(train | held_out) == sorted(every) and len(read["prompts"]) + len(read["held_out"]) == len(every)
+    assert len(held_out) == round(rlhf_pipeline.HELD_OUT_FRACTION * len(every))
+    assert all(int(p[:-1].split("+")[0]) + int(p[:-1].split("+")[1]) == int(a) for p, a in train | held_out)
+    assert rlhf_pipeline.split_problems(0) == (read["prompts"], read["held_out"])
+    assert rlhf_pipeline.split_problems(1) != rlhf_pipeline.split_problems(0)  # the seed draws the split
 
 
 def _calc_harness():
