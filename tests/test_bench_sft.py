@@ -155,3 +155,40 @@ def test_the_checks_flag_different_tokens_a_loss_that_does_not_fall_and_a_gap_ov
     assert not loss_check(ours, trl, 2, 0.01)[0]  # 2.0 against 2.05: 2.4 %
     flat = _run("trl", [1] * 2, [100, 100], [40, 40], [2.0, 2.05])
     assert not loss_check(ours, flat, 2, 0.05)[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None,
+                    reason="TRL is the bench extra (pip install -e '.[bench]'); without it SFTTrainer cannot run")
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_the_benchs_trl_run_trains_as_sfttrainer_run_alone(bench_data, tmp_path, layout):
+    """The bench's clock and token counting change nothing TRL computes: the same losses step for step as a plain
+    SFTTrainer with the same config, and every row's tokens once an epoch."""
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import SFTTrainer
+
+    from rlhf_sg.bench.sft import _trl_run, pack_tokens, trl_config
+    from rlhf_sg.data import load_tokenizer
+
+    model, data, rows = bench_data
+    spec = {"model_path": model, "data_file": data, "output_dir": str(tmp_path / "trl"), "epochs": 2, "lr": 1e-3,
+            "seed": 0, "max_len": 512, "pack_tokens": pack_tokens(data, model, 4)}
+    micro_batch = 1 if layout == "pack" else 2
+    bench = _trl_run(spec, micro_batch, 1 if layout == "pack" else 2, layout)["steps"]
+    losses = []
+
+    class Losses(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    alone = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32,
+                                                                  attn_implementation="sdpa"),
+                       args=trl_config({**spec, "output_dir": str(tmp_path / "alone")}, micro_batch,
+                                       1 if layout == "pack" else 2, layout),
+                       train_dataset=load_dataset("json", data_files=data, split="train"),
+                       processing_class=load_tokenizer(model), callbacks=[Losses()])
+    alone.train()
+    assert [s["loss"] for s in bench] == pytest.approx(losses, rel=1e-6)
+    assert sum(s["real_tokens"] for s in bench) == 2 * sum(row_lengths(data, model))
+    assert sum(s["trained_tokens"] for s in bench) == 2 * sum(len(r["completion"]) + 1 for r in rows)
