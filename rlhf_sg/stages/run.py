@@ -10,6 +10,8 @@ Metrics, per optimizer step (``train/*``) and per evaluation (``eval/*``):
   ``reward_mean`` / ``reward_std`` over every response;
 * DPO: ``loss``, ``accuracy``, ``margin``, ``rewards_chosen`` / ``rewards_rejected`` (beta x log-ratio to the
   reference);
+* every stage: ``real_tokens`` (the step's rows' tokens, prompts included) and ``trained_tokens`` (those in the
+  loss), and ``time/step`` (seconds of the step's plans and updates, evaluation excluded);
 * ``data/rows``, ``data/dropped_overlong``, ``data/truncated`` once, at step 0.
 """
 
@@ -21,6 +23,7 @@ import logging
 import math
 import os
 import random
+import time
 
 import torch
 
@@ -215,6 +218,7 @@ def run_stage(cfg: StageConfig) -> list[dict[str, float]]:
             run_log.resume_at(start)
             log.info("resumed at step %d of %d", start, total)
     batch_ref = _put(ranks, batch)
+    lengths = batch.attention_mask.sum(dim=1)
     history: list[dict[str, float]] = []
     bar = None
     if lg.progress_bar:
@@ -236,9 +240,14 @@ def run_stage(cfg: StageConfig) -> list[dict[str, float]]:
             if len(units) < t.num_ranks:  # an epoch's last few units, fewer than the ranks: the next epoch's first
                 units = units + unit_order(train_rows.num_units, epoch + 1, t.seed, cfg.data.shuffle)[
                     : t.num_ranks - len(units)]
+            step_start = time.perf_counter()
             plans = step_plans(batch, units, train_rows.pairs, t.max_tokens_per_microbatch, t.num_ranks)
             metrics = ranks.call("stage_train", per_rank=[(batch_ref, [plans[i]], spec) for i in range(t.num_ranks)],
                                  what=f"train-{cfg.stage} step {step + 1}")[0]
+            metrics["time/step"] = time.perf_counter() - step_start
+            rows = [r for u in units for r in train_rows.unit_rows(u)]
+            metrics["train/real_tokens"] = float(lengths[rows].sum())
+            metrics["train/trained_tokens"] = float(batch.loss_mask[rows].sum())
             metrics["train/epoch"] = step / per_epoch
             done = step + 1
             if held is not None and (done == total or (lg.eval_steps and done % lg.eval_steps == 0)):
