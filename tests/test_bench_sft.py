@@ -167,12 +167,12 @@ def test_the_benchs_trl_run_trains_as_sfttrainer_run_alone(bench_data, tmp_path,
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import SFTTrainer
 
-    from rlhf_sg.bench.sft import _trl_run, pack_tokens, trl_config
+    from rlhf_sg.bench.sft import _trl_run, pack_tokens, row_lengths, trl_config
     from rlhf_sg.data import load_tokenizer
 
     model, data, rows = bench_data
     spec = {"model_path": model, "data_file": data, "output_dir": str(tmp_path / "trl"), "epochs": 2, "lr": 1e-3,
-            "seed": 0, "max_len": 512, "pack_tokens": pack_tokens(data, model, 4)}
+            "seed": 0, "max_len": 512, "pack_tokens": pack_tokens(row_lengths(data, model), 4)}
     micro_batch = 1 if layout == "pack" else 2
     bench = _trl_run(spec, micro_batch, 1 if layout == "pack" else 2, layout)["steps"]
     losses = []

@@ -97,6 +97,8 @@ from typing import Any
 
 import torch
 
+from rlhf_sg.bench import load_average
+
 #: phase columns of the table, in step order (TRL's side fills generate, reward, train and other; an async
 #: run's trainer waits for its batch in wait_rollout)
 PHASE_COLUMNS = ("generate", "wait_rollout", "reward", "reference", "critic", "actor_logprob", "train", "weight_sync",
@@ -664,7 +666,7 @@ def search_trl(args: argparse.Namespace, model_path: str, prompt_file: str, out:
     after its own warm-up, in one process; prints each one's time and the one kept."""
     settings = trl_settings(args.prompts * args.samples)
     print(f"trl search: {len(settings)} settings, {args.warmup} warm-up and {args.trl_probe_steps} timed step(s) "
-          f"each, in one process; load average {_load()}", flush=True)
+          f"each, in one process; load average {load_average()}", flush=True)
     start = time.perf_counter()
     runs = run_trl(args, model_path, prompt_file, os.path.join(out, "trl-search"), settings, args.trl_probe_steps)
     probes = [(setting, None if r is None else r.mean_step_s) for setting, r in runs]
@@ -837,13 +839,6 @@ def print_table(results: list[SideResult]) -> None:
         print(row + " ".join(cells))
 
 
-def _load() -> str:
-    """The 1-minute load average: well above the number of cores, other work competed with the sides."""
-    try:
-        return f"{os.getloadavg()[0]:.2f}"
-    except OSError:
-        return "n/a"
-
 
 def _trl_missing_hint() -> str:
     return ("trl: not installed, so the baseline is skipped. Install it next to this CPU torch with "
@@ -949,7 +944,7 @@ def main(argv: list[str] | None = None) -> None:
             f"ours: backend {args.backend}, placement {args.placement}"
             f"{' (' + ours + ')' if ours else ''}, shared prompts {'on' if args.share_prompts else 'off'}; "
             f"{args.warmup} warm-up + {args.steps} measured step(s) per side, "
-            f"{args.rounds} round(s); load average {_load()} (other work on the machine slows whichever side it "
+            f"{args.rounds} round(s); load average {load_average()} (other work on the machine slows whichever side it "
             "overlaps)",
             flush=True,
         )
@@ -1016,7 +1011,7 @@ def main(argv: list[str] | None = None) -> None:
             print(ratio_line(results["ours-grpo-async-k4"], results[base],
                              f"max_staleness 4 over {base.removeprefix('ours-')}, length mix {args.length_mix}, "
                              f"placement {args.placement}"))
-    print(f"total wall time {time.perf_counter() - t_start:.0f} s; load average now {_load()}")
+    print(f"total wall time {time.perf_counter() - t_start:.0f} s; load average now {load_average()}")
 
 
 if __name__ == "__main__":

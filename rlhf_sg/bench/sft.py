@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from rlhf_sg.bench import load_average
+
 #: TRL's ``per_device_train_batch_size`` values the search tries (those dividing --batch-rows)
 TRL_MICRO_BATCHES = (2, 4, 8, 16)
 #: TRL's layouts: padded micro-batches, padding-free ones, or packed sequences
@@ -255,10 +257,10 @@ def search_lines(probes: list[tuple[TrlSetting, SideRun | None]], kept: TrlSetti
     return lines
 
 
-def pack_tokens(data_file: str, model_path: str, batch_rows: int) -> int:
-    """``packing=True``'s ``max_length``: the mean real tokens of one of our steps (a packed sequence a step holds
-    about as much as ours), at least the longest row (best-fit packing truncates a longer one)."""
-    lengths = row_lengths(data_file, model_path)
+def pack_tokens(lengths: list[int], batch_rows: int) -> int:
+    """``packing=True``'s ``max_length`` for rows of ``lengths`` tokens: the mean real tokens of one of our steps (a
+    packed sequence a step holds about as much as ours), at least the longest row (best-fit packing truncates a
+    longer one)."""
     steps = -(-len(lengths) // batch_rows)
     return max(max(lengths), -(-sum(lengths) // steps))
 
@@ -308,12 +310,13 @@ def run_ours(args: argparse.Namespace, model_path: str, data_file: str, out: str
 
 
 def run_trl(args: argparse.Namespace, model_path: str, data_file: str, out: str, settings: list[TrlSetting],
-            ) -> list[tuple[TrlSetting, SideRun | None]]:
+            lengths: list[int]) -> list[tuple[TrlSetting, SideRun | None]]:
     """Run :func:`_trl_child` in a fresh Python process, each of ``settings`` in turn with a fresh model and
-    trainer; each setting's run, None for one that failed (the reason printed); all None if the process failed."""
+    trainer (``lengths``: each row's tokens, :func:`row_lengths`); each setting's run, None for one that failed (the
+    reason printed); all None if the process failed."""
     spec = {"model_path": model_path, "data_file": data_file, "output_dir": os.path.join(out, "trl"),
             "epochs": args.epochs, "lr": args.lr, "seed": args.seed, "threads": args.threads,
-            "max_len": args.max_len, "pack_tokens": pack_tokens(data_file, model_path, args.batch_rows),
+            "max_len": args.max_len, "pack_tokens": pack_tokens(lengths, args.batch_rows),
             "settings": [[s.micro_batch, s.accumulation, s.layout] for s in settings]}
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
     start = time.perf_counter()
@@ -432,12 +435,6 @@ def _trl_child(spec: dict[str, Any]) -> None:
 # ---- the run ----------------------------------------------------------------------------------------------------
 
 
-def _load() -> str:
-    try:
-        return f"{os.getloadavg()[0]:.2f}"
-    except OSError:
-        return "n/a"
-
 
 def side_line(run: SideRun, what: str) -> str:
     steps = ", ".join(f"{s:.3f}" for s in run.step_s)
@@ -502,21 +499,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"sft: {args.arch}/{args.size} ({num_params / 1e6:.1f}M parameters), {args.rows} rows of "
               f"{min(lengths)}..{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}) x {args.epochs} "
               f"epoch(s), {args.batch_rows} rows a step, lr {args.lr}; {args.threads} torch thread(s) a side, one "
-              f"side after the other; CPU ({os.cpu_count()} cores), load average {_load()}", flush=True)
+              f"side after the other; CPU ({os.cpu_count()} cores), load average {load_average()}", flush=True)
         if pinned is not None:
             setting = pinned
         elif args.trl_search:
             settings = trl_settings(args.batch_rows)
-            print(f"trl search: {len(settings)} settings, each a whole run in one process; load average {_load()}",
-                  flush=True)
-            probes = run_trl(args, model_path, data_file, os.path.join(tmp, "search"), settings)
+            print(f"trl search: {len(settings)} settings, each a whole run in one process; load average "
+                  f"{load_average()}", flush=True)
+            probes = run_trl(args, model_path, data_file, os.path.join(tmp, "search"), settings, lengths)
             setting = fastest_setting([(s, None if r is None else r.tokens_per_s) for s, r in probes])
             for line in search_lines(probes, setting):
                 print(line, flush=True)
         else:
             setting = TrlSetting(args.batch_rows, 1, "pad")
         print(f"trl: {setting.describe()}" + (" (pinned)" if pinned else ""), flush=True)
-        trl = run_trl(args, model_path, data_file, os.path.join(tmp, "timed"), [setting])[0][1]
+        trl = run_trl(args, model_path, data_file, os.path.join(tmp, "timed"), [setting], lengths)[0][1]
         ours = run_ours(args, model_path, data_file, os.path.join(tmp, "ours"))
     problem = too_few_steps(ours) or (None if trl is not None else "trl: the timed run failed")
     if problem:
@@ -531,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
           "trl then ours)")
     print(token_check(ours, trl)[1])
     print(loss_check(ours, trl, args.epochs, args.loss_tolerance)[1])
-    print(f"total wall time {time.perf_counter() - t_start:.0f} s; load average now {_load()}")
+    print(f"total wall time {time.perf_counter() - t_start:.0f} s; load average now {load_average()}")
 
 
 if __name__ == "__main__":
