@@ -78,7 +78,13 @@ _op_build: dict = {"process": None, "log": None}
 
 
 def pytest_collection_modifyitems(config, items):
+    """Orders the tiers and marks the extended tier (``tests/extended.py``'s entries) before ``-m`` deselects."""
+    from extended import EXTENDED
+
     items.sort(key=_tier)  # stable: each tier keeps the collection order
+    for item in items:
+        if item.nodeid in EXTENDED or item.nodeid.split("[")[0] in EXTENDED:
+            item.add_marker(pytest.mark.extended)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ import time
 import pytest
 import torch
 
-from backends.base import BackendConfig, BackendError, SamplingParams, WeightGroupSpec
+from backends.base import BackendConfig, BackendError, SamplingParams
 from rlhf_sg.tiny import BOS_ID, EOS_ID, build_tiny_model, save_tiny_model
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
@@ -287,123 +286,6 @@ def test_tensor_transport_takes_a_bucket_packed_in_this_process(engine, llama_di
     )
     engine.update_weights_from_disk(llama_dir)  # back to the checkpoint for later tests
     engine.finish_weight_update(engine.weight_version + 1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ---- http mode against a real SGLang server --------------------------------------------------------
-@pytest.fixture(scope="module")
-def server_url(tmp_path_factory):
-    model_path = save_tiny_model(str(tmp_path_factory.mktemp("sglang-http")), arch="qwen2", size="tiny", seed=2)
-    port = _free_port()
-    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "0"
-    cmd = [
-        sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
-        "--port", str(port), "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native",
-        "--skip-tokenizer-init", "--disable-cuda-graph", "--sleep-on-idle", "--max-total-tokens", "8192",
-        "--context-length", "256", "--log-level", "error",
-    ]  # fmt: skip
-    log = open(tmp_path_factory.mktemp("sglang-http-log") / "server.log", "w")
-    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    import urllib.request
-
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            server.kill()
-            pytest.fail(f"SGLang server did not come up; see {log.name}")
-        time.sleep(2)
-    yield url, model_path
-    server.terminate()
-    try:
-        server.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        server.kill()
-    log.close()
-
-
-@needs_sglang
-@pytest.mark.slow
-def test_http_mode_generates_and_takes_a_collective_update(server_url):
-    from backends.sglang_backend import SGLangBackend, open_weight_update_group
-    from rlhf_sg.sync import plan_buckets
-
-    url, model_path = server_url
-    with pytest.raises(BackendError, match="tensor_parallel_size=2.*sum 1"):
-        SGLangBackend(_config(model_path, tensor_parallel_size=2, extra={"server_urls": [url]}))
-    backend_single = SGLangBackend(_config(model_path, extra={"server_urls": [url], "request_timeout_s": 120}))
-    assert backend_single.transports == frozenset({"collective", "tensor", "disk"})
-    try:
-        reference = _hf(model_path)
-        out = backend_single.generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_new_tokens=8))
-        assert [c.prompt_index for c in out] == [0, 0, 1, 1, 2, 2]
-        for c in out:
-            logp = _trainer_logprobs(reference, PROMPTS[c.prompt_index], c.token_ids, 0.7)
-            torch.testing.assert_close(torch.tensor(c.logprobs), logp, atol=1e-4, rtol=0)
-
-        new = build_tiny_model("qwen2", "tiny", seed=9)
-        named = {n: p.detach().clone() for n, p in new.named_parameters()}
-        plan = plan_buckets([(n, t.shape, t.dtype) for n, t in named.items()], 64 * 1024)
-        port = _free_port()
-        spec = WeightGroupSpec("127.0.0.1", port, 1, 2, "http_weights", "gloo", TIMEOUT_S)
-        sender: dict = {}
-
-        def send():
-            try:
-                import torch.distributed as dist
-
-                group = open_weight_update_group(spec, 0)
-                for manifest in plan:
-                    flat = torch.cat([named[t.name].reshape(-1) for t in manifest.tensors])
-                    opts = dist.BroadcastOptions()
-                    opts.rootRank = 0
-                    group.broadcast([flat], opts).wait()
-                dist.destroy_process_group(group)
-            except Exception as exc:
-                sender["error"] = exc
-
-        thread = threading.Thread(target=send, daemon=True)
-        thread.start()
-        backend_single.init_weight_update_group(spec)
-        for manifest in plan:
-            backend_single.update_weights_from_collective(manifest, 0)
-        backend_single.finish_weight_update(1)
-        thread.join(TIMEOUT_S)
-        backend_single.destroy_weight_update_group()
-        assert "error" not in sender, sender
-        greedy = backend_single.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
-        assert [c.token_ids for c in greedy] == [_hf_greedy(new, p, 8) for p in PROMPTS]
-        assert all(c.weight_version == 1 for c in greedy)
-        # The tensor transport over HTTP: the same per-TP-rank payloads, base64 in the request, opened by
-        # the server's scheduler from this process's shared memory.
-        other = build_tiny_model("qwen2", "tiny", seed=10)
-        other_named = {n: p.detach().clone() for n, p in other.named_parameters()}
-        (whole,) = plan_buckets([(n, t.shape, t.dtype) for n, t in other_named.items()], 1 << 30)
-        backend_single.update_weights_from_tensor(
-            whole, torch.cat([other_named[t.name].reshape(-1) for t in whole.tensors])
-        )
-        backend_single.finish_weight_update(2)
-        greedy = backend_single.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
-        assert [c.token_ids for c in greedy] == [_hf_greedy(other, p, 8) for p in PROMPTS]
-        backend_single.sleep()
-        backend_single.wake()
-        assert backend_single.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))[0].token_ids == (
-            greedy[0].token_ids
-        )
-    finally:
-        backend_single.shutdown()
 
 
 # ---- the trainer's own path: WeightSyncer on 2 ZeRO-3 Ray ranks into an SGLang engine actor ------------

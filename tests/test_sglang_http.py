@@ -20,15 +20,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 import torch
-from test_sglang_backend import _hf_greedy  # tests/ is on the path
+from test_sglang_backend import PROMPTS as BACKEND_PROMPTS  # tests/ is on the path
+from test_sglang_backend import TIMEOUT_S, _config, _hf, _hf_greedy, _trainer_logprobs
 
-from backends.base import BackendConfig, BackendError, SamplingParams
+from backends.base import BackendConfig, BackendError, SamplingParams, WeightGroupSpec
 from rlhf_sg.tiny import BOS_ID, build_tiny_model, save_tiny_model
 
 pytestmark = [
@@ -161,6 +163,77 @@ def test_the_server_enforces_both_levels(server):
     # and any holder of the API key can read both keys back from the server's info (SGLang 0.5.23)
     info = _raw_server_info(url, api_key)
     assert (info.get("api_key"), info.get("admin_api_key")) == (api_key, admin_key)
+
+
+def test_http_mode_generates_and_takes_a_collective_update(server, monkeypatch):
+    """Before any test here changes the weights: sampled log-probs are the model's, then a collective update, a
+    tensor update over HTTP and sleep / wake, through the backend with the right keys."""
+    from backends.sglang_backend import SGLangBackend, open_weight_update_group
+    from rlhf_sg.sync import plan_buckets
+
+    url, model_path, api_key, admin_key = server
+    with pytest.raises(BackendError, match="tensor_parallel_size=2.*sum 1"):
+        SGLangBackend(_config(model_path, tensor_parallel_size=2, extra={"server_urls": [url]}))
+    backend_single = _backend(url, model_path, monkeypatch, api_key, admin_key)
+    assert backend_single.transports == frozenset({"collective", "tensor", "disk"})
+    try:
+        reference = _hf(model_path)
+        out = backend_single.generate(BACKEND_PROMPTS, SamplingParams(n=2, temperature=0.7, max_new_tokens=8))
+        assert [c.prompt_index for c in out] == [0, 0, 1, 1, 2, 2]
+        for c in out:
+            logp = _trainer_logprobs(reference, BACKEND_PROMPTS[c.prompt_index], c.token_ids, 0.7)
+            torch.testing.assert_close(torch.tensor(c.logprobs), logp, atol=1e-4, rtol=0)
+
+        new = build_tiny_model("qwen2", "tiny", seed=9)
+        named = {n: p.detach().clone() for n, p in new.named_parameters()}
+        plan = plan_buckets([(n, t.shape, t.dtype) for n, t in named.items()], 64 * 1024)
+        port = _free_port()
+        spec = WeightGroupSpec("127.0.0.1", port, 1, 2, "http_weights", "gloo", TIMEOUT_S)
+        sender: dict = {}
+
+        def send():
+            try:
+                import torch.distributed as dist
+
+                group = open_weight_update_group(spec, 0)
+                for manifest in plan:
+                    flat = torch.cat([named[t.name].reshape(-1) for t in manifest.tensors])
+                    opts = dist.BroadcastOptions()
+                    opts.rootRank = 0
+                    group.broadcast([flat], opts).wait()
+                dist.destroy_process_group(group)
+            except Exception as exc:
+                sender["error"] = exc
+
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        backend_single.init_weight_update_group(spec)
+        for manifest in plan:
+            backend_single.update_weights_from_collective(manifest, 0)
+        backend_single.finish_weight_update(1)
+        thread.join(TIMEOUT_S)
+        backend_single.destroy_weight_update_group()
+        assert "error" not in sender, sender
+        greedy = backend_single.generate(BACKEND_PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
+        assert [c.token_ids for c in greedy] == [_hf_greedy(new, p, 8) for p in BACKEND_PROMPTS]
+        assert all(c.weight_version == 1 for c in greedy)
+        # The tensor transport over HTTP: the same per-TP-rank payloads, base64 in the request, opened by
+        # the server's scheduler from this process's shared memory.
+        other = build_tiny_model("qwen2", "tiny", seed=10)
+        other_named = {n: p.detach().clone() for n, p in other.named_parameters()}
+        (whole,) = plan_buckets([(n, t.shape, t.dtype) for n, t in other_named.items()], 1 << 30)
+        backend_single.update_weights_from_tensor(
+            whole, torch.cat([other_named[t.name].reshape(-1) for t in whole.tensors])
+        )
+        backend_single.finish_weight_update(2)
+        greedy = backend_single.generate(BACKEND_PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
+        assert [c.token_ids for c in greedy] == [_hf_greedy(other, p, 8) for p in BACKEND_PROMPTS]
+        backend_single.sleep()
+        backend_single.wake()
+        again = backend_single.generate(BACKEND_PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
+        assert again[0].token_ids == greedy[0].token_ids
+    finally:
+        backend_single.shutdown()
 
 
 def test_right_keys_generate_sync_and_flush(server, monkeypatch):

@@ -30,10 +30,13 @@ fi
 PY="${VENV_DIR}/bin/python"
 # torch comes from pip, which honours the machine's own pip configuration (its find-links, constraints and index
 # holding the CPU build); every later package from uv (installed into the venv first), which downloads in parallel
-# and installs without compiling bytecode (Python compiles what it imports): the same packages and pins in a
-# fraction of pip's time. uv keeps the torch already installed, as each command names its pin again.
-TORCH_PIP=("${PY}" -m pip install --progress-bar off --no-compile)
-PIP=("${VENV_DIR}/bin/uv" pip install --python "${PY}")
+# and compiles bytecode on both cores: the same packages and pins in a fraction of pip's time. uv keeps the torch
+# already installed, as each command names its pin again. Bytecode is compiled at install (pip's default, uv's
+# --compile-bytecode): a process that finds none compiles every module it imports, and with PYTHONDONTWRITEBYTECODE
+# set (as on this machine kind) keeps none, so every process paid it again: `import vllm` took 35 CPU-s instead of
+# 15, and each engine start and Ray worker of a test run imports it anew.
+TORCH_PIP=("${PY}" -m pip install --progress-bar off)
+PIP=("${VENV_DIR}/bin/uv" pip install --compile-bytecode --python "${PY}")
 
 say "installing ${TORCH_PIN} (CPU build) and ${UV_PIN} with pip"
 "${TORCH_PIP[@]}" "${TORCH_PIN}" "${UV_PIN}"
