@@ -172,9 +172,10 @@ def test_http_mode_generates_and_takes_a_collective_update(server, monkeypatch):
     from rlhf_sg.sync import plan_buckets
 
     url, model_path, api_key, admin_key = server
+    backend_single = _backend(url, model_path, monkeypatch, api_key, admin_key)  # sets the key variables
+    keys = {"api_key_env": API_VAR, "admin_api_key_env": ADMIN_VAR}
     with pytest.raises(BackendError, match="tensor_parallel_size=2.*sum 1"):
-        SGLangBackend(_config(model_path, tensor_parallel_size=2, extra={"server_urls": [url]}))
-    backend_single = _backend(url, model_path, monkeypatch, api_key, admin_key)
+        SGLangBackend(_config(model_path, tensor_parallel_size=2, extra={"server_urls": [url], **keys}))
     assert backend_single.transports == frozenset({"collective", "tensor", "disk"})
     try:
         reference = _hf(model_path)
