@@ -173,11 +173,11 @@ def test_http_mode_generates_and_takes_a_collective_update(server, monkeypatch):
 
     url, model_path, api_key, admin_key = server
     backend_single = _backend(url, model_path, monkeypatch, api_key, admin_key)  # sets the key variables
-    keys = {"api_key_env": API_VAR, "admin_api_key_env": ADMIN_VAR}
-    with pytest.raises(BackendError, match="tensor_parallel_size=2.*sum 1"):
-        SGLangBackend(_config(model_path, tensor_parallel_size=2, extra={"server_urls": [url], **keys}))
-    assert backend_single.transports == frozenset({"collective", "tensor", "disk"})
     try:
+        keys = {"api_key_env": API_VAR, "admin_api_key_env": ADMIN_VAR}
+        with pytest.raises(BackendError, match="tensor_parallel_size=2.*sum 1"):
+            SGLangBackend(_config(model_path, tensor_parallel_size=2, extra={"server_urls": [url], **keys}))
+        assert backend_single.transports == frozenset({"collective", "tensor", "disk"})
         reference = _hf(model_path)
         out = backend_single.generate(BACKEND_PROMPTS, SamplingParams(n=2, temperature=0.7, max_new_tokens=8))
         assert [c.prompt_index for c in out] == [0, 0, 1, 1, 2, 2]
@@ -220,13 +220,7 @@ def test_http_mode_generates_and_takes_a_collective_update(server, monkeypatch):
         assert all(c.weight_version == 1 for c in greedy)
         # The tensor transport over HTTP: the same per-TP-rank payloads, base64 in the request, opened by
         # the server's scheduler from this process's shared memory.
-        other = build_tiny_model("qwen2", "tiny", seed=10)
-        other_named = {n: p.detach().clone() for n, p in other.named_parameters()}
-        (whole,) = plan_buckets([(n, t.shape, t.dtype) for n, t in other_named.items()], 1 << 30)
-        backend_single.update_weights_from_tensor(
-            whole, torch.cat([other_named[t.name].reshape(-1) for t in whole.tensors])
-        )
-        backend_single.finish_weight_update(2)
+        other = _sync(backend_single, seed=10, version=2)
         greedy = backend_single.generate(BACKEND_PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
         assert [c.token_ids for c in greedy] == [_hf_greedy(other, p, 8) for p in BACKEND_PROMPTS]
         backend_single.sleep()

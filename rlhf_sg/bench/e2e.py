@@ -839,7 +839,6 @@ def print_table(results: list[SideResult]) -> None:
         print(row + " ".join(cells))
 
 
-
 def _trl_missing_hint() -> str:
     return ("trl: not installed, so the baseline is skipped. Install it next to this CPU torch with "
             '`pip install "torch==2.13.0" trl` (pinning torch keeps pip from replacing it).')

@@ -435,7 +435,6 @@ def _trl_child(spec: dict[str, Any]) -> None:
 # ---- the run ----------------------------------------------------------------------------------------------------
 
 
-
 def side_line(run: SideRun, what: str) -> str:
     steps = ", ".join(f"{s:.3f}" for s in run.step_s)
     return (f"{run.name:<5} {run.tokens_per_s:9.0f} tokens/s {run.s_per_step:7.3f} s/step over "
