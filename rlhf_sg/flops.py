@@ -221,17 +221,30 @@ def decode_bytes(shape: ModelShape, prompt_len: Sequence[int], response_len: Seq
     return float(engines * max(response_len) * weight_bytes(dataclasses.replace(shape, vision_params=0)) + kv)
 
 
+def decode_flops(shape: ModelShape, prompt_len: Sequence[int], response_len: Sequence[int]) -> float:
+    """Model FLOPs generation does at least: each decoded token's forward (the decoder's matmuls, the lm_head, and
+    attention over the ``p + i`` tokens before it). The prompts' prefill is not counted (an engine's prefix cache
+    shares it across a group's samples), so this is a floor, as :func:`decode_bytes` is."""
+    body, d_q = matmul_params(shape), shape.num_heads * shape.head_dim
+    tokens = sum(response_len)
+    pairs = sum(r * p + r * (r - 1) // 2 for p, r in zip(prompt_len, response_len))
+    return float(2 * (body + shape.vocab_size * shape.hidden_size) * tokens + 4 * shape.num_layers * d_q * pairs)
+
+
 # ---- a step's report --------------------------------------------------------------------------------------
 
 
 def phase_metrics(ceiling: Ceiling | None, seconds: dict[str, float], flops: dict[str, tuple[float, int]],
                   generated_tokens: int = 0, generate_bytes: float = 0.0, engines: int = 1,
-                  sync_bytes: float = 0.0, sync_s: float = 0.0, engine_load_s: float = 0.0) -> dict[str, float]:
+                  sync_bytes: float = 0.0, sync_s: float = 0.0, engine_load_s: float = 0.0,
+                  generate_flops: float = 0.0) -> dict[str, float]:
     """``perf/*`` metrics of one step. ``seconds``: the step's phase times (:class:`rlhf_sg.timing.StepTimer`);
     ``flops``: per FLOP phase (train, reference, critic, actor_logprob) its model FLOPs and the ranks (devices) it
     ran on. Per FLOP phase: ``perf/{phase}_TFLOP`` done, ``perf/{phase}_TFLOPs`` achieved, ``perf/{phase}_of_peak``
     (achieved over ranks x the ceiling). Generation: ``perf/generate_tokens_per_s``, ``perf/generate_bytes_per_token``,
-    ``perf/generate_GBps``, ``perf/generate_of_peak_bw`` (over engines x the bandwidth). Weight sync:
+    ``perf/generate_GBps``, ``perf/generate_of_peak_bw`` (over engines x the bandwidth), ``perf/generate_TFLOPs``
+    and ``perf/generate_of_roofline``: the roofline's time over the phase's, where a decode is bound by the larger
+    of its bytes over the engines' bandwidth and its FLOPs (``generate_flops``) over their matmul rate. Weight sync:
     ``perf/weight_sync_GB``, ``perf/weight_sync_GBps``, ``perf/weight_sync_over_engine_load`` (the sync's seconds
     over the seconds the engines took to receive and load the same bytes, their floor; 1 is the floor)."""
     out: dict[str, float] = {}
@@ -251,6 +264,11 @@ def phase_metrics(ceiling: Ceiling | None, seconds: dict[str, float], flops: dic
         out["perf/generate_GBps"] = generate_bytes / gen_s / 1e9
         if ceiling is not None:
             out["perf/generate_of_peak_bw"] = generate_bytes / gen_s / 1e9 / (max(engines, 1) * ceiling.gbs)
+        if generate_flops:
+            out["perf/generate_TFLOPs"] = generate_flops / gen_s / 1e12
+            if ceiling is not None:
+                bound_s = max(generate_bytes / (ceiling.gbs * 1e9), generate_flops / (ceiling.tflops * 1e12))
+                out["perf/generate_of_roofline"] = bound_s / max(engines, 1) / gen_s
     if sync_bytes and sync_s > 0:
         out["perf/weight_sync_GB"] = sync_bytes / 1e9
         out["perf/weight_sync_GBps"] = sync_bytes / sync_s / 1e9
@@ -260,7 +278,7 @@ def phase_metrics(ceiling: Ceiling | None, seconds: dict[str, float], flops: dic
 
 
 #: the per-phase fractions a table or plot shows, in step order: (metric, label)
-FRACTIONS = (("perf/generate_of_peak_bw", "generate (bandwidth)"), ("perf/reference_of_peak", "reference"),
+FRACTIONS = (("perf/generate_of_roofline", "generate (roofline)"), ("perf/reference_of_peak", "reference"),
              ("perf/critic_of_peak", "critic"), ("perf/actor_logprob_of_peak", "actor_logprob"),
              ("perf/train_of_peak", "train"))
 
@@ -359,4 +377,5 @@ class StepAccounting:
             generated_tokens=sum(response_len),
             generate_bytes=decode_bytes(self.shapes["actor"], prompt_len, response_len, self.engines),
             engines=self.engines, sync_bytes=float(stats.get("bytes", 0.0)), sync_s=float(stats.get("seconds", 0.0)),
-            engine_load_s=float(stats.get("engine_seconds", 0.0)))
+            engine_load_s=float(stats.get("engine_seconds", 0.0)),
+            generate_flops=decode_flops(self.shapes["actor"], prompt_len, response_len))

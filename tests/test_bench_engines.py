@@ -52,9 +52,9 @@ def test_plot_shows_the_sync_share(tmp_path):
 def test_plot_shows_each_phases_fraction_of_the_ceiling(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [{"step": 1, "reward/mean": 0.5, "time/step": 2.0, "perf/train_of_peak": 0.42,
-             "perf/generate_of_peak_bw": 0.05},
+             "perf/generate_of_roofline": 0.05},
             {"step": 2, "reward/mean": 0.6, "time/step": 2.0, "perf/train_of_peak": 0.5}]
-    assert phase_fractions(rows) == {"generate (bandwidth)": [5.0, None], "train": [42.0, 50.0]}
+    assert phase_fractions(rows) == {"generate (roofline)": [5.0, None], "train": [42.0, 50.0]}
     assert phase_fractions([{"step": 1}]) == {}
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -159,6 +159,31 @@ def test_decode_bytes_by_hand():
     assert weight_bytes(vl) > w and flops.decode_bytes(vl, [3], [2]) == 2 * w + kv * (3 + 4)
 
 
+def test_decode_flops_by_hand():
+    body = flops.matmul_params(SHAPE)  # 2 x (8*8 + 2*8*4 + 8*8 + 3*8*16)
+    assert body == 1152
+    d_q = SHAPE.num_heads * SHAPE.head_dim
+    # prompt 3, 2 decoded tokens: each a forward of the body and the lm_head; attention over 3 and 4 tokens
+    assert flops.decode_flops(SHAPE, [3], [2]) == 2 * (body + 10 * 8) * 2 + 4 * 2 * d_q * (3 + 4)
+    # the prompt's prefill is not counted: a longer prompt adds only the attention it feeds
+    assert flops.decode_flops(SHAPE, [30], [2]) - flops.decode_flops(SHAPE, [3], [2]) == 4 * 2 * d_q * 27 * 2
+    assert flops.decode_flops(SHAPE, [], []) == 0.0
+
+
+@pytest.mark.parametrize("bytes_, flops_, fraction, bound", [
+    (8e9, 1e12, 0.4 / 4.0, "bandwidth"),  # 8 GB over 2 x 10 GB/s = 0.4 s > 1 TFLOP over 2 x 4 TFLOP/s
+    (8e9, 8e12, 1.0 / 4.0, "compute"),  # 8 TFLOP over 2 x 4 TFLOP/s = 1 s > 0.4 s
+])
+def test_the_generation_roofline_is_the_larger_of_its_bounds(bytes_, flops_, fraction, bound):
+    ceiling = flops.Ceiling(tflops=4.0, gbs=10.0, source="test")
+    out = flops.phase_metrics(ceiling, {"generate": 4.0}, {}, generated_tokens=100, generate_bytes=bytes_,
+                              engines=2, generate_flops=flops_)
+    assert out["perf/generate_of_roofline"] == pytest.approx(fraction), bound
+    assert out["perf/generate_TFLOPs"] == pytest.approx(flops_ / 4.0 / 1e12)
+    assert "perf/generate_of_roofline" not in flops.phase_metrics(None, {"generate": 4.0}, {}, generated_tokens=100,
+                                                                  generate_bytes=bytes_, generate_flops=flops_)
+
+
 @pytest.mark.parametrize("name, dtype, tflops, gbs", [
     ("NVIDIA H100 80GB HBM3", "bfloat16", 989.0, 3350.0),
     ("NVIDIA H100 PCIe", "bfloat16", 756.0, 2000.0),
@@ -205,6 +230,7 @@ def test_phase_metrics_by_hand():
     assert out["perf/generate_tokens_per_s"] == pytest.approx(25.0)
     assert out["perf/generate_bytes_per_token"] == pytest.approx(8e7)
     assert out["perf/generate_of_peak_bw"] == pytest.approx(2.0 / (2 * 10.0))  # 2 GB/s over two engines' 10
+    assert "perf/generate_of_roofline" not in out  # no FLOPs given
     assert out["perf/weight_sync_GBps"] == pytest.approx(2.0)
     assert out["perf/weight_sync_over_engine_load"] == pytest.approx(1.5)
     assert "perf/train_of_peak" not in flops.phase_metrics(None, {"train": 2.0}, {"train": (6e12, 2)})

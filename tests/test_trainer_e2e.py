@@ -104,6 +104,10 @@ def test_generation_delay_is_charged_to_generation(ray_cluster, task, tmp_path):
         assert h["perf/generate_tokens_per_s"] == pytest.approx(sum(response_len) / h["time/generate"], rel=1e-9)
         assert h["perf/generate_bytes_per_token"] == pytest.approx(
             flops.decode_bytes(shape, prompt_len, response_len, cfg.rollout.num_engines) / sum(response_len))
+        assert h["perf/generate_TFLOPs"] == pytest.approx(
+            flops.decode_flops(shape, prompt_len, response_len) / h["time/generate"] / 1e12, rel=1e-9)
+        # the roofline's bound is at least the bandwidth's; the slow backend's delay keeps generation far from it
+        assert 0 < h["perf/generate_of_peak_bw"] <= h["perf/generate_of_roofline"] < 1
         assert h["perf/weight_sync_GB"] > 0 and h["perf/weight_sync_over_engine_load"] >= 1
 
 

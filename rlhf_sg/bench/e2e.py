@@ -291,6 +291,7 @@ PERF_COLUMNS = (
     ("perf/generate_tokens_per_s", "gen tok/s", 1.0, "{:>9.0f}"),
     ("perf/generate_GBps", "gen GB/s", 1.0, "{:>8.2f}"),
     ("perf/generate_of_peak_bw", "gen %bw", 100.0, "{:>7.1f}%"),
+    ("perf/generate_of_roofline", "gen %roof", 100.0, "{:>9.1f}%"),
     ("perf/reference_of_peak", "ref %pk", 100.0, "{:>7.1f}%"),
     ("perf/critic_of_peak", "crit %pk", 100.0, "{:>7.1f}%"),
     ("perf/actor_logprob_of_peak", "logp %pk", 100.0, "{:>7.1f}%"),
