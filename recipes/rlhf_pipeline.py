@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="runs/rlhf_pipeline")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft-epochs", type=int, default=60)
-    parser.add_argument("--rm-epochs", type=int, default=12)
+    parser.add_argument("--rm-epochs", type=int, default=30)
     parser.add_argument("--rm-lr", type=float, default=3e-4)
     parser.add_argument("--dpo-epochs", type=int, default=2)
     parser.add_argument("--dpo-lr", type=float, default=1e-4)
