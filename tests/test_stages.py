@@ -560,11 +560,12 @@ def _safetensors(path):
 
 
 @pytest.mark.slow
-def test_a_resumed_run_on_two_zero3_ranks_repeats_the_uninterrupted_run(ray_cluster, tmp_path, base_dir):
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_a_resumed_run_on_two_zero3_ranks_repeats_the_uninterrupted_run(ray_cluster, tmp_path, base_dir, lora_rank):
     """train-rm on the Ray group (2 ZeRO-3 ranks): a run resumed from the step-2 checkpoint (what a run stopped after
     step 2 leaves; copied into a fresh output directory) to step 4 logs the uninterrupted 4-step run's step 3 and 4
     metrics (the steps cross an epoch: 9 training pairs, 4 a step) and the same held-out metrics, and exports the same
-    weights, head and score statistics."""
+    weights, head and score statistics. With LoRA the checkpoint holds the adapters and the head alone."""
     import shutil
 
     data = _write(tmp_path / "p.jsonl", _prefs())
@@ -573,10 +574,15 @@ def test_a_resumed_run_on_two_zero3_ranks_repeats_the_uninterrupted_run(ray_clus
         cfg = _cfg("rm", base_dir, data, tmp_path / out, batch_size=4, max_steps=4, lr=1e-3, num_ranks=2)
         cfg.data.eval_fraction = 0.25
         cfg.log.save_steps, cfg.log.resume = save_steps, resume
+        cfg.lora.rank = lora_rank
         return train_rm(cfg)
 
     whole = run("a", save_steps=2)  # its only checkpoint: step 2 (step 4 is the export)
     shutil.copytree(tmp_path / "a" / "checkpoints", tmp_path / "b" / "checkpoints")
+    if lora_rank:  # smaller than the base's weights alone: no frozen weight in it
+        saved = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path / "b" / "checkpoints")
+                    for f in fs)
+        assert saved < os.path.getsize(os.path.join(base_dir, "model.safetensors"))
     assert sorted(f for f in os.listdir(tmp_path / "b" / "checkpoints") if f.endswith(".trainer.json")) == [
         "step2.trainer.json"]
     resumed = run("b", resume=True)
