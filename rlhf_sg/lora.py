@@ -29,7 +29,7 @@ import torch
 from backends.base import BucketManifest
 
 __all__ = ["ADAPTER", "LoraSpec", "LoraTensors", "adapter_disabled", "adapter_name", "apply_lora", "base_hash",
-           "merge_into_bucket", "merged_name", "split_lora"]
+           "merge_into_bucket", "merged_name", "merged_state_dict", "split_lora"]
 
 #: the adapter's name inside the trainer's PeftModel
 ADAPTER = "default"
@@ -71,13 +71,17 @@ class LoraSpec:
                    sync_mode=lora.sync_mode, init_adapter=lora.init_adapter)
 
 
-def apply_lora(model: torch.nn.Module, spec: LoraSpec, disable_dropout: bool, trainable: bool = True):
+def apply_lora(model: torch.nn.Module, spec: LoraSpec, disable_dropout: bool, trainable: bool = True,
+               head: str | None = None):
     """Wrap a causal LM in a PEFT LoRA model: only the adapter's parameters train.
 
     The adapter gets the base's dtype (``autocast_adapter_dtype=False``): under ZeRO-3 a mix of bf16 and fp32
     parameters breaks the coalesced gathers. With ``disable_dropout`` the adapters' dropout is 0 (PEFT builds
     its dropout modules after our zeroing of the model's own ran), so the first update's ratio is exactly 1.
     ``spec.init_adapter``: load that saved adapter's weights instead of a fresh one (B = 0).
+    ``head``: a value model's head module (``value_head`` of :class:`rlhf_sg.models.ValueHeadModel`, wrapped as a
+    plain PeftModel): given no adapter, it trains whole beside the adapters (its weight keeps its own name, so a
+    merge passes it through).
     """
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -90,7 +94,8 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec, disable_dropout: bool, tr
         config.lora_dropout = dropout
     else:
         config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=dropout, target_modules=targets,
-                            use_rslora=spec.rslora, bias="none", task_type="CAUSAL_LM")
+                            use_rslora=spec.rslora, bias="none", task_type="CAUSAL_LM" if head is None else None,
+                            exclude_modules=[head] if head is not None else None)
         peft_model = get_peft_model(model, config, adapter_name=ADAPTER, autocast_adapter_dtype=False)
     if disable_dropout:
         for module in peft_model.modules():
@@ -101,6 +106,8 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec, disable_dropout: bool, tr
         if "lora_" in name:
             param.data = param.data.to(dtype)
             param.requires_grad_(trainable)
+    if head is not None:
+        peft_model.get_base_model().get_submodule(head).requires_grad_(trainable)
     if not trainable:
         peft_model.requires_grad_(False)
     return peft_model
@@ -196,6 +203,29 @@ def merge_into_bucket(manifest: BucketManifest, out: torch.Tensor, deltas: dict[
         view = out[spec.offset: spec.offset + spec.numel].view(spec.shape)
         merged = view.float().addmm_(b.float(), a.float(), alpha=scaling)
         view.copy_(merged)
+
+
+@torch.no_grad()
+def merged_state_dict(model: torch.nn.Module, spec: LoraSpec, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The merged model's full weights under the base model's names, on the CPU: each adapted weight
+    ``W + scaling * B @ A`` computed in fp32 and cast to W's dtype, every other weight as it is (the trainer's
+    parameters are not written). ``model``: a PeftModel or a DeepSpeed engine around one; ZeRO-3 partitioned
+    parameters are gathered one weight (and its adapter) at a time, a collective every rank enters; only a rank
+    with ``keep`` holds the result (the others get ``{}``)."""
+    from rlhf_sg.sync import gathered, hf_name
+
+    base, adapters, _ = split_lora([(hf_name(n), p) for n, p in model.named_parameters()])
+    merged = {}
+    for name, param in base:
+        pair = adapters.get(name)
+        with gathered([param] + ([pair.a, pair.b] if pair else [])):
+            if not keep:
+                continue
+            weight = param.data.detach().to("cpu", torch.float32, copy=True)
+            if pair is not None:
+                weight.addmm_(pair.b.data.float().cpu(), pair.a.data.float().cpu(), alpha=spec.scaling)
+            merged[name] = weight.to(param.dtype)
+    return merged
 
 
 @contextlib.contextmanager

@@ -1448,6 +1448,8 @@ def _value_model(model: nn.Module, caller: str) -> nn.Module:
     from rlhf_sg.models import ValueHeadModel
 
     module = _unwrap(model)
+    if callable(getattr(module, "get_base_model", None)):  # LoRA adapters on it (PEFT): called through the wrapper
+        module = module.get_base_model()
     if not isinstance(module, ValueHeadModel):
         raise TypeError(
             f"{caller} needs a rlhf_sg.models.ValueHeadModel (load it with ValueHeadModel.from_pretrained), "

@@ -47,6 +47,14 @@ def probe_batch(vocab_size: int, device: torch.device | str = "cpu") -> tuple[to
     return sequences.to(device), mask.to(device), width
 
 
+def _model_of(model: nn.Module) -> nn.Module:
+    """The model inside a DeepSpeed engine and a PEFT (LoRA) wrapper: what the probe reads and marks (a wrapper
+    hands attribute reads on to it, so the packing functions find the mark through either)."""
+    module = getattr(model, "module", model)
+    module = module if isinstance(module, nn.Module) else model
+    return module.get_base_model() if callable(getattr(module, "get_base_model", None)) else module
+
+
 def _is_value_model(module: nn.Module) -> bool:
     from rlhf_sg.models import ValueHeadModel
 
@@ -128,8 +136,7 @@ def _alone_routes(model: nn.Module, module: nn.Module, sequences: torch.Tensor, 
 def measure(model: nn.Module, share_prompts: bool) -> dict[str, float]:
     """Largest |Δ| between each layout the forwards use (``packed``; ``shared`` with ``share_prompts``) and the
     probe's sequences run alone. Runs in eval mode and restores the mode."""
-    module = getattr(model, "module", model)
-    module = module if isinstance(module, nn.Module) else model
+    module = _model_of(model)
     training = module.training
     module.eval()
     try:
@@ -155,8 +162,7 @@ def check_packing(model: nn.Module, share_prompts: bool, reduce: Callable[[list[
     (their max), so every rank takes the same decision and runs the same forwards; None: this process alone.
     Returns the |Δ| per layout (after a fallback, the fallback's, under ``"one per row"``); raises RuntimeError
     when even one sequence per row differs."""
-    module = getattr(model, "module", model)
-    module = module if isinstance(module, nn.Module) else model
+    module = _model_of(model)
     dtype = next(module.parameters()).dtype
     tolerance = PROBE_TOLERANCE.get(dtype, 0.1)
 

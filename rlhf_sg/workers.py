@@ -324,8 +324,8 @@ def load_worker_model(spec: WorkerSpec):
     if spec.lora is not None:
         from rlhf_sg.lora import LoraSpec, apply_lora
 
-        model = apply_lora(model, LoraSpec.from_config(spec.lora), spec.disable_dropout,
-                           trainable=spec.train)
+        model = apply_lora(model, LoraSpec.from_config(spec.lora), spec.disable_dropout, trainable=spec.train,
+                           head=None if spec.role in ("actor", "ref", "teacher") else "value_head")
     if vision and spec.freeze_vision_tower:
         from rlhf_sg.vision import freeze_vision_tower
 
@@ -842,27 +842,17 @@ class ModelWorker:
         """A LoRA actor's adapter as PEFT saves one (adapter_model.safetensors, adapter_config.json) in ``path``,
         and with ``merged_path`` (--lora.export_merged) the merged model (``W + scaling * B @ A``, in fp32, cast
         to the base dtype) as an HF checkpoint there; gathered one tensor at a time, written by rank 0."""
-        from rlhf_sg.lora import LoraSpec, adapter_name, split_lora, write_adapter_dir
+        from rlhf_sg.lora import LoraSpec, adapter_name, merged_state_dict, split_lora, write_adapter_dir
         from rlhf_sg.sync import gathered, hf_name
 
         spec = LoraSpec.from_config(self.spec.lora)
-        base, adapters, lora_named = split_lora([(hf_name(n), p) for n, p in self.module.named_parameters()])
+        _, _, lora_named = split_lora([(hf_name(n), p) for n, p in self.module.named_parameters()])
         adapter = {}
         for name, param in lora_named:
             with gathered([param]):
                 if self.rank == 0:
                     adapter[adapter_name(name)] = param.data.detach().to("cpu", copy=True)
-        merged = {}
-        if merged_path is not None:
-            for name, param in base:
-                pair = adapters.get(name)
-                with gathered([param] + ([pair.a, pair.b] if pair else [])):
-                    if self.rank != 0:
-                        continue
-                    weight = param.data.detach().to("cpu", torch.float32, copy=True)
-                    if pair is not None:
-                        weight.addmm_(pair.b.data.float().cpu(), pair.a.data.float().cpu(), alpha=spec.scaling)
-                    merged[name] = weight.to(param.dtype)
+        merged = merged_state_dict(self.module, spec, keep=self.rank == 0) if merged_path is not None else {}
         if self.rank != 0:
             return None
         write_adapter_dir(path, adapter, spec, self.spec.model_path)

@@ -236,11 +236,14 @@ def test_a_trained_reward_model_loads_as_a_reward_group_scoring_normalised(tmp_p
 # ---- DPO -----------------------------------------------------------------------------------------------------
 
 
-def test_dpo_starts_at_ln2_with_zero_margins(tmp_path, base_dir):
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_dpo_starts_at_ln2_with_zero_margins(tmp_path, base_dir, lora_rank):
     """The first step's loss (its forward before the update, in train mode, the model's dropout zeroed) and the
-    held-out loss before training are ln 2 with every margin 0: the reference's log-probs are the policy's."""
+    held-out loss before training are ln 2 with every margin 0: the reference's log-probs are the policy's. With
+    LoRA the separate reference (the base) scores as the policy with its fresh adapters does."""
     cfg = _cfg("dpo", base_dir, _write(tmp_path / "p.jsonl", _prefs()), tmp_path / "dpo", batch_size=4, max_steps=1)
     cfg.data.eval_fraction = 0.25
+    cfg.lora.rank = lora_rank
     first, step1 = train_dpo(cfg)
     for record, prefix in ((first, "eval"), (step1, "train")):
         assert record[f"{prefix}/loss"] == pytest.approx(losses.LN2, abs=1e-6)
@@ -321,14 +324,22 @@ def test_sft_lowers_the_held_out_loss_and_exports_a_causal_lm(tmp_path, base_dir
         assert [json.loads(line)["step"] for line in f] == list(range(len(history)))
 
 
-def test_resume_repeats_the_uninterrupted_run(tmp_path, base_dir):
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_resume_repeats_the_uninterrupted_run(tmp_path, base_dir, lora_rank):
+    """Also with LoRA, whose checkpoints hold the adapters and their optimizer state alone."""
     data = _write(tmp_path / "p.jsonl", _prefs())
-    whole = train_dpo(_cfg("dpo", base_dir, data, tmp_path / "a", batch_size=4, max_steps=4, lr=1e-3))
-    first = _cfg("dpo", base_dir, data, tmp_path / "b", batch_size=4, max_steps=2, lr=1e-3)
+
+    def cfg(out, steps):
+        c = _cfg("dpo", base_dir, data, tmp_path / out, batch_size=4, max_steps=steps, lr=1e-3)
+        c.lora.rank = lora_rank
+        return c
+
+    whole = train_dpo(cfg("a", 4))
+    first = cfg("b", 2)
     first.log.save_steps = 1
     train_dpo(first)
     # the first run's last checkpoint is step 1 (step 2 was its end); a resume with 4 steps goes on from there
-    resumed = _cfg("dpo", base_dir, data, tmp_path / "b", batch_size=4, max_steps=4, lr=1e-3)
+    resumed = cfg("b", 4)
     resumed.log.resume = True
     history = train_dpo(resumed)
     assert [h["step"] for h in history] == [2, 3, 4]
@@ -347,6 +358,116 @@ def test_stage_flags_are_checked_before_anything_loads(tmp_path, base_dir, argv,
     data = _write(tmp_path / "p.jsonl", _prefs(2))
     with pytest.raises(ConfigError, match=message):
         parse_stage_args("dpo", ["--model", base_dir, "--data", data] + argv)
+
+
+# ---- LoRA ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kept_ranks(monkeypatch):
+    """The ranks each stage run starts, kept alive after the run (their shutdown skipped) for a test to read."""
+    from rlhf_sg.stages import run
+    from rlhf_sg.stages.ranks import LocalRank
+
+    started = []
+
+    def start(spec, in_process):
+        started.append(real(spec, in_process))
+        return started[-1]
+
+    real = run.start_ranks
+    monkeypatch.setattr(run, "start_ranks", start)
+    monkeypatch.setattr(LocalRank, "shutdown", lambda self: None)
+    return started
+
+
+def _frozen_weights_unchanged(trained, base):
+    """Every parameter of the PEFT model ``trained`` but the adapters (and a value head) equals ``base``'s, bit for
+    bit; returns the names compared."""
+    from rlhf_sg.lora import merged_name
+
+    names = []
+    for name, param in trained.named_parameters():
+        if "lora_" in name or "value_head" in name:
+            continue
+        assert torch.equal(param, base.get_parameter(merged_name(name))), name
+        names.append(name)
+    return names
+
+
+def test_lora_sft_trains_the_adapters_alone_and_exports_the_merged_causal_lm(tmp_path, base_dir, kept_ranks):
+    """--lora.rank: the held-out loss falls, every base weight stays bit-identical, and final_hf is a plain causal LM
+    (no PEFT names: train-ppo's --model.pretrain loads it) whose logits are the trained adapter model's."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_sg.config import _check_model_dir
+
+    rows = [{"messages": [{"role": "user", "content": f"What is {a}+{b}?"},
+                          {"role": "assistant", "content": f"The answer is {a + b}."}]}
+            for a in range(5) for b in range(5)]
+    cfg = _cfg("sft", base_dir, _write(tmp_path / "sft.jsonl", rows), tmp_path / "sft", batch_size=8, epochs=3,
+               lr=1e-2)
+    cfg.data.eval_fraction = 0.2
+    cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules = 8, 16.0, "q_proj,v_proj,up_proj,down_proj"
+    history = train_sft(cfg)
+    assert history[-1]["eval/loss"] < history[0]["eval/loss"] - 0.5
+    (rank,) = kept_ranks
+    trained = rank.model.eval()
+    assert {n for n, p in trained.named_parameters() if p.requires_grad} == {
+        n for n, _ in trained.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    assert len(_frozen_weights_unchanged(trained, base)) == len(list(base.parameters()))
+    out = os.path.join(cfg.log.output_dir, "final_hf")
+    _check_model_dir("--model.pretrain", out)
+    exported, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert not os.path.exists(os.path.join(out, "adapter_config.json"))
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+        torch.testing.assert_close(exported.eval()(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+        assert not torch.allclose(base.eval()(input_ids=ids).logits, want, atol=1e-3)
+
+
+def test_lora_reward_model_trains_adapters_and_head_and_exports_the_merged_value_model(tmp_path, base_dir, tok,
+                                                                                        kept_ranks):
+    """train-rm --lora.rank: the adapters and the value head train (the head gets no adapter), the backbone stays
+    bit-identical; the export loads as --reward.kind model does (ValueHeadModel.from_pretrained) and scores as the
+    trained model, with its statistics."""
+    cfg = _cfg("rm", base_dir, _write(tmp_path / "p.jsonl", _prefs()), tmp_path / "rm", batch_size=4, lr=1e-2)
+    cfg.lora.rank = 4
+    cfg.train.packing_probe = True  # the start-up probe reads the value model inside the adapters' wrapper
+    history = train_rm(cfg)
+    (rank,) = kept_ranks
+    trained = rank.model.eval()
+    names = {n for n, p in trained.named_parameters() if p.requires_grad}
+    head = {n for n in names if "value_head" in n}
+    assert head == {"base_model.model.value_head.weight"}
+    assert names - head == {n for n, _ in trained.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+    base = ValueHeadModel.from_pretrained(base_dir)
+    assert len(_frozen_weights_unchanged(trained, base)) == len(list(base.model.parameters()))
+    out = os.path.join(cfg.log.output_dir, "final_hf")
+    rm = ValueHeadModel.from_pretrained(out).eval()
+    assert (rm.reward_mean, rm.reward_std) == (history[-1]["rm/score_mean"], history[-1]["rm/score_std"])
+    data = load_stage_rows(cfg.data.train_data, "rm", tok, eos_ids(tok), cfg.data)
+    batch = make_batch(data, tok.pad_token_id)
+    plan = [list(range(batch.batch_size))]
+    _, want = score_rows(trained, batch, plan, "score")
+    torch.testing.assert_close(score_rows(rm, batch, plan, "score")[1], want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lora.use_dora", "true"], r"--lora\.use_dora: DoRA .* is not supported"),
+    (["--lora.rank", "4", "--lora.target_modules", "q_proj,lm_head"], r"--lora\.target_modules names \['lm_head'\]"),
+    (["--lora.rank", "4", "--lora.alpha", "0"], r"--lora\.alpha must be > 0"),
+    (["--lora.sync_mode", "adapter"], r"--lora\.sync_mode is how train-ppo's rollout engines get the adapter; a "
+                                      r"stage has no engines"),
+    (["--lora.init_adapter", "a"], r"--lora\.init_adapter is not read by the stages"),
+])
+def test_lora_flags_are_checked_as_train_ppo_checks_them(tmp_path, base_dir, argv, message):
+    data = _write(tmp_path / "p.jsonl", _prefs(2))
+    with pytest.raises(ConfigError, match=message):
+        parse_stage_args("rm", ["--model", base_dir, "--data", data] + argv)
 
 
 def test_the_cli_names_the_bad_row(tmp_path, base_dir, capsys):
@@ -369,16 +490,20 @@ def test_rendered_rows_carry_their_truncation_into_the_fingerprint():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("lora_rank", [0, 4])
 def test_a_reward_model_on_two_zero3_ranks_steps_as_one_rank_and_exports_its_statistics(ray_cluster, tmp_path,
-                                                                                          base_dir):
+                                                                                          base_dir, tok, lora_rank):
     """train-rm on the trainer's ZeRO-3 workers (2 ranks): the step-0 held-out metrics and the first step's loss (one
-    normaliser over both ranks) are the in-process rank's, and the gathered export loads with its statistics."""
+    normaliser over both ranks) are the in-process rank's, and the gathered export loads with its statistics and
+    scores the training responses as the trained ranks did (their mean and std are the logged statistics). With LoRA
+    (adapters and the head trained) the export is the merged model, no adapter tensor in it."""
     data = _write(tmp_path / "p.jsonl", _prefs())
     runs = []
     for ranks in (1, 2):
         cfg = _cfg("rm", base_dir, data, tmp_path / f"rm{ranks}", batch_size=4, max_steps=1, lr=1e-3,
                    num_ranks=ranks)
         cfg.data.eval_fraction = 0.25
+        cfg.lora.rank = lora_rank
         runs.append(train_rm(cfg))
     (first1, step1), (first2, step2) = runs
     assert first2["eval/accuracy"] == first1["eval/accuracy"]
@@ -387,6 +512,15 @@ def test_a_reward_model_on_two_zero3_ranks_steps_as_one_rank_and_exports_its_sta
     assert step2["train/grad_norm"] == pytest.approx(step1["train/grad_norm"], rel=1e-4)
     rm = ValueHeadModel.from_pretrained(str(tmp_path / "rm2" / "final_hf"))
     assert (rm.reward_mean, rm.reward_std) == (step2["rm/score_mean"], step2["rm/score_std"])
+    from rlhf_sg.stages.run import load_data
+
+    batch = make_batch(load_data(cfg, tok)[0], tok.pad_token_id)  # the training pairs (the held-out ones left out)
+    _, scores = score_rows(rm.eval(), batch, [list(range(batch.batch_size))], "score")
+    assert float(scores.mean()) == pytest.approx(step2["rm/score_mean"], abs=1e-5)
+    assert float(scores.std()) == pytest.approx(step2["rm/score_std"], abs=1e-5)
+    exported, base = _safetensors(str(tmp_path / "rm2" / "final_hf")), _safetensors(base_dir)
+    assert not any("lora" in k for k in exported)
+    assert not torch.equal(exported["layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
 
 
 def test_a_held_out_set_smaller_than_the_ranks_is_refused_before_any_rank_starts(tmp_path, base_dir):
@@ -416,3 +550,49 @@ def test_a_dpo_reference_with_another_tokenizer_is_refused_before_anything_loads
         validate_stage(cfg)
     cfg.model.ref_pretrain = base_dir
     validate_stage(cfg)
+
+
+def _safetensors(path):
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(os.listdir(path)) if f.endswith(".safetensors")
+            for k, v in load_file(os.path.join(path, f)).items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_a_resumed_run_on_two_zero3_ranks_repeats_the_uninterrupted_run(ray_cluster, tmp_path, base_dir, lora_rank):
+    """train-rm on the Ray group (2 ZeRO-3 ranks): a run resumed from the step-2 checkpoint (what a run stopped after
+    step 2 leaves; copied into a fresh output directory) to step 4 logs the uninterrupted 4-step run's step 3 and 4
+    metrics (the steps cross an epoch: 9 training pairs, 4 a step) and the same held-out metrics, and exports the same
+    weights, head and score statistics. With LoRA the checkpoint holds the adapters and the head alone."""
+    import shutil
+
+    data = _write(tmp_path / "p.jsonl", _prefs())
+
+    def run(out, save_steps=0, resume=False):
+        cfg = _cfg("rm", base_dir, data, tmp_path / out, batch_size=4, max_steps=4, lr=1e-3, num_ranks=2)
+        cfg.data.eval_fraction = 0.25
+        cfg.log.save_steps, cfg.log.resume = save_steps, resume
+        cfg.lora.rank = lora_rank
+        return train_rm(cfg)
+
+    whole = run("a", save_steps=2)  # its only checkpoint: step 2 (step 4 is the export)
+    shutil.copytree(tmp_path / "a" / "checkpoints", tmp_path / "b" / "checkpoints")
+    if lora_rank:  # smaller than the base's weights alone: no frozen weight in it
+        saved = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path / "b" / "checkpoints")
+                    for f in fs)
+        assert saved < os.path.getsize(os.path.join(base_dir, "model.safetensors"))
+    assert sorted(f for f in os.listdir(tmp_path / "b" / "checkpoints") if f.endswith(".trainer.json")) == [
+        "step2.trainer.json"]
+    resumed = run("b", resume=True)
+    assert [h["step"] for h in resumed] == [3, 4]
+    for got, want in zip(resumed, whole[3:]):
+        for key in ("train/loss", "train/accuracy", "train/margin", "train/grad_norm"):
+            assert got[key] == pytest.approx(want[key], abs=1e-6), key
+    for key in ("eval/loss", "eval/accuracy", "eval/reward_mean", "rm/score_mean", "rm/score_std"):
+        assert resumed[-1][key] == pytest.approx(whole[-1][key], abs=1e-6), key
+    got, want = (_safetensors(str(tmp_path / out / "final_hf")) for out in ("b", "a"))
+    assert got.keys() == want.keys() and "value_head.weight" in got
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=0, msg=name)

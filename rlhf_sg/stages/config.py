@@ -11,7 +11,19 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_sg.config import LR_SCHEDULERS, ConfigError, _check_model_dir, _closest, _coerce, _need, load_yaml
+from rlhf_sg.config import (
+    LORA_REFUSED,
+    LR_SCHEDULERS,
+    ConfigError,
+    LoraConfig,
+    _check_model_dir,
+    _closest,
+    _coerce,
+    _need,
+    _refused_lora_option,
+    _validate_lora,
+    load_yaml,
+)
 from rlhf_sg.stages.render import OVERLONG
 
 STAGES = ("sft", "rm", "dpo")
@@ -138,6 +150,9 @@ class StageConfig:
     data: StageDataConfig = field(default_factory=StageDataConfig)
     train: StageTrainConfig = field(default_factory=StageTrainConfig)
     log: StageLogConfig = field(default_factory=StageLogConfig)
+    #: train-ppo's --lora.* (rank, alpha, dropout, target_modules, rslora): LoRA adapters on the trained model, the
+    #: base frozen (train-rm: the value head trains whole beside them); the export is the merged model
+    lora: LoraConfig = field(default_factory=LoraConfig)
     rm: RewardModelConfig = field(default_factory=RewardModelConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
 
@@ -146,19 +161,43 @@ class StageConfig:
 
 
 #: the sections each stage reads (a flag of another stage's section is refused)
-SECTIONS = {"sft": ("model", "data", "train", "log"), "rm": ("model", "data", "train", "log", "rm"),
-            "dpo": ("model", "data", "train", "log", "dpo")}
+SECTIONS = {"sft": ("model", "data", "train", "log", "lora"), "rm": ("model", "data", "train", "log", "lora", "rm"),
+            "dpo": ("model", "data", "train", "log", "lora", "dpo")}
+#: train-ppo's --lora.* settings a stage has no use for, each with why (refused by name)
+LORA_PPO_ONLY = {
+    "sync_mode": "is how train-ppo's rollout engines get the adapter; a stage has no engines",
+    "export_merged": "is train-ppo's; a stage's export (--log.export_hf) is always the merged model",
+    "init_adapter": "is not read by the stages (they start a fresh adapter); train on the merged model instead: "
+                    "give it as --model.pretrain",
+}
+
+
+def _lora_refusal(key: str, label: str, stage: str) -> ConfigError | None:
+    """The error for a --lora.* key a stage refuses (PEFT options no LoRA here takes, train-ppo's own); else None."""
+    if key in LORA_REFUSED:
+        return _refused_lora_option(key, label)
+    if key in LORA_PPO_ONLY:
+        return ConfigError(f"{label}: --lora.{key} {LORA_PPO_ONLY[key]} (train-{stage} takes --lora.rank, "
+                           "--lora.alpha, --lora.dropout, --lora.target_modules, --lora.rslora)")
+    return None
+
+
 ALIASES = {"--model": "model.pretrain", "--data": "data.train_data", "--output-dir": "log.output_dir",
            "--max-steps": "train.max_steps"}
 
 
 def _classes() -> dict[str, type]:
     hints = typing.get_type_hints(StageConfig)
-    return {name: hints[name] for name in ("model", "data", "train", "log", "rm", "dpo")}
+    return {name: hints[name] for name in ("model", "data", "train", "log", "lora", "rm", "dpo")}
+
+
+def _fields(section: str) -> list[dataclasses.Field]:
+    """The settings of ``section`` a stage takes (train-ppo's own --lora.* left out)."""
+    return [f for f in dataclasses.fields(_classes()[section]) if section != "lora" or f.name not in LORA_PPO_ONLY]
 
 
 def _keys(stage: str) -> list[str]:
-    return [f"{s}.{f.name}" for s in SECTIONS[stage] for f in dataclasses.fields(_classes()[s])]
+    return [f"{s}.{f.name}" for s in SECTIONS[stage] for f in _fields(s)]
 
 
 def apply_overrides(cfg: StageConfig, overrides: dict[str, Any], source: str) -> StageConfig:
@@ -167,6 +206,9 @@ def apply_overrides(cfg: StageConfig, overrides: dict[str, Any], source: str) ->
     for dotted, raw in overrides.items():
         section, _, key = str(dotted).partition(".")
         label = f"--{dotted}" if source == "flag" else f"{source}: {dotted}"
+        refused = _lora_refusal(key, label, cfg.stage) if section == "lora" else None
+        if refused is not None:
+            raise refused
         if section not in SECTIONS[cfg.stage] or key not in typing.get_type_hints(classes[section]):
             close = _closest(str(dotted), _keys(cfg.stage))
             hint = f" (did you mean {close!r}?)" if close else ""
@@ -192,7 +234,7 @@ def build_parser(stage: str) -> argparse.ArgumentParser:
     for section in SECTIONS[stage]:
         cls = _classes()[section]
         group = parser.add_argument_group(section)
-        for f in dataclasses.fields(cls):
+        for f in _fields(section):
             group.add_argument(f"--{section}.{f.name}", dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
                                metavar="V", help=" ".join(filter(None, [HELP.get(f"{section}.{f.name}"),
                                                                          f"(default: {getattr(cls(), f.name)!r})"])))
@@ -209,6 +251,8 @@ def parse_stage_args(stage: str, argv: list[str]) -> StageConfig:
         if flag is None:
             raise ConfigError(f"unexpected argument {extra[0]!r}: settings are given as --section.key value")
         name = flag.split("=", 1)[0]
+        if name.startswith("--lora.") and (refused := _lora_refusal(name[len("--lora."):], name, stage)):
+            raise refused
         close = _closest(name.lstrip("-"), _keys(stage) + [a.lstrip("-") for a in ALIASES])
         hint = f" (did you mean --{close}?)" if close else ""
         raise ConfigError(f"unknown flag {name}{hint}; `rlhf-sg train-{stage} --help` lists every setting")
@@ -282,6 +326,11 @@ def validate_stage(cfg: StageConfig) -> StageConfig:
           f"({d.max_len * (1 if cfg.stage == 'sft' else 2)} tokens); raise it or lower --data.max_len")
     _need(t.timeout_s > 0, f"--train.timeout_s must be > 0, got {t.timeout_s}")
     _need(lg.save_steps >= 0 and lg.eval_steps >= 0, "--log.save_steps and --log.eval_steps must be >= 0")
+    defaults = LoraConfig()
+    for key in LORA_PPO_ONLY:  # set in a config built in code, past the flags' refusal
+        if getattr(cfg.lora, key) != getattr(defaults, key):
+            raise _lora_refusal(key, f"lora.{key} = {getattr(cfg.lora, key)!r}", cfg.stage)
+    _validate_lora(cfg)
     if cfg.stage == "rm":
         _need(cfg.rm.center_coef >= 0, f"--rm.center_coef must be >= 0, got {cfg.rm.center_coef}")
     if cfg.stage == "dpo":

@@ -3,7 +3,11 @@ clips and skips a non-finite step as ZeRO's optimizer does), or a Ray group of t
 (:class:`rlhf_sg.workers.ModelWorker`: ZeRO-3 ranks, or one unpartitioned rank) with the stage's methods added.
 Both answer the same calls (``stage_train``, ``stage_score``, ``set_reward_stats``, ``save_checkpoint``,
 ``load_checkpoint``, ``export_hf``) through ``call``, as a :class:`rlhf_sg.workers.ModelGroup` does, so the
-controller and :mod:`rlhf_sg.trainer.checkpoint` drive either one alike."""
+controller and :mod:`rlhf_sg.trainer.checkpoint` drive either one alike.
+
+With ``--lora.rank`` the trained model is a PEFT model (:func:`rlhf_sg.lora.apply_lora`): only the adapters (and a
+reward model's value head) train, checkpoints hold those alone, and the export is the merged model
+(:func:`rlhf_sg.lora.merged_state_dict`), which loads where the stage's model is used next as any model does."""
 
 from __future__ import annotations
 
@@ -18,6 +22,26 @@ from rlhf_sg.stages.steps import StageBatch, StageLoss, run_updates, score_rows
 from rlhf_sg.workers import ModelGroup, ModelWorker, WorkerSpec, lr_schedule, skipping
 
 log = logging.getLogger("rlhf_sg")
+
+
+def base_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a PEFT wrapper (``module`` itself without one): where a reward model keeps its statistics
+    and what saves the merged export."""
+    return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+
+def export_merged(module: torch.nn.Module, spec: WorkerSpec, path: str | None) -> str | None:
+    """Write a LoRA model's merged weights as its base model saves them (a causal LM, or a value model with its head
+    and statistics) to ``path``; every rank calls it (the gathers are collective), ``path`` None on all but the
+    writer."""
+    from rlhf_sg.lora import LoraSpec, merged_state_dict
+
+    merged = merged_state_dict(module, LoraSpec.from_config(spec.lora), keep=path is not None)
+    if path is None:
+        return None
+    os.makedirs(path, exist_ok=True)
+    base_model(module).save_pretrained(path, state_dict=merged, safe_serialization=True)
+    return path
 
 
 class PlainEngine:
@@ -94,11 +118,19 @@ class LocalRank:
         return score_rows(self.model, batch, plan, what)
 
     def set_reward_stats(self, mean: float, std: float) -> None:
-        self.model.reward_mean, self.model.reward_std = float(mean), float(std)
+        model = base_model(self.model)
+        model.reward_mean, model.reward_std = float(mean), float(std)
+
+    def _trained_names(self) -> set[str]:
+        return {n for n, p in self.model.named_parameters() if p.requires_grad}
 
     def save_checkpoint(self, path: str, tag: str, client_state: dict[str, Any]) -> None:
         os.makedirs(os.path.join(path, tag), exist_ok=True)
-        state = {"model": self.model.state_dict(), "client_state": client_state, "torch_rng": torch.get_rng_state()}
+        weights = self.model.state_dict()
+        if self.spec.lora is not None:  # the adapters (and a value head), not the frozen base (--model.pretrain)
+            trained = self._trained_names()
+            weights = {k: v for k, v in weights.items() if k in trained}
+        state = {"model": weights, "client_state": client_state, "torch_rng": torch.get_rng_state()}
         if self.engine is not None:
             state.update(optimizer=self.engine.optimizer.state_dict(), scheduler=self.engine.scheduler.state_dict(),
                          skipped_steps=self.engine.skipped_steps)
@@ -110,7 +142,12 @@ class LocalRank:
             raise FileNotFoundError(f"{self.spec.role}: no in-process checkpoint {file}; it was written by another "
                                     "layout (--train.num_ranks / --train.in_process) or is missing")
         state = torch.load(file, map_location=self.device, weights_only=False)
-        self.model.load_state_dict(state["model"])
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=self.spec.lora is None)
+        trained = self._trained_names()
+        if unexpected or trained & set(missing):
+            raise RuntimeError(f"{self.spec.role}: the checkpoint {file} does not fit this model's trained weights "
+                               f"(missing {sorted(trained & set(missing))[:3]}, unexpected {unexpected[:3]}); it "
+                               "was written with other --lora.* settings")
         if self.engine is not None:
             self.engine.optimizer.load_state_dict(state["optimizer"])
             self.engine.scheduler.load_state_dict(state["scheduler"])
@@ -119,6 +156,8 @@ class LocalRank:
         return state["client_state"]
 
     def export_hf(self, path: str) -> str:
+        if self.spec.lora is not None:
+            return export_merged(self.model, self.spec, path)
         os.makedirs(path, exist_ok=True)
         self.model.save_pretrained(path, safe_serialization=True)
         return path
@@ -138,7 +177,15 @@ class StageWorker(ModelWorker):
         return score_rows(self.engine, batch, plan, what)
 
     def set_reward_stats(self, mean: float, std: float) -> None:
-        self.module.reward_mean, self.module.reward_std = float(mean), float(std)
+        model = base_model(self.module)
+        model.reward_mean, model.reward_std = float(mean), float(std)
+
+    def export_hf(self, path: str) -> str | None:
+        """The gathered model as an HF checkpoint from rank 0; a LoRA model merged (not the actor's adapter
+        directory of :meth:`rlhf_sg.workers.ModelWorker.export_hf`: a stage's export is loaded as a model)."""
+        if self.spec.lora is None:
+            return super().export_hf(path)
+        return export_merged(self.module, self.spec, path if self.rank == 0 else None)
 
 
 class StageGroup(ModelGroup):

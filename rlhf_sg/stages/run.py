@@ -17,6 +17,7 @@ Metrics, per optimizer step (``train/*``) and per evaluation (``eval/*``):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -54,14 +55,16 @@ def load_data(cfg: StageConfig, tokenizer) -> tuple[StageRows, StageRows | None]
 
 
 def worker_spec(cfg: StageConfig, role: str, model_path: str, train: bool, total_steps: int) -> WorkerSpec:
+    """The ranks' spec: the trained model (``train``; LoRA adapters with --lora.rank) or DPO's frozen reference."""
     t, m = cfg.train, cfg.model
+    lora = dataclasses.asdict(cfg.lora) if train and cfg.lora.rank > 0 else None
     return WorkerSpec(role=role, model_path=model_path, world_size=t.num_ranks, master_addr="", master_port=0,
                       train=train, dtype=m.dtype, attn_implementation=m.attn_implementation, lr=t.lr,
                       lr_scheduler=t.lr_scheduler, lr_warmup_steps=round(t.lr_warmup_ratio * total_steps),
                       lr_total_steps=total_steps, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
                       gradient_checkpointing=t.gradient_checkpointing and train, disable_dropout=t.disable_dropout,
                       seed=t.seed, device=t.device, timeout_s=t.timeout_s, packing_probe=t.packing_probe,
-                      zero_stage=3 if t.num_ranks > 1 else 0)
+                      zero_stage=3 if t.num_ranks > 1 else 0, lora=lora)
 
 
 def _in_process(cfg: StageConfig) -> bool:
@@ -115,6 +118,9 @@ def reference_logps(cfg: StageConfig, batches: list[StageBatch | None], fingerpr
     """Each batch's reference log-probs [B] (summed over the trained tokens), computed once by a frozen reference in
     eval mode, or read from ``<output_dir>/ref_logp/<key>.pt`` (:func:`reference_cache_key`) when
     ``--dpo.ref_cache`` found them there."""
+    # A separate frozen reference, also for a LoRA policy (whose reference, unless --model.ref_pretrain, is the base
+    # its fresh adapters start as): scored here once, before the policy's ranks start, and then shut down, so no
+    # second copy of the model is held while training.
     path = None
     if cfg.dpo.ref_cache:
         path = os.path.join(cfg.log.output_dir, "ref_logp", reference_cache_key(cfg, fingerprints) + ".pt")
