@@ -114,6 +114,8 @@ class TrainConfig:
     ppo_epochs: int = 1
     #: optimizer steps per rollout batch (the batch is split evenly)
     num_minibatches: int = 1
+    #: real tokens of a micro-batch on ONE rank: an SP group of N takes micro-batches of N x it, each rank 1 / N of
+    #: every row (microbatch_tokens); a sequence must fit it whole, or as a rank's share of it under SP
     max_tokens_per_microbatch: int = 4096
     #: the rows of one prompt (a GRPO group) compute the prompt once in the log-prob and value forwards and
     #: their backward: one packed segment [prompt | response_1 | response_2 | ...] whose responses attend to the
@@ -800,6 +802,49 @@ def sequence_parallel_size(cfg: Config, role: str) -> tuple[str, int]:
     return f"--train.{role}_sequence_parallel_size", own
 
 
+def scoring_groups(cfg: Config) -> list[str]:
+    """The groups that run forwards over the batch's rows: the actor, and the critic, reference, teacher and reward
+    model where the run has them."""
+    groups = ["actor"]
+    if uses_critic_model(cfg):
+        groups.append("critic")
+    if cfg.train.kl_coef > 0 and not ref_in_actor(cfg):
+        groups.append("ref")
+    if cfg.distill.teacher is not None:
+        groups.append("teacher")
+    if cfg.reward.kind == "model":
+        groups.append("reward")
+    return groups
+
+
+def microbatch_tokens(cfg: Config, role: str) -> int:
+    """The real tokens one micro-batch of ``role``'s group may hold. --train.max_tokens_per_microbatch counts what
+    ONE rank holds; the ranks of an SP group of N split every row of their micro-batches, each holding 1 / N of it
+    (:mod:`rlhf_sg.parallel`), so the group's micro-batch takes N times the budget."""
+    return cfg.train.max_tokens_per_microbatch * sequence_parallel_size(cfg, role)[1]
+
+
+def _check_microbatch_budget(cfg: Config) -> None:
+    """One full sequence (max_prompt_len + max_new_tokens) must fit one rank of every group that scores rows: whole
+    where the group does not split rows, its 1 / N share (the row padded to a multiple of N) in an SP group of N."""
+    budget, longest = cfg.train.max_tokens_per_microbatch, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    for role in scoring_groups(cfg):
+        flag, n = sequence_parallel_size(cfg, role)
+        share = -(-longest // n)
+        if share <= budget:
+            continue
+        at_least = -(-longest // budget)
+        if n == 1:
+            raise ConfigError(
+                f"--train.max_tokens_per_microbatch ({budget}) must hold one full sequence (max_prompt_len + "
+                f"max_new_tokens = {longest}) on one rank of the {role} group; raise it to {longest}, or split the "
+                f"rows over an SP group ({flag} N: a rank holds {longest} / N tokens of a row, N >= {at_least})")
+        raise ConfigError(
+            f"--train.max_tokens_per_microbatch ({budget}) must hold a rank's share of one full sequence "
+            f"(max_prompt_len + max_new_tokens = {longest} over {flag} {n}: {share} tokens) in the {role} group; "
+            f"raise it to {share}, or {flag} to at least {at_least}")
+
+
 def _check_sequence_parallel(cfg: Config) -> None:
     """--train.sequence_parallel_size and the per-group sizes: each divides the ranks of the group it splits (actor,
     critic, reference) and that model's heads split over it; what the SP groups do not run yet is refused by the
@@ -1017,9 +1062,7 @@ def validate(cfg: Config) -> Config:
     _need(d.max_prompt_len + r.max_new_tokens <= r.max_model_len,
           f"--data.max_prompt_len ({d.max_prompt_len}) + --rollout.max_new_tokens ({r.max_new_tokens}) exceeds "
           f"--rollout.max_model_len ({r.max_model_len}); raise max_model_len or shorten one of them")
-    _need(t.max_tokens_per_microbatch >= d.max_prompt_len + r.max_new_tokens,
-          f"--train.max_tokens_per_microbatch ({t.max_tokens_per_microbatch}) must hold one full sequence "
-          f"(max_prompt_len + max_new_tokens = {d.max_prompt_len + r.max_new_tokens})")
+    _check_microbatch_budget(cfg)
     _need(bool(d.prompt_data), "--data.prompt_data is required: a JSONL / Parquet file or a datasets directory")
     _need(os.path.exists(d.prompt_data), f"--data.prompt_data: {d.prompt_data!r} does not exist")
     _need(rw.kind in ("function", "model", "remote"),

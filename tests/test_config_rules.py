@@ -186,7 +186,9 @@ RULES = [
      '--data.max_prompt_len (1985) + --rollout.max_new_tokens (64) exceeds --rollout.max_model_len '
      '(2048); raise max_model_len or shorten one of them'),
     ({'train.max_tokens_per_microbatch': 1087},
-     '--train.max_tokens_per_microbatch (1087) must hold one full sequence (max_prompt_len + max_new_tokens = 1088)'),
+     '--train.max_tokens_per_microbatch (1087) must hold one full sequence (max_prompt_len + max_new_tokens = 1088) '
+     'on one rank of the actor group; raise it to 1088, or split the rows over an SP group '
+     '(--train.sequence_parallel_size N: a rank holds 1088 / N tokens of a row, N >= 2)'),
     ({'data.prompt_data': ''},
      '--data.prompt_data is required: a JSONL / Parquet file or a datasets directory'),
     ({'data.prompt_data': '/nonexistent.jsonl'},

@@ -473,6 +473,59 @@ def test_each_group_takes_its_own_size_under_its_own_flag(sp_config):
     assert shares_prompts(validate(alone)) and Layout(alone).data_parallel_ranks("actor") == 4
 
 
+def test_the_microbatch_budget_is_a_ranks_share_of_a_row(sp_config):
+    """--train.max_tokens_per_microbatch counts what one rank holds: a row of 256 tokens (16 prompt + 240 response)
+    over a budget of 64 fits 4 ranks of an SP group (64 columns each), not 2 (128 each) nor 1, each refused before
+    Ray naming the flag and the way out; an SP group's micro-batches then hold N x the budget, its data-parallel
+    ranks' plans packed to that (one row a micro-batch here), and a group that does not split keeps the budget."""
+    import random
+
+    from rlhf_sg.config import microbatch_tokens, validate
+    from rlhf_sg.experience import build_rollout_batch
+    from rlhf_sg.trainer.layout import Layout
+    from rlhf_sg.trainer.ppo import group_update_steps
+
+    def long_rows(size: int):
+        cfg = sp_config(size, 4)
+        cfg.train.share_prompts, cfg.train.advantage_estimator, cfg.train.kl_coef = False, "grpo", 0.0
+        cfg.data.max_prompt_len, cfg.rollout.max_new_tokens, cfg.rollout.max_model_len = 16, 240, 256
+        cfg.train.max_tokens_per_microbatch = 64
+        return cfg
+
+    cfg = validate(long_rows(4))
+    assert microbatch_tokens(cfg, "actor") == 256 and microbatch_tokens(cfg, "reward") == 64
+    refusals = {1: "--train.max_tokens_per_microbatch (64) must hold one full sequence (max_prompt_len + "
+                   "max_new_tokens = 256) on one rank of the actor group; raise it to 256, or split the rows over "
+                   "an SP group (--train.sequence_parallel_size N: a rank holds 256 / N tokens of a row, N >= 4)",
+                2: "--train.max_tokens_per_microbatch (64) must hold a rank's share of one full sequence "
+                   "(max_prompt_len + max_new_tokens = 256 over --train.sequence_parallel_size 2: 128 tokens) in "
+                   "the actor group; raise it to 128, or --train.sequence_parallel_size to at least 4"}
+    for size, message in refusals.items():
+        with pytest.raises(ConfigError) as error:
+            validate(long_rows(size))
+        assert str(error.value) == message
+    critic = long_rows(4)  # the critic's own size under its own flag
+    critic.train.advantage_estimator, critic.train.critic_sequence_parallel_size = "gae", 2
+    with pytest.raises(ConfigError, match=r"over --train.critic_sequence_parallel_size 2: 128 tokens\) in the critic "
+                                          r"group; raise it to 128, or --train.critic_sequence_parallel_size to at "
+                                          r"least 4$"):
+        validate(critic)
+    # 8 rows of 200..256 tokens, each over 3 x the budget: at N = 4 (one data-parallel rank) one row a micro-batch,
+    # each rank of the group holding at most 64 of its columns; one rank at the same budget refuses them
+    lengths = [184, 200, 240, 230, 190, 210, 224, 236]
+    batch = build_rollout_batch([[7] * 16] * 8, [[8] * n for n in lengths], [[0.0] * n for n in lengths], pad_id=0)
+    (plan,), steps = group_update_steps(batch, Layout(cfg), "actor", cfg.train, random.Random(0))
+    assert steps == [plan] * 4
+    (step,) = plan
+    assert sorted(r for mb in step.plan for r in mb) == list(range(8)) and len(step.plan) == 8
+    for (row,) in step.plan:
+        assert 3 * 64 < 16 + lengths[row] and -(-(16 + lengths[row]) // 4) <= 64
+    one = long_rows(1)
+    one.train.actor_num_ranks = 1
+    with pytest.raises(ValueError, match="more than max_tokens_per_microbatch=64"):
+        group_update_steps(batch, Layout(one), "actor", one.train, random.Random(0))
+
+
 def _saved_bytes(group, length: int) -> int:
     """Bytes this rank of ``group`` keeps for the backward (parameters aside) in the log-prob forward of one row of
     ``length`` tokens (sdpa, half of it response)."""

@@ -327,3 +327,58 @@ def test_a_trainer_run_with_sequence_parallel_groups(ray_cluster, tmp_path):
     assert all(h["actor/updates"] > 0 and h["critic/updates"] > 0 and h["actor/grad_norm"] > 0 for h in history)
     print("engine vs trainer log-prob gap per step:", [h["rollout/logp_gap_engine_vs_trainer"] for h in history])
     assert 0 <= first["rollout/logp_gap_engine_vs_trainer"] < 0.05, first["rollout/logp_gap_engine_vs_trainer"]
+
+
+def _digits_reward(prompts: list[str], completions: list[str], labels: list) -> list[float]:
+    """The share of a completion's characters that are digits: a score that differs between random completions,
+    so GRPO's advantages (and the gradients) are not all zero."""
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+
+
+@pytest.mark.slow
+def test_a_long_response_run_whose_rows_are_several_times_a_ranks_budget(ray_cluster, tmp_path):
+    """GRPO through the trainer on a policy that never ends a response (no EOS id in its configs or tokenizer), so
+    every row is the prompt and 240 response tokens, over 3 x ``--train.max_tokens_per_microbatch`` 64: 4 actor
+    ranks in one SP group of 4 (64 columns of a row each) score and train 2 steps; the same config on 4 ranks at
+    N = 1 is refused before Ray starts, naming the flag."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
+    import arith_task
+    from quickstart_cpu import make_config
+
+    from rlhf_sg.config import ConfigError
+    from rlhf_sg.tiny import build_tiny_model, build_tokenizer
+    from rlhf_sg.trainer import train
+
+    policy = str(tmp_path / "policy")
+    model = build_tiny_model("qwen2", "tiny", seed=0)
+    model.config.eos_token_id = model.generation_config.eos_token_id = None
+    model.save_pretrained(policy, safe_serialization=True)
+    tokenizer = build_tokenizer()
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(policy)
+    prompts = arith_task.write_prompts(str(tmp_path / "prompts.jsonl"), seed=0)
+    budget, response = 64, 240
+
+    def long_rows(size: int):
+        cfg = make_config(policy, prompts, str(tmp_path / f"run{size}"), steps=2, algo="grpo", backend="hf")
+        cfg.log.progress_bar = cfg.log.tensorboard = cfg.log.export_hf = False
+        cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt = 2, 2
+        cfg.rollout.max_new_tokens, cfg.rollout.max_model_len = response, cfg.data.max_prompt_len + response
+        cfg.train.kl_coef, cfg.train.share_prompts = 0.0, False
+        cfg.train.recompute_old_logp = True  # the scoring forward's micro-batches too
+        cfg.train.actor_num_ranks, cfg.train.sequence_parallel_size = 4, size
+        cfg.train.max_tokens_per_microbatch = budget
+        return cfg
+
+    with pytest.raises(ConfigError, match=r"^--train.max_tokens_per_microbatch \(64\) must hold one full sequence "):
+        train(long_rows(1), reward_fn=_digits_reward)
+    history = train(long_rows(4), reward_fn=_digits_reward)
+    assert len(history) == 2 and history[-1]["weight_version"] == 2
+    for h in history:
+        assert h["time/actor_logprob"] > 0
+        assert h["rollout/response_len"] == response and h["rollout/truncated_frac"] == 1.0  # rows > 3 x budget
+        assert h["actor/updates"] > 0 and h["actor/grad_norm"] > 0
+    print("engine vs trainer log-prob gap per step:", [h["rollout/logp_gap_engine_vs_trainer"] for h in history])
+    assert 0 <= history[0]["rollout/logp_gap_engine_vs_trainer"] < 0.05

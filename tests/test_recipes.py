@@ -16,7 +16,14 @@ import sys
 import pytest
 
 from rlhf_sg import memory
-from rlhf_sg.config import check_devices, engines_on_servers, offload_states, parse_args, sleep_engines
+from rlhf_sg.config import (
+    check_devices,
+    engines_on_servers,
+    microbatch_tokens,
+    offload_states,
+    parse_args,
+    sleep_engines,
+)
 from rlhf_sg.parallel import memory as sp_memory
 from rlhf_sg.tiny import save_tiny_model
 from rlhf_sg.trainer.layout import Layout
@@ -121,9 +128,11 @@ def _peak_per_device(cfg, shape: memory.ModelShape, device_bytes: int) -> dict[s
 
     def rank(role: str) -> dict[str, int]:
         split = layout.sequence_parallel_size(role)
-        if role in ("actor", "critic") and split > 1:  # a micro-batch as one row split over the SP group (a critic
-            # counted with the actor's logits chunk: an upper bound)
-            return sp_memory.training_rank_bytes(shape, sizes[role], 1, tokens, split, t.gradient_checkpointing,
+        if role in ("actor", "critic") and split > 1:  # the SP group's micro-batch (split x the budget: each rank
+            # holds the budget's tokens) as one row split over it (a critic counted with the actor's logits chunk: an
+            # upper bound)
+            return sp_memory.training_rank_bytes(shape, sizes[role], 1, microbatch_tokens(cfg, role), split,
+                                                 t.gradient_checkpointing,
                                                  "sdpa" if dense_mask else "flash_attention_2")
         if role in ("actor", "critic"):
             return memory.training_rank_bytes(shape, sizes[role], tokens, t.gradient_checkpointing, dense_mask,

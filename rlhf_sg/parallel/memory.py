@@ -1,8 +1,9 @@
 """Device memory of one rank of an SP group (Ulysses, :mod:`rlhf_sg.parallel`) on long rows, as formulas.
 
 What ``python -m rlhf_sg.bench memory --sp N`` prints and ``tests/test_parallel_memory.py`` holds to the tensors the
-sharded path builds at small sizes. Every count is per rank, in bytes, for ``rows`` packed rows of ``seq_len`` tokens
-split over an SP group of ``size`` ranks, as the layout allocates them:
+sharded path builds at small sizes; ``python -m rlhf_sg.bench sp-memory`` measures a rank's saved activations on N
+spawned gloo ranks beside :func:`saved_activation_bytes`. Every count is per rank, in bytes, for ``rows`` packed rows
+of ``seq_len`` tokens split over an SP group of ``size`` ranks, as the layout allocates them:
 
 * Columns: every row padded to ``padded_width(seq_len, size)`` (:func:`rlhf_sg.parallel.layout.padded_width`), a rank
   holding ``width / size`` of them: the hidden states, norms and MLP of a rank cover its columns only.

@@ -37,6 +37,7 @@ from rlhf_sg.config import (
     distill_only,
     kl_estimator,
     loss_aggregation,
+    microbatch_tokens,
     offload_states,
     ratio_level,
     rollout_is_async,
@@ -83,14 +84,16 @@ def microbatch_plans(experience: Experience, world: int, max_tokens: int,
 
 
 def update_plans(experience: Experience, world: int, t: TrainConfig, rng: random.Random,
-                 normalize_rows: bool = False, share_prompts: bool = False) -> list[list[OptimizerStep]]:
+                 normalize_rows: bool = False, share_prompts: bool = False,
+                 max_tokens: int | None = None) -> list[list[OptimizerStep]]:
     """Per rank, its part of every optimizer step of the ``ppo_epochs`` epochs: each epoch shuffles the rows
     (with ``rng``) into ``num_minibatches`` minibatches, one optimizer step each. The normaliser is the
     minibatch's action tokens (rows with ``normalize_rows``) over ``world``, counting only the rows in
     :attr:`Experience.loss_rows` (1 when none counts: the loss is then 0). ``share_prompts``: the samples of
     one prompt are shuffled as one unit, so a minibatch holds whole groups wherever the minibatch size allows
     (the prompt is then computed once for all of them), and micro-batches are as :func:`microbatch_plans`
-    makes them for shared-prompt forwards."""
+    makes them for shared-prompt forwards. ``max_tokens``: a micro-batch's real tokens (default
+    ``--train.max_tokens_per_microbatch``; an SP group's, :func:`rlhf_sg.config.microbatch_tokens`)."""
     from rlhf_sg.packing import prompt_groups
 
     B = experience.batch_size
@@ -111,8 +114,8 @@ def update_plans(experience: Experience, world: int, t: TrainConfig, rng: random
             counted = rows if experience.loss_rows is None else [b for b in rows if experience.loss_rows[b]]
             tokens = len(counted) if normalize_rows else float(experience.action_mask[counted].sum())
             tokens = tokens or 1.0
-            for rank, plan in enumerate(microbatch_plans(experience, world, t.max_tokens_per_microbatch, rows,
-                                                                share_prompts)):
+            for rank, plan in enumerate(microbatch_plans(experience, world, max_tokens or t.max_tokens_per_microbatch,
+                                                         rows, share_prompts)):
                 per_rank[rank].append(OptimizerStep(plan=plan, normalizer=tokens / world))
     return per_rank
 
@@ -124,9 +127,11 @@ def group_update_steps(experience: Experience, layout: Layout, role: str, t: Tra
     data-parallel ranks only, so the normaliser is the minibatch's tokens over the data-parallel ranks
     (:func:`update_plans`), and every rank of an SP group takes its data-parallel rank's steps
     (:func:`rlhf_sg.parallel.rank_plans`); with the loss scale of :mod:`rlhf_sg.parallel.groups` ZeRO-3's mean over
-    all the group's ranks then gives each token the one-rank weight."""
+    all the group's ranks then gives each token the one-rank weight. An SP group's micro-batches hold N x
+    ``--train.max_tokens_per_microbatch`` tokens, each rank 1 / N of them (:func:`rlhf_sg.config.microbatch_tokens`)."""
     steps = update_plans(experience, layout.data_parallel_ranks(role), t, rng, normalize_rows=normalize_rows,
-                         share_prompts=share_prompts)
+                         share_prompts=share_prompts,
+                         max_tokens=t.max_tokens_per_microbatch * layout.sequence_parallel_size(role))
     return steps, rank_plans(steps, layout.sequence_parallel_size(role))
 
 
@@ -398,13 +403,13 @@ class PPOTrainer:
             with timer.phase("reference"):
                 if self.layout.ref_in_actor:  # a LoRA actor with its adapter disabled is the base model
                     plans = microbatch_plans(experience, self.layout.data_parallel_ranks("actor"),
-                                             t.max_tokens_per_microbatch, share_prompts=self.share_prompts)
+                                             microbatch_tokens(self.cfg, "actor"), share_prompts=self.share_prompts)
                     experience.ref_logp = self.cluster.actor.forward(ref, plans, B, temperature, self.share_prompts,
                                                                      without_adapter=True)
                     self._count("reference", "actor", experience, plans)
                 else:
                     plans = microbatch_plans(experience, self.layout.data_parallel_ranks("ref"),
-                                             t.max_tokens_per_microbatch, share_prompts=self.share_prompts)
+                                             microbatch_tokens(self.cfg, "ref"), share_prompts=self.share_prompts)
                     experience.ref_logp = self.cluster.ref.forward(ref, plans, B, temperature, self.share_prompts)
                     self._count("reference", "ref", experience, plans)
         if self.layout.uses_teacher:
@@ -416,14 +421,14 @@ class PPOTrainer:
         if self.uses_critic:
             with timer.phase("critic"):
                 plans = microbatch_plans(experience, self.layout.data_parallel_ranks("critic"),
-                                         t.max_tokens_per_microbatch, share_prompts=self.share_prompts)
+                                         microbatch_tokens(self.cfg, "critic"), share_prompts=self.share_prompts)
                 experience.values = self.cluster.critic.forward(ref, plans, B, share_prompts=self.share_prompts)
                 self._count("critic", "critic", experience, plans)
         if not self.recomputes_old_logp:
             return {}  # the actor's update measures the log-prob gap (and the KL in the loss) itself
         with timer.phase("actor_logprob"):
             plans = microbatch_plans(experience, self.layout.data_parallel_ranks("actor"),
-                                     t.max_tokens_per_microbatch, share_prompts=self.share_prompts)
+                                     microbatch_tokens(self.cfg, "actor"), share_prompts=self.share_prompts)
             experience.old_logp = self.cluster.actor.forward(ref, plans, B, temperature, self.share_prompts)
             self._count("actor_logprob", "actor", experience, plans)
         mask = experience.action_mask
