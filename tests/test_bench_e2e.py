@@ -100,6 +100,8 @@ def test_trls_step_is_accounted_from_what_it_generated_and_trained():
     read = 4 * weight_bytes(shape) + kv_bytes_per_token(shape) * ((3 + 4 + 5 + 6) + (3 + 4))
     assert perf["perf/generate_bytes_per_token"] == pytest.approx(read / 6)
     assert perf["perf/generate_tokens_per_s"] == pytest.approx(3.0)
+    decode = flops.decode_flops(shape, [3, 3], [4, 2])  # its roofline as ours: the larger bound over 2 s
+    assert perf["perf/generate_of_roofline"] == pytest.approx(max(read / 1e-3 / 1e9, decode / 1e-9 / 1e12) / 2.0)
     assert e2e.trl_perf(shape, ceiling, {"phases": {}}) == {}
 
 

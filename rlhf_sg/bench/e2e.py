@@ -659,7 +659,8 @@ def trl_perf(shape, ceiling, step: dict[str, Any]) -> dict[str, float]:
     segments = [flops.Segment(p, (r,)) for p, r in zip(prompts, completions)]
     return flops.phase_metrics(ceiling, step["phases"], {"train": (flops.train_flops(shape, segments), 1)},
                                generated_tokens=sum(completions),
-                               generate_bytes=flops.decode_bytes(shape, prompts, completions, 1))
+                               generate_bytes=flops.decode_bytes(shape, prompts, completions, 1),
+                               generate_flops=flops.decode_flops(shape, prompts, completions))
 
 
 def search_trl(args: argparse.Namespace, model_path: str, prompt_file: str, out: str) -> TrlSetting:
