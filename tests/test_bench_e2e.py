@@ -254,3 +254,28 @@ def test_the_k4_side_runs_ahead_by_four_with_the_decoupled_loss_and_the_long_tai
     assert k4.rollout.stop_token_ids == ids
     with pytest.raises(ValueError, match=r"--tail-stop-ids must be in \[1, 4\], got 5"):
         e2e.tail_stop_ids(5)
+
+
+def test_the_baseline_line_says_whether_the_bench_trl_side_runs_as_trl_alone():
+    """Within 5 % of TRL alone (medians) the ratios are against TRL; outside, the line says they are not."""
+    line = e2e.baseline_line([10.0, 10.4, 9.9], [10.0, 9.8, 10.1])
+    assert "10.00 s a step (median of 3) against TRL alone 10.00 s" in line and "1.000x, within 5 %" in line
+    assert "1.220x, NOT within 5 %" in e2e.baseline_line([12.2, 12.2], [10.0, 10.0])
+    assert "0.940x, NOT within 5 %" in e2e.baseline_line([9.4], [10.0])
+    assert "1.040x, within 5 %" in e2e.baseline_line([10.4], [10.0])
+
+
+def test_trl_alone_is_a_plain_script_scoring_as_the_bench():
+    """The baseline script imports nothing of this project (a user's script), and the bench's TRL side scores with
+    its reward, which is the bench's own reward for ours."""
+    import ast
+
+    from rlhf_sg.bench import _trl_alone
+
+    tree = ast.parse(open(_trl_alone.__file__).read())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not imported & {"rlhf_sg", "backends", "recipes"}, imported
+    assert e2e.trl_digit_reward is _trl_alone.digit_reward
+    completions = ["12 ab", "", "abc", "9"]
+    assert _trl_alone.digit_reward(["p"] * 4, completions) == e2e.digit_reward(["p"] * 4, completions, [None] * 4)

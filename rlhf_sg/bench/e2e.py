@@ -38,7 +38,10 @@ Sides:
   ones of its own (a fresh model and trainer pays its first step's allocations), all in one process, and keeps the
   fastest
   (it prints every setting's time and the one kept; ``--trl-setting 8,8,off`` pins one and skips the
-  search). TRL's ``steps_per_generation`` defaults to the accumulation, so its generation batch is
+  search). After the TRL side in each round, TRL alone: the same setting as a plain script that imports nothing
+  of this project (``rlhf_sg/bench/_trl_alone.py``, whose ``GRPOConfig`` and reward the TRL side uses too); the
+  ``baseline:`` line says whether the bench's TRL side is within 5 % of it (``--no-trl-alone`` skips it).
+  TRL's ``steps_per_generation`` defaults to the accumulation, so its generation batch is
   micro-batch x accumulation = 64 completions in every setting: one ``generate`` over 64, then the
   accumulated micro-batches, then one optimizer step, and no separate old-log-prob forward
   (``num_iterations=1``), as on our side. Its step time runs from ``on_step_begin`` to ``on_step_end`` of
@@ -97,7 +100,7 @@ from typing import Any
 
 import torch
 
-from rlhf_sg.bench import load_average
+from rlhf_sg.bench import _trl_alone, load_average
 
 #: phase columns of the table, in step order (TRL's side fills generate, reward, train and other; an async
 #: run's trainer waits for its batch in wait_rollout)
@@ -142,9 +145,8 @@ def digit_reward(prompts: list[str], completions: list[str], labels: list) -> li
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
-def trl_digit_reward(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
-    """:func:`digit_reward` with TRL's reward-function signature."""
-    return digit_reward(prompts, completions, [None] * len(completions))
+#: :func:`digit_reward` with TRL's reward-function signature (the plain TRL script's own, so both TRL runs score alike)
+trl_digit_reward = _trl_alone.digit_reward
 
 
 def make_prompts(num_prompts: int, min_chars: int, max_chars: int, seed: int) -> list[str]:
@@ -634,6 +636,48 @@ def run_trl(args: argparse.Namespace, model_path: str, prompt_file: str, out: st
     return results
 
 
+def run_trl_alone(args: argparse.Namespace, model_path: str, prompt_file: str, out: str, setting: TrlSetting,
+                  steps: int, timeout_s: float = 3600.0) -> list[float] | None:
+    """TRL alone: :mod:`rlhf_sg.bench._trl_alone` run by path, a plain script importing nothing of this project, on
+    the bench's model, prompts and ``setting`` with the TRL side's threads and environment; each timed step's
+    seconds, None if it failed (its last lines printed)."""
+    spec = {
+        "model_path": model_path, "prompt_file": prompt_file, "output_dir": os.path.join(out, "trl-alone"),
+        "samples": args.samples, "max_new_tokens": args.max_new_tokens, "lr": args.lr, "warmup": args.warmup,
+        "steps": steps, "threads": args.trl_threads, "seed": args.seed,
+        "setting": [setting.micro_batch, setting.accumulation, setting.checkpointing],
+    }
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.trl_threads), TOKENIZERS_PARALLELISM="false",
+               CUDA_VISIBLE_DEVICES="")
+    try:
+        proc = subprocess.run([sys.executable, _trl_alone.__file__, json.dumps(spec)], env=env, capture_output=True,
+                              text=True, check=False, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"trl alone: the plain TRL script did not finish within {timeout_s:.0f} s", flush=True)
+        return None
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_trl_alone.RESULT_MARKER)]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        print(f"trl alone: the plain TRL script failed (exit {proc.returncode}); its last lines:\n{tail}", flush=True)
+        return None
+    return [float(x) for x in json.loads(lines[-1][len(_trl_alone.RESULT_MARKER):])["steps"]]
+
+
+def baseline_line(bench_steps: list[float], alone_steps: list[float], tolerance: float = 0.05) -> str:
+    """Whether the bench's TRL side runs as TRL does for a user: its median step against the plain script's, run
+    with the same setting in the same rounds. Outside ``tolerance`` the ratios against TRL measure the bench's TRL
+    side, not TRL."""
+    bench, alone = statistics.median(bench_steps), statistics.median(alone_steps)
+    ratio = bench / alone
+    within = abs(ratio - 1.0) <= tolerance
+    pct = f"{100 * tolerance:.0f} %"
+    verdict = (f"within {pct}: the ratios against TRL below are against TRL as its users run it" if within
+               else f"NOT within {pct}: the ratios against TRL below measure the bench's TRL side, not TRL")
+    return (f"baseline: the bench's TRL side {bench:.2f} s a step (median of {len(bench_steps)}) against TRL alone "
+            f"{alone:.2f} s (a plain script, `python rlhf_sg/bench/_trl_alone.py`, median of {len(alone_steps)}): "
+            f"{ratio:.3f}x, {verdict}")
+
+
 def _trl_shape_and_ceiling(model_path: str, payload: dict[str, Any]):
     """The bench model's shape (float32, as TRL runs it) and the ceiling the TRL process measured."""
     import dataclasses
@@ -747,32 +791,7 @@ def _trl_run(spec: dict[str, Any], micro_batch: int, accumulation: int, checkpoi
         return timed_reward(prompts, completions, **kwargs)
 
     reward.__name__ = trl_digit_reward.__name__
-    config = GRPOConfig(
-        output_dir=spec["output_dir"],
-        # steps_per_generation defaults to the accumulation: one generation round of micro_batch x accumulation
-        # completions, then that many micro-batches, then one optimizer step
-        per_device_train_batch_size=micro_batch,
-        gradient_accumulation_steps=accumulation,
-        gradient_checkpointing=checkpointing,
-        num_generations=spec["samples"],
-        max_completion_length=spec["max_new_tokens"],
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        beta=0.0,
-        use_vllm=False,
-        learning_rate=spec["lr"],
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        max_steps=warmup + spec["steps"],
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=spec["seed"],
-    )
+    config = GRPOConfig(**_trl_alone.grpo_config_kwargs(spec, micro_batch, accumulation, checkpointing, warmup))
     if config.generation_batch_size != spec["prompts"] * spec["samples"]:
         raise RuntimeError(f"TRL's generation batch is {config.generation_batch_size} completions, not "
                            f"{spec['prompts'] * spec['samples']}: the setting does not do the bench's work")
@@ -882,6 +901,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-prompts", type=int, default=64, help="grpo-eval side: held-out prompts")
     parser.add_argument("--eval-samples", type=int, default=4, help="grpo-eval side: samples per held-out prompt")
     parser.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1, help="torch threads of TRL's process")
+    parser.add_argument("--trl-alone", action=argparse.BooleanOptionalAction, default=True,
+                        help="after the bench's TRL side in each round, run TRL as a plain script (rlhf_sg/bench/"
+                             "_trl_alone.py) with the same setting and print whether the two agree within 5 %%")
     parser.add_argument("--trl-search", action=argparse.BooleanOptionalAction, default=True,
                         help="try TRL's micro-batch / accumulation / gradient-checkpointing settings first and keep "
                              "the fastest (--no-trl-search: the whole batch in one micro-batch, checkpointing off)")
@@ -959,6 +981,7 @@ def main(argv: list[str] | None = None) -> None:
                 trl_setting = TrlSetting(samples, 1, False)
             print(f"trl: {trl_setting.describe()}" + (" (pinned)" if pinned is not None else ""), flush=True)
         results: dict[str, SideResult] = {}
+        alone: list[float] = []  # TRL alone's timed steps, every round
         for r in range(args.rounds):
             order = sides if r % 2 == 0 else sides[::-1]
             print(f"round {r + 1}: {' -> '.join(order)}", flush=True)
@@ -966,6 +989,11 @@ def main(argv: list[str] | None = None) -> None:
                 out = os.path.join(tmp, f"round{r}")
                 if side == "trl":
                     got = run_trl(args, model_path, prompt_file, out, [trl_setting], args.steps)[0][1]
+                    if args.trl_alone:  # right after it, so both TRL runs meet the same machine
+                        steps_alone = run_trl_alone(args, model_path, prompt_file, out, trl_setting, args.steps)
+                        if steps_alone is not None:
+                            alone += steps_alone
+                            print(f"  trl alone: steps {', '.join(f'{s:.2f}' for s in steps_alone)} s", flush=True)
                 else:
                     got = run_ours(side, args, model_path, prompt_file, out)
                 if got is None:
@@ -993,6 +1021,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"warning: {r.name} mean response length {statistics.mean(r.response_len):.1f}, "
                   f"not {args.max_new_tokens}: the sides did not generate the same work")
     trl = results.get("trl-grpo")
+    if trl is not None and alone:
+        print(baseline_line(trl.step_s, alone))
     if trl is not None:
         kept = f"TRL at {trl_setting.flag}" + (", the fastest it tried" if pinned is None and args.trl_search else "")
         for name, note in (("ours-grpo", f">= 1.0: ours at least as fast; {kept}"),
