@@ -23,8 +23,10 @@ to real tensors at small sizes. Every count is per rank (one GPU), in bytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -254,6 +256,25 @@ def saved_activation_bytes(shape: ModelShape, tokens: int, gradient_checkpointin
     per_layer = (shape.dtype_bytes * shape.hidden_size if gradient_checkpointing
                  else layer_activation_bytes_per_token(shape))
     return tokens * (shape.num_layers * per_layer + final_norm_bytes_per_token(shape))
+
+
+@contextlib.contextmanager
+def saved_for_backward(model) -> Iterator[dict[int, int]]:
+    """Measure what the formulas count: inside the block, every storage autograd saves for the backward (data
+    pointer -> bytes, each storage once, ``model``'s parameters left out) goes into the dict it yields."""
+    import torch
+
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        yield saved
 
 
 def activation_bytes(shape: ModelShape, tokens: int, gradient_checkpointing: bool) -> int:

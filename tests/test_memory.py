@@ -85,17 +85,8 @@ def _layered_config(arch: str, layers: int, **kw):
 def _saved_activation_bytes(model, tokens: int) -> int:
     """Bytes of the tensors a training forward of ``tokens`` tokens through ``model``'s backbone keeps for its
     backward (distinct storages, the parameters left out)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
     ids = torch.randint(3, 90, (1, tokens), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with memory.saved_for_backward(model) as saved:
         model.model(input_ids=ids)
     return sum(saved.values())
 

@@ -529,23 +529,15 @@ def test_the_microbatch_budget_is_a_ranks_share_of_a_row(sp_config):
 def _saved_bytes(group, length: int) -> int:
     """Bytes this rank of ``group`` keeps for the backward (parameters aside) in the log-prob forward of one row of
     ``length`` tokens (sdpa, half of it response)."""
+    from rlhf_sg.memory import saved_for_backward
     from rlhf_sg.parallel import sp_response_logprobs, use_ulysses_attention
     from rlhf_sg.tiny import build_tiny_model
 
     lm = build_tiny_model("llama", "tiny", seed=1)
     lm.set_attn_implementation("sdpa")
     use_ulysses_attention(lm, group.size)
-    parameters = {p.untyped_storage().data_ptr() for p in lm.parameters()}
     ids = torch.randint(3, 90, (1, length), generator=torch.Generator().manual_seed(0))
-    saved: dict[int, int] = {}
-
-    def keep(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+    with saved_for_backward(lm) as saved:
         sp_response_logprobs(lm, ids, torch.ones_like(ids), length // 2, group, chunk_tokens=256)
     return sum(saved.values())
 

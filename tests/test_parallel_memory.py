@@ -60,16 +60,7 @@ def _saved_by_a_rank(model, batch, size: int, rank: int, several_per_row: bool) 
     rows = shard_packed(batch, size, rank)
     mask = _block_causal_mask(rows.full_position_ids, torch.bfloat16) if several_per_row else None
     group = SequenceParallelGroup(group=None, size=size, rank=rank, causal=not several_per_row)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+    with memory.saved_for_backward(model) as saved:
         model.model(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=mask,
                     sequence_parallel=group, use_cache=False)
     mask_bytes = 0

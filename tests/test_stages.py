@@ -64,6 +64,16 @@ def _cfg(stage, model, data, out, **train):
     return cfg
 
 
+def _sft_cfg(tmp_path, base_dir, lr):
+    """SFT on 25 chat rows "What is a+b?" -> "The answer is a+b." (a, b < 5), 8 a step, 3 epochs, a fifth held out."""
+    rows = [{"messages": [{"role": "user", "content": f"What is {a}+{b}?"},
+                          {"role": "assistant", "content": f"The answer is {a + b}."}]}
+            for a in range(5) for b in range(5)]
+    cfg = _cfg("sft", base_dir, _write(tmp_path / "sft.jsonl", rows), tmp_path / "sft", batch_size=8, epochs=3, lr=lr)
+    cfg.data.eval_fraction = 0.2
+    return cfg
+
+
 def _data(settings):
     from rlhf_sg.stages.config import StageDataConfig
 
@@ -306,12 +316,7 @@ def test_dpo_and_ipo_losses_on_hand_values():
 
 
 def test_sft_lowers_the_held_out_loss_and_exports_a_causal_lm(tmp_path, base_dir):
-    rows = [{"messages": [{"role": "user", "content": f"What is {a}+{b}?"},
-                          {"role": "assistant", "content": f"The answer is {a + b}."}]}
-            for a in range(5) for b in range(5)]
-    cfg = _cfg("sft", base_dir, _write(tmp_path / "sft.jsonl", rows), tmp_path / "sft", batch_size=8, epochs=3,
-               lr=3e-3)
-    cfg.data.eval_fraction = 0.2
+    cfg = _sft_cfg(tmp_path, base_dir, lr=3e-3)
     history = train_sft(cfg)
     assert history[0]["data/rows"] == 20 and history[-1]["eval/loss"] < history[0]["eval/loss"] - 0.5
     from transformers import AutoModelForCausalLM
@@ -402,12 +407,7 @@ def test_lora_sft_trains_the_adapters_alone_and_exports_the_merged_causal_lm(tmp
 
     from rlhf_sg.config import _check_model_dir
 
-    rows = [{"messages": [{"role": "user", "content": f"What is {a}+{b}?"},
-                          {"role": "assistant", "content": f"The answer is {a + b}."}]}
-            for a in range(5) for b in range(5)]
-    cfg = _cfg("sft", base_dir, _write(tmp_path / "sft.jsonl", rows), tmp_path / "sft", batch_size=8, epochs=3,
-               lr=1e-2)
-    cfg.data.eval_fraction = 0.2
+    cfg = _sft_cfg(tmp_path, base_dir, lr=1e-2)
     cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules = 8, 16.0, "q_proj,v_proj,up_proj,down_proj"
     history = train_sft(cfg)
     assert history[-1]["eval/loss"] < history[0]["eval/loss"] - 0.5

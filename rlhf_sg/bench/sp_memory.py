@@ -50,21 +50,13 @@ def saved_bytes(preset: str, seq_len: int, group) -> int:
     tokens by ``group`` (a :class:`rlhf_sg.parallel.SequenceParallelGroup`); runs the backward after it."""
     import torch
 
+    from rlhf_sg.memory import saved_for_backward
     from rlhf_sg.parallel import sp_response_logprobs, use_ulysses_attention
 
     model = _model(preset)
     use_ulysses_attention(model, group.size)
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     ids = torch.randint(3, 90, (1, seq_len), generator=torch.Generator().manual_seed(0))
-    saved: dict[int, int] = {}
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+    with saved_for_backward(model) as saved:
         logp = sp_response_logprobs(model, ids, torch.ones_like(ids), seq_len // 2, group)
     logp.sum().backward()
     if any(p.grad is None for p in model.parameters()):
