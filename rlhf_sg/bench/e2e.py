@@ -593,24 +593,33 @@ def _describe_ours_threads(trainer) -> str:
 # ---- TRL's GRPOTrainer, in its own process ------------------------------------------------------------------
 
 
+def _trl_spec(args: argparse.Namespace, model_path: str, prompt_file: str, output_dir: str,
+              steps: int) -> dict[str, Any]:
+    """What both TRL runs (the bench's TRL side and TRL alone) are given: the model, the prompts, the work, the
+    threads and the seed."""
+    return {"model_path": model_path, "prompt_file": prompt_file, "output_dir": output_dir, "samples": args.samples,
+            "max_new_tokens": args.max_new_tokens, "lr": args.lr, "warmup": args.warmup, "steps": steps,
+            "threads": args.trl_threads, "seed": args.seed}
+
+
+def _trl_env(args: argparse.Namespace) -> dict[str, str]:
+    """Both TRL processes' environment: ``--trl-threads`` OpenMP threads, no tokenizer threads, no GPU."""
+    return dict(os.environ, OMP_NUM_THREADS=str(args.trl_threads), TOKENIZERS_PARALLELISM="false",
+                CUDA_VISIBLE_DEVICES="")
+
+
 def run_trl(args: argparse.Namespace, model_path: str, prompt_file: str, out: str, settings: list[TrlSetting],
             steps: int) -> list[tuple[TrlSetting, SideResult | None]]:
     """Run :func:`_trl_child` in a fresh Python process: each of ``settings`` in turn, a fresh model and trainer
     each, ``args.warmup`` untimed and ``steps`` timed steps.
     Returns each setting's result, None for one that failed (the reason printed); all None if the process
     failed."""
-    spec = {
-        "model_path": model_path, "prompt_file": prompt_file, "output_dir": os.path.join(out, "trl"),
-        "prompts": args.prompts, "samples": args.samples, "max_new_tokens": args.max_new_tokens,
-        "lr": args.lr, "warmup": args.warmup, "steps": steps, "threads": args.trl_threads, "seed": args.seed,
-        "settings": [[s.micro_batch, s.accumulation, s.checkpointing] for s in settings],
-    }
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.trl_threads), TOKENIZERS_PARALLELISM="false",
-               CUDA_VISIBLE_DEVICES="")
+    spec = {**_trl_spec(args, model_path, prompt_file, os.path.join(out, "trl"), steps), "prompts": args.prompts,
+            "settings": [[s.micro_batch, s.accumulation, s.checkpointing] for s in settings]}
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", MODULE, "--trl-child", json.dumps(spec)],
-        env=env, capture_output=True, text=True, check=False,
+        env=_trl_env(args), capture_output=True, text=True, check=False,
     )
     wall = time.perf_counter() - start
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARKER)]
@@ -641,17 +650,11 @@ def run_trl_alone(args: argparse.Namespace, model_path: str, prompt_file: str, o
     """TRL alone: :mod:`rlhf_sg.bench._trl_alone` run by path, a plain script importing nothing of this project, on
     the bench's model, prompts and ``setting`` with the TRL side's threads and environment; each timed step's
     seconds, None if it failed (its last lines printed)."""
-    spec = {
-        "model_path": model_path, "prompt_file": prompt_file, "output_dir": os.path.join(out, "trl-alone"),
-        "samples": args.samples, "max_new_tokens": args.max_new_tokens, "lr": args.lr, "warmup": args.warmup,
-        "steps": steps, "threads": args.trl_threads, "seed": args.seed,
-        "setting": [setting.micro_batch, setting.accumulation, setting.checkpointing],
-    }
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.trl_threads), TOKENIZERS_PARALLELISM="false",
-               CUDA_VISIBLE_DEVICES="")
+    spec = {**_trl_spec(args, model_path, prompt_file, os.path.join(out, "trl-alone"), steps),
+            "setting": [setting.micro_batch, setting.accumulation, setting.checkpointing]}
     try:
-        proc = subprocess.run([sys.executable, _trl_alone.__file__, json.dumps(spec)], env=env, capture_output=True,
-                              text=True, check=False, timeout=timeout_s)
+        proc = subprocess.run([sys.executable, _trl_alone.__file__, json.dumps(spec)], env=_trl_env(args),
+                              capture_output=True, text=True, check=False, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         print(f"trl alone: the plain TRL script did not finish within {timeout_s:.0f} s", flush=True)
         return None

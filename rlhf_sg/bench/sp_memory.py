@@ -5,13 +5,14 @@
 For each SP size N, N ranks in processes of their own (gloo, spawned) run the training forward of one row of
 ``--seq-len`` tokens (the tiny / small preset's Qwen2 in bfloat16, sdpa, the second half of the row a response)
 through :func:`rlhf_sg.parallel.sp_response_logprobs`, then its backward. What is measured: the bytes autograd saves
-for the backward during that forward, counted by ``torch.autograd.graph.saved_tensors_hooks`` over distinct storages,
-the parameters left out. That is a rank's activation memory at the backward's peak (the backward only frees it), the
-quantity :func:`rlhf_sg.parallel.memory.activation_bytes` models; what it does not see is transient (the
-all-to-all's buffers, each layer's intermediate results freed within the forward, the logits chunks recomputed under
-checkpointing). Printed per rank: the measured bytes, their ratio against N = 1, and the formula's bytes for the
-decoder (``saved_activation_bytes``: one row of one sequence takes causal sdpa, no mask) beside them; the measurement
-also holds the log-prob head's few index tensors (8 bytes a response token), which the formula leaves out.
+for the backward during that forward (:func:`rlhf_sg.memory.saved_for_backward`: autograd's saved-tensor hooks, over
+distinct storages, the parameters left out). That is a rank's activation memory at the backward's peak (the backward
+only frees it), the quantity :func:`rlhf_sg.parallel.memory.activation_bytes` models; what it does not see is
+transient (the all-to-all's buffers, each layer's intermediate results freed within the forward, the logits chunks
+recomputed under checkpointing). Printed per rank: the measured bytes, their ratio against N = 1, and the formula's
+bytes for the decoder (``saved_activation_bytes``: one row of one sequence takes causal sdpa, no mask) beside them;
+the measurement also holds the log-prob head's few index tensors (8 bytes a response token), which the formula leaves
+out.
 """
 
 from __future__ import annotations
