@@ -131,7 +131,7 @@ def group_update_steps(experience: Experience, layout: Layout, role: str, t: Tra
     ``--train.max_tokens_per_microbatch`` tokens, each rank 1 / N of them (:func:`rlhf_sg.config.microbatch_tokens`)."""
     steps = update_plans(experience, layout.data_parallel_ranks(role), t, rng, normalize_rows=normalize_rows,
                          share_prompts=share_prompts,
-                         max_tokens=t.max_tokens_per_microbatch * layout.sequence_parallel_size(role))
+                         max_tokens=microbatch_tokens(layout.cfg, role))
     return steps, rank_plans(steps, layout.sequence_parallel_size(role))
 
 
