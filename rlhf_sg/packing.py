@@ -849,6 +849,12 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else model
 
 
+def unwrap_adapters(model: nn.Module) -> nn.Module:
+    """The model inside a PEFT (LoRA) wrapper; ``model`` itself without one. What its own forward and head are read
+    from (the wrapper's forward applies the adapters and calls it)."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
 def _model_device(model: nn.Module) -> torch.device:
     device = getattr(model, "device", None)
     if isinstance(device, torch.device):
@@ -1266,8 +1272,7 @@ def _lm_head_transform(module: nn.Module) -> tuple[str, float] | None:
     None when nothing. Read from the forward's source, so a config attribute the model ignores changes nothing;
     raises ValueError when the config sets a transform and the source cannot be read, or sets more than one."""
     config = module.config
-    if callable(getattr(module, "get_base_model", None)):  # an adapter wrapper (PEFT): the model's own forward
-        module = module.get_base_model()
+    module = unwrap_adapters(module)  # an adapter wrapper (PEFT): the model's own forward
     defaults = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
     found = []
     for attribute, kind, line in _HEAD_TRANSFORMS:
@@ -1358,7 +1363,7 @@ def response_logprobs(
 
     no_logits = torch.empty(0, dtype=torch.long, device=device)
     # the decoder backbone; a PEFT model (LoRA actor) wraps the causal LM, whose backbone it is
-    causal_lm = module.get_base_model() if hasattr(module, "get_base_model") else module
+    causal_lm = unwrap_adapters(module)
     hook = causal_lm.base_model.register_forward_hook(keep_hidden)
     try:
         with router.recording() if router is not None else contextlib.nullcontext():
@@ -1448,8 +1453,7 @@ def _value_model(model: nn.Module, caller: str) -> nn.Module:
     from rlhf_sg.models import ValueHeadModel
 
     module = _unwrap(model)
-    if callable(getattr(module, "get_base_model", None)):  # LoRA adapters on it (PEFT): called through the wrapper
-        module = module.get_base_model()
+    module = unwrap_adapters(module)  # LoRA adapters on it (PEFT): called through the wrapper
     if not isinstance(module, ValueHeadModel):
         raise TypeError(
             f"{caller} needs a rlhf_sg.models.ValueHeadModel (load it with ValueHeadModel.from_pretrained), "

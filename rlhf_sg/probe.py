@@ -50,9 +50,9 @@ def probe_batch(vocab_size: int, device: torch.device | str = "cpu") -> tuple[to
 def _model_of(model: nn.Module) -> nn.Module:
     """The model inside a DeepSpeed engine and a PEFT (LoRA) wrapper: what the probe reads and marks (a wrapper
     hands attribute reads on to it, so the packing functions find the mark through either)."""
-    module = getattr(model, "module", model)
-    module = module if isinstance(module, nn.Module) else model
-    return module.get_base_model() if callable(getattr(module, "get_base_model", None)) else module
+    from rlhf_sg.packing import _unwrap, unwrap_adapters
+
+    return unwrap_adapters(_unwrap(model))
 
 
 def _is_value_model(module: nn.Module) -> bool:

@@ -48,6 +48,7 @@ from rlhf_sg.packing import (
     one_sequence_per_row_reason,
     pack,
     pack_values,
+    unwrap_adapters,
 )
 from rlhf_sg.parallel.layout import ShardedRows, shard_packed
 from rlhf_sg.parallel.ulysses import SEQUENCE_PARALLEL_KWARG, SequenceParallelGroup, wrapped_implementation
@@ -156,7 +157,7 @@ def sp_response_logprobs(
     def keep_hidden(_module, _args, output):
         captured["hidden"] = output[0]
 
-    causal_lm = module.get_base_model() if hasattr(module, "get_base_model") else module
+    causal_lm = unwrap_adapters(module)
     hook = causal_lm.base_model.register_forward_hook(keep_hidden)
     try:
         _, batch, rows = _sharded_forward(model, sequences, attention_mask, group,

@@ -18,16 +18,11 @@ from typing import Any
 import torch
 
 from rlhf_sg.experience import OptimizerStep
+from rlhf_sg.packing import unwrap_adapters
 from rlhf_sg.stages.steps import StageBatch, StageLoss, run_updates, score_rows
 from rlhf_sg.workers import ModelGroup, ModelWorker, WorkerSpec, lr_schedule, skipping
 
 log = logging.getLogger("rlhf_sg")
-
-
-def base_model(module: torch.nn.Module) -> torch.nn.Module:
-    """The model inside a PEFT wrapper (``module`` itself without one): where a reward model keeps its statistics
-    and what saves the merged export."""
-    return module.get_base_model() if hasattr(module, "get_base_model") else module
 
 
 def export_merged(module: torch.nn.Module, spec: WorkerSpec, path: str | None) -> str | None:
@@ -40,7 +35,7 @@ def export_merged(module: torch.nn.Module, spec: WorkerSpec, path: str | None) -
     if path is None:
         return None
     os.makedirs(path, exist_ok=True)
-    base_model(module).save_pretrained(path, state_dict=merged, safe_serialization=True)
+    unwrap_adapters(module).save_pretrained(path, state_dict=merged, safe_serialization=True)
     return path
 
 
@@ -118,7 +113,7 @@ class LocalRank:
         return score_rows(self.model, batch, plan, what)
 
     def set_reward_stats(self, mean: float, std: float) -> None:
-        model = base_model(self.model)
+        model = unwrap_adapters(self.model)
         model.reward_mean, model.reward_std = float(mean), float(std)
 
     def _trained_names(self) -> set[str]:
@@ -177,7 +172,7 @@ class StageWorker(ModelWorker):
         return score_rows(self.engine, batch, plan, what)
 
     def set_reward_stats(self, mean: float, std: float) -> None:
-        model = base_model(self.module)
+        model = unwrap_adapters(self.module)
         model.reward_mean, model.reward_std = float(mean), float(std)
 
     def export_hf(self, path: str) -> str | None:

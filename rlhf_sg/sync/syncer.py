@@ -35,6 +35,7 @@ from backends.base import BucketManifest, WeightGroupSpec
 from backends.checkpoint_names import checkpoint_manifest, saved_as
 from rlhf_sg.engine_actor import EngineCallError, wait_engine_calls
 from rlhf_sg.lora import LoraSpec, LoraTensors, adapter_name, merge_into_bucket, split_lora
+from rlhf_sg.packing import unwrap_adapters
 from rlhf_sg.sync.gather import GatherStaging, gather_bucket
 from rlhf_sg.sync.plan import check_plan, full_shape, manifest_bytes, named_weights, plan_buckets
 from rlhf_sg.sync.transports import (
@@ -398,7 +399,7 @@ def _transformers_model(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(inner, torch.nn.Module):
             model = inner
             continue
-        base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+        base = unwrap_adapters(model)
         if base is model:
             return model
         model = base
