@@ -877,8 +877,6 @@ def _check_sequence_parallel(cfg: Config) -> None:
     policy = m.pretrain if m.pretrain and os.path.isfile(os.path.join(m.pretrain, "config.json")) else None
     # what the SP groups do not run yet: each refused by its flag
     refused = (
-        ("--train.share_prompts true", shares_prompts(cfg), "shared-prompt rows and blocks are not split across "
-                                                             "ranks yet; set --train.share_prompts false"),
         ("--reward.kind model", rw.kind == "model", "the reward model's group does not split sequences yet"),
         ("--distill.teacher", cfg.distill.teacher is not None, "the teacher's group does not split sequences yet"),
         ("--lora.rank", cfg.lora.rank > 0, "a LoRA policy is not run with split sequences yet"),

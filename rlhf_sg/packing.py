@@ -498,7 +498,7 @@ def _shared_forward(model: nn.Module, rows: SharedPromptRows, impl: str, **forwa
         )
     module = _unwrap(model)
     dtype = _model_dtype(module)
-    switched = getattr(getattr(module, "config", None), "_attn_implementation", None) == SHARED_PROMPT_ATTENTION
+    switched = _implementation_run(module) == SHARED_PROMPT_ATTENTION
     blocks = None
     if (switched and None in _mask_windows(module).values()
             and (_BLOCKS_ALWAYS or SharedPromptBlocks.pays(rows))):
@@ -506,9 +506,11 @@ def _shared_forward(model: nn.Module, rows: SharedPromptRows, impl: str, **forwa
         forward_kwargs[SHARED_PROMPT_BLOCKS_KWARG] = blocks
     mask = _dense_mask(module, lambda window: blocks.mask if blocks is not None and window is None
                        else rows.attention_mask(dtype, window))
-    # a vision-language model's M-RoPE rows come in forward_kwargs ([4, R, L], the text row first)
+    # a vision-language model's M-RoPE rows come in forward_kwargs ([4, R, L], the text row first); an SP rank's
+    # columns of the rows too (rlhf_sg.parallel.forward), the mask and the blocks being the whole rows'
     position_ids = forward_kwargs.pop("position_ids", rows.position_ids)
-    return model(input_ids=rows.input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False,
+    input_ids = forward_kwargs.pop("input_ids", rows.input_ids)
+    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False,
                  **forward_kwargs)
 
 
@@ -782,6 +784,15 @@ def stop_shared_prompt_attention(model: nn.Module) -> None:
         _backbone(module).set_attn_implementation("sdpa")
 
 
+def _implementation_run(module: nn.Module) -> str | None:
+    """The attention implementation ``module``'s config names, a sequence-parallel wrapper's taken off: the one it
+    runs (on an SP rank, over its heads of the whole rows: :mod:`rlhf_sg.parallel.ulysses`)."""
+    from rlhf_sg.parallel.ulysses import ULYSSES_PREFIX
+
+    impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    return impl.removeprefix(ULYSSES_PREFIX) if isinstance(impl, str) else impl
+
+
 def _backbone(module: nn.Module) -> nn.Module:
     """The transformers model whose attention implementation a module's forwards use (a ValueHeadModel's own)."""
     return module.model if hasattr(module, "value_head") else module
@@ -816,7 +827,7 @@ def default_segment_tokens(module: nn.Module) -> int:
     layers decline the blocks in training, which the start-up probe (in eval mode) does not see, and the first
     training forward would build an uncapped segment's whole mask."""
     config = getattr(module, "config", None)
-    if getattr(config, "_attn_implementation", None) == SHARED_PROMPT_ATTENTION:
+    if _implementation_run(module) == SHARED_PROMPT_ATTENTION:
         every_layer = set(_mask_windows(module).values()) == {None}
         dropout = max(float(getattr(config, key, 0.0) or 0.0) for key in _ATTENTION_DROPOUT_KEYS)
         if every_layer and dropout == 0.0 and not getattr(module, _TREE_MASK_NEEDED_ATTRIBUTE, False):

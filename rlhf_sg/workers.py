@@ -182,9 +182,10 @@ def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate, normalizer
     if sequence_parallel is not None:
         from rlhf_sg.parallel import sp_response_logprobs
 
-        _check_sequence_parallel(model, mb, update.share_prompts, router is not None or replay is not None)
+        _check_sequence_parallel(model, mb, router is not None or replay is not None)
         logp, entropy = sp_response_logprobs(model, mb.sequences, mb.attention_mask, mb.response_width,
-                                             sequence_parallel, update.temperature, with_entropy=True)
+                                             sequence_parallel, update.temperature, with_entropy=True,
+                                             share_prompts=update.share_prompts)
     else:
         logp, entropy = response_logprobs(model, mb.sequences, mb.attention_mask, mb.response_width,
                                           update.temperature, with_entropy=True, share_prompts=update.share_prompts,
@@ -211,11 +212,11 @@ def actor_microbatch_loss(model, mb: Experience, update: ActorUpdate, normalizer
     return loss * scale, metrics
 
 
-def _check_sequence_parallel(model, mb: Experience, share_prompts: bool, routed: bool) -> None:
+def _check_sequence_parallel(model, mb: Experience, routed: bool) -> None:
     """Refuse what the SP forwards do not run (config.py refuses the flags before Ray starts; this holds a direct
     caller to it)."""
     module = getattr(model, "module", model)
-    refused = ("shared prompts" if share_prompts else "routing replay or a router loss" if routed
+    refused = ("routing replay or a router loss" if routed
                else "a vision-language model's images" if _images_of(model, mb) is not None else None)
     if refused is not None:
         raise ValueError(f"{type(module).__name__}: sequence parallelism does not run {refused}; set "
@@ -274,8 +275,9 @@ def critic_microbatch_loss(model, mb: Experience, update: CriticUpdate, normaliz
     if sequence_parallel is not None:
         from rlhf_sg.parallel import sp_critic_values
 
-        _check_sequence_parallel(model, mb, update.share_prompts, False)
-        values = sp_critic_values(model, mb.sequences, mb.attention_mask, mb.response_width, sequence_parallel)
+        _check_sequence_parallel(model, mb, False)
+        values = sp_critic_values(model, mb.sequences, mb.attention_mask, mb.response_width, sequence_parallel,
+                                  share_prompts=update.share_prompts)
     else:
         values = critic_values(model, mb.sequences, mb.attention_mask, mb.response_width,
                                share_prompts=update.share_prompts)
@@ -558,13 +560,13 @@ class ModelWorker:
         """A scoring forward of this rank's SP group: the whole micro-batch's log-probs or values."""
         from rlhf_sg.parallel import sp_critic_values, sp_response_logprobs
 
-        _check_sequence_parallel(self.module, mb, share_prompts, mb.routes is not None and self.spec.role == "actor")
+        _check_sequence_parallel(self.module, mb, mb.routes is not None and self.spec.role == "actor")
         if self.spec.role in ("actor", "ref"):
             return sp_response_logprobs(self.module, mb.sequences, mb.attention_mask, mb.response_width,
-                                        self.sequence_parallel, temperature)
+                                        self.sequence_parallel, temperature, share_prompts=share_prompts)
         if self.spec.role == "critic":
             return sp_critic_values(self.module, mb.sequences, mb.attention_mask, mb.response_width,
-                                    self.sequence_parallel)
+                                    self.sequence_parallel, share_prompts=share_prompts)
         raise ValueError(f"{self.spec.role}: this group does not run sequence parallelism; give it "
                          "sequence_parallel_size 1")
 

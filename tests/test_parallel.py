@@ -25,6 +25,10 @@ from rlhf_sg.parallel import check_sequence_parallel_heads, padded_width, shard_
 #: prompt and response lengths: rows of 14 tokens (14 | 13 | 7 + 5), so row 2 packs two sequences, and sequence 0's
 #: response (columns 5..13) crosses the shard edges of N = 2 (column 7) and N = 4 (columns 8 and 12 of 16)
 PROMPTS, RESPONSES = [5, 3, 7, 2], [9, 4, 6, 3]
+#: rows sharing prompts: rows 0-2 one prompt of 5 tokens, rows 3-4 one of 3, row 5 its own. On the tree mask (the
+#: tiny model's 64-token segments) the segments are 25, 10 and 6 tokens: rows of 25 (the second 16 and its padding),
+#: so N = 2 and 4 add pad columns; on the blocks one row of 41. Row 0's response crosses the shard edges.
+SHARED = ([5, 5, 5, 3, 3, 2], [9, 4, 7, 5, 2, 4], [[0, 1, 2], [3, 4]])
 TIMEOUT_S = 60
 ENTROPY_COEF = 0.1
 
@@ -97,8 +101,10 @@ def test_a_switched_model_without_a_group_is_the_model_it_was():
 # ---- N ranks ---------------------------------------------------------------------------------------------------
 
 
-def _models(implementation: str):
+def _models(implementation: str, share: str | None = None):
+    """The actor and critic; ``share`` "blocks": switched to the shared-prompt blocks (as a trainer's ranks are)."""
     from rlhf_sg.models import ValueHeadModel
+    from rlhf_sg.packing import use_shared_prompt_attention
     from rlhf_sg.tiny import build_tiny_model
 
     lm = build_tiny_model("llama", "tiny", seed=5)
@@ -106,11 +112,17 @@ def _models(implementation: str):
     torch.manual_seed(6)
     critic = ValueHeadModel(build_tiny_model("llama", "tiny", seed=7).model)
     critic.model.set_attn_implementation(implementation)
+    if share == "blocks":
+        assert use_shared_prompt_attention(lm) and use_shared_prompt_attention(critic)
     return lm, critic
 
 
-def _batch(prompts=PROMPTS, responses=RESPONSES):
+def _batch(prompts=PROMPTS, responses=RESPONSES, groups=()):
+    """The rollout batch, random tokens; the rows of each of ``groups`` hold its first row's prompt."""
     ids, mask, T = rollout_batch(prompts, responses, seed=8)
+    prompt_width = ids.shape[1] - T
+    for rows in groups:
+        ids[rows, :prompt_width] = ids[rows[0], :prompt_width]
     gen = torch.Generator().manual_seed(9)
     action = mask[:, -T:]
     return ids, mask, T, torch.randn(ids.shape[0], T, generator=gen) * action, torch.randn(ids.shape[0], T,
@@ -125,19 +137,28 @@ def _losses(logp, entropy, values, advantages, returns, action):
     return actor, critic
 
 
-def _group_checks(group, implementation: str, perturb: bool, lengths: tuple) -> dict:
+def _group_checks(group, implementation: str, perturb: bool, lengths: tuple, share: str | None) -> dict:
     """On one rank of ``group``: the batch's log-probs, entropy, values, losses, and the group's summed gradients;
-    with ``perturb`` also the log-probs after changing sequence 1's tokens (row 2, before sequence 3)."""
+    with ``perturb`` also the log-probs after changing sequence 1's tokens (row 2, before sequence 3). ``share``
+    ("mask", "blocks"): the forwards share prompts, on the tree mask or the blocks (taken whatever they cost, and the
+    attention calls that took them counted)."""
+    import contextlib
+
     import torch.distributed as dist
 
+    from rlhf_sg.packing import blocks_whatever_they_cost, counting_block_layers
     from rlhf_sg.parallel import sp_critic_values, sp_response_logprobs, use_ulysses_attention
 
-    lm, critic = _models(implementation)
+    lm, critic = _models(implementation, share)
     use_ulysses_attention(lm, group.size)
     use_ulysses_attention(critic, group.size)
     ids, mask, T, advantages, returns = _batch(*lengths)
-    logp, entropy = sp_response_logprobs(lm, ids, mask, T, group, with_entropy=True, chunk_tokens=3)
-    values = sp_critic_values(critic, ids, mask, T, group)
+    shared = share is not None
+    with (blocks_whatever_they_cost() if share == "blocks" else contextlib.nullcontext()), \
+            counting_block_layers() as block_layers:
+        logp, entropy = sp_response_logprobs(lm, ids, mask, T, group, with_entropy=True, chunk_tokens=3,
+                                             share_prompts=shared)
+        values = sp_critic_values(critic, ids, mask, T, group, share_prompts=shared)
     actor_loss, critic_loss = _losses(logp, entropy, values, advantages, returns, mask[:, -T:])
     (actor_loss + critic_loss).backward()
     grads = {}
@@ -147,7 +168,8 @@ def _group_checks(group, implementation: str, perturb: bool, lengths: tuple) -> 
             dist.all_reduce(grad, group=group.group)
             grads[prefix + name] = grad
     seen = {"logp": logp.detach(), "entropy": entropy.detach(), "values": values.detach(),
-            "actor_loss": actor_loss.item(), "critic_loss": critic_loss.item(), "grads": grads}
+            "actor_loss": actor_loss.item(), "critic_loss": critic_loss.item(), "grads": grads,
+            "block_layers": block_layers[0]}
     if perturb:
         changed = ids.clone()
         changed[1][mask[1].bool()] = (changed[1][mask[1].bool()] + 7) % 90 + 3
@@ -160,11 +182,14 @@ def _group_checks(group, implementation: str, perturb: bool, lengths: tuple) -> 
 #: one row of this many tokens for the saved-activation measurement
 LONG_ROW = 1024
 #: the layouts one spawned group of each size computes (every check of this module at that size), so the ranks
-#: start and initialise once per size: (implementation, lengths, perturb, the sizes checked)
+#: start and initialise once per size: (implementation, lengths, perturb, the sizes checked, shared prompts on)
 GROUP_CASES = {
-    "packed-sdpa": ("sdpa", (PROMPTS, RESPONSES), True, (2, 4)),
-    "packed-eager": ("eager", (PROMPTS, RESPONSES), False, (2, 4)),
-    "one-sequence-rows-sdpa": ("sdpa", ([3, 9], [20, 10]), False, (2,)),
+    "packed-sdpa": ("sdpa", (PROMPTS, RESPONSES), True, (2, 4), None),
+    "packed-eager": ("eager", (PROMPTS, RESPONSES), False, (2, 4), None),
+    "one-sequence-rows-sdpa": ("sdpa", ([3, 9], [20, 10]), False, (2,), None),
+    "shared-sdpa": ("sdpa", SHARED, False, (2, 4), "mask"),
+    "shared-eager": ("eager", SHARED, False, (2,), "mask"),
+    "blocks": ("sdpa", SHARED, False, (2, 4), "blocks"),
 }
 #: the SP size whose group also measures the bytes kept for one long row (and rank 0 those of one rank alone)
 SAVED_BYTES_SIZE = 2
@@ -188,8 +213,8 @@ def _sp_rank(rank: int, size: int, port: int) -> dict:
         timeout = datetime.timedelta(seconds=TIMEOUT_S)
         group = SequenceParallelGroup.of(dist.new_group(list(range(size)), timeout=timeout))
         alone = [dist.new_group([k], timeout=timeout) for k in range(size)]  # every rank creates every group
-        seen = {case: _group_checks(group, implementation, perturb, lengths)
-                for case, (implementation, lengths, perturb, sizes) in GROUP_CASES.items() if size in sizes}
+        seen = {case: _group_checks(group, implementation, perturb, lengths, share)
+                for case, (implementation, lengths, perturb, sizes, share) in GROUP_CASES.items() if size in sizes}
         if size == SAVED_BYTES_SIZE:
             seen["saved_bytes"] = _saved_bytes(group, LONG_ROW)
             if rank == 0:
@@ -255,6 +280,72 @@ def _responses_cross_an_edge(size: int, lengths: tuple = (PROMPTS, RESPONSES)) -
     return any(len(set(owner[s:e][is_response[s:e]].tolist())) > 1 for s, e in zip(starts, ends))
 
 
+#: the tiny preset's layers
+_LAYERS = 2
+
+
+def _shared_responses_cross_an_edge(size: int, case: str) -> bool:
+    """Whether the case's shared-prompt rows (as its ranks lay them out: the model's default segments) gain pad
+    columns at this SP size and some response's tokens lie on two ranks' columns (the test's premises)."""
+    from rlhf_sg.packing import default_segment_tokens, pack_shared_prompts, prompt_groups
+    from rlhf_sg.parallel import pad_shared_rows
+
+    implementation, lengths, _, _, share = GROUP_CASES[case]
+    lm, _ = _models(implementation, share)
+    assert lm.config.num_hidden_layers == _LAYERS
+    ids, mask, T, _, _ = _batch(*lengths)
+    groups = prompt_groups(ids, mask, T)
+    assert sorted(map(len, groups)) == [1, 2, 3]
+    rows = pack_shared_prompts(ids, mask, T, default_segment_tokens(lm), groups=groups)
+    padded = pad_shared_rows(rows, size)
+    width = padded.input_ids.shape[1]
+    owner = padded.predictor_slots % width // (width // size)
+    sample = padded.block_positions // T
+    crossing = any(len(set(owner[sample == b].tolist())) > 1 for b in range(ids.shape[0]))
+    return width > rows.input_ids.shape[1] and crossing
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["mask", "blocks"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_padded_shared_rows_are_the_rows_with_pad_columns_that_attend_to_themselves(size, blocks):
+    """The pad columns an SP group adds to shared-prompt rows: the tree mask over the real columns is the rows' own,
+    a pad column attends to itself only and no column attends to it, and every predictor slot and branch holds the
+    tokens it held."""
+    from rlhf_sg.packing import UNCAPPED_SEGMENT_TOKENS, pack_shared_prompts
+    from rlhf_sg.parallel import pad_shared_rows, shard_shared
+
+    ids, mask, T, _, _ = _batch(*SHARED)
+    rows = pack_shared_prompts(ids, mask, T, UNCAPPED_SEGMENT_TOKENS if blocks else 64)
+    padded = pad_shared_rows(rows, size)
+    num_rows, length = rows.input_ids.shape
+    width = padded.input_ids.shape[1]
+    assert width % size == 0 and width > length
+    tree, wide = rows.attention_mask(), padded.attention_mask()
+    assert torch.equal(wide[:, :, :length, :length], tree)
+    assert torch.equal(wide[:, 0, length:, :], torch.eye(width, dtype=torch.bool)[length:].expand(num_rows, -1, -1))
+    assert not wide[:, 0, :length, length:].any()
+    assert padded.holders[:, length:].eq(0).all() and torch.equal(padded.holders[:, :length], rows.holders)
+    flat, wide_flat = rows.input_ids.reshape(-1), padded.input_ids.reshape(-1)
+    assert torch.equal(wide_flat[padded.predictor_slots], flat[rows.predictor_slots])
+    for k in (0, 2):  # a branch's prefix and its own run start at the same tokens
+        assert torch.equal(wide_flat[padded.branches[:, k]], flat[rows.branches[:, k]])
+    # the ranks' columns are the padded rows, and their slots every token some sequence holds
+    shards = [shard_shared(rows, size, k)[1] for k in range(size)]
+    assert torch.equal(torch.cat([s.input_ids for s in shards], dim=1), padded.input_ids)
+    assert torch.equal(wide_flat[shards[0].slots], flat[rows.holders.reshape(-1) > 0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size,layout", [(2, "shared-sdpa"), (4, "shared-sdpa"), (2, "shared-eager"), (2, "blocks"),
+                                         (4, "blocks")])
+def test_an_sp_group_equals_one_rank_on_shared_prompt_rows_and_the_blocks(size, layout):
+    """Rows sharing prompts (a group of 3, one of 2, a row alone), computed once per segment by the SP group: on
+    the tree mask (sdpa, eager; its rows padded for N) and on the blocks (every layer of both models takes them, N = 4
+    replicating the key / value heads). Log-probs, entropy, values, losses and every summed gradient equal one rank's
+    packed forward of the unshared rows, itself each row alone; a response crosses the shard edges."""
+    _assert_group_equals_one_rank(size, layout)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("size,implementation", [(2, "sdpa"), (4, "sdpa"), (2, "eager"), (4, "eager")])
 def test_an_sp_group_equals_one_rank_on_packed_rows(size, implementation):
@@ -273,9 +364,9 @@ def test_rows_of_one_sequence_take_causal_attention_over_the_whole_row():
 
 
 def _assert_group_equals_one_rank(size: int, case: str) -> None:
-    implementation, lengths, _, sizes = GROUP_CASES[case]
+    implementation, lengths, _, sizes, share = GROUP_CASES[case]
     assert size in sizes
-    assert _responses_cross_an_edge(size, lengths)
+    assert _shared_responses_cross_an_edge(size, case) if share else _responses_cross_an_edge(size, lengths)
     expected = _one_rank(implementation, lengths)
     torch.testing.assert_close(expected["logp"], expected["padded_logp"], atol=TOL, rtol=0)
     torch.testing.assert_close(expected["values"], expected["padded_values"], atol=TOL, rtol=0)
@@ -285,6 +376,8 @@ def _assert_group_equals_one_rank(size: int, case: str) -> None:
             torch.testing.assert_close(seen[key], expected[key], atol=TOL, rtol=0, msg=f"rank {rank} {key}")
         for key in ("actor_loss", "critic_loss"):  # the whole batch's loss on every rank, not a share of it
             assert seen[key] == pytest.approx(expected[key], abs=TOL), (rank, key)
+        # both forwards' layers on the blocks (not the tree mask they stand in for), none elsewhere
+        assert seen["block_layers"] == (2 * _LAYERS if share == "blocks" else 0), rank
         assert seen["grads"].keys() == expected["grads"].keys()
         for name, grad in expected["grads"].items():
             assert grad.abs().max() > 0, name  # every parameter takes part
@@ -413,18 +506,16 @@ def test_the_flag_is_validated_before_ray(sp_config):
     with pytest.raises(ConfigError, match="sizes that work for this model: 1, 3, 6"):
         validate(sp_config(4, 4, sp_config.odd))
     works = sp_config(2, 4)
-    works.train.share_prompts = False
+    assert works.train.share_prompts  # shared-prompt rows and the blocks split as packed rows do
     validate(works)
     # what the SP groups do not run yet is refused by its flag, with the way out
-    refused = {"--train.share_prompts true": lambda cfg: None,
-               "--reward.kind model": lambda cfg: setattr(cfg.reward, "kind", "model") or setattr(
+    refused = {"--reward.kind model": lambda cfg: setattr(cfg.reward, "kind", "model") or setattr(
                    cfg.model, "reward_pretrain", cfg.model.pretrain),
                "--lora.rank": lambda cfg: setattr(cfg.lora, "rank", 4),
                "--model.attn_implementation flash_attention_2": lambda cfg: setattr(
                    cfg.model, "attn_implementation", "flash_attention_2")}
     for what, change in refused.items():
         cfg = sp_config(2, 4)
-        cfg.train.share_prompts = what == "--train.share_prompts true"
         change(cfg)
         with pytest.raises(ConfigError) as error:
             validate(cfg)
@@ -455,15 +546,15 @@ def test_each_group_takes_its_own_size_under_its_own_flag(sp_config):
     cfg.train.sequence_parallel_size = 2  # the groups without a size of their own take it
     assert Layout(validate(cfg)).sequence_parallel_size("ref") == 2
     cases = {"--train.critic_sequence_parallel_size 3: --train.critic_num_ranks 4 is not a multiple of it":
-             lambda t: setattr(t, "critic_sequence_parallel_size", 3),
+             lambda c: setattr(c.train, "critic_sequence_parallel_size", 3),
              "--train.ref_sequence_parallel_size must be >= 1, got 0":
-             lambda t: setattr(t, "ref_sequence_parallel_size", 0),
-             "--train.actor_sequence_parallel_size 4 with --train.share_prompts true: ":
-             lambda t: setattr(t, "share_prompts", True)}
+             lambda c: setattr(c.train, "ref_sequence_parallel_size", 0),
+             "--train.actor_sequence_parallel_size 4 with --model.attn_implementation flash_attention_2: ":
+             lambda c: setattr(c.model, "attn_implementation", "flash_attention_2")}
     for message, change in cases.items():
         bad = sp_config(1, 4)
         bad.train.share_prompts, bad.train.actor_sequence_parallel_size = False, 4
-        change(bad.train)
+        change(bad)
         with pytest.raises(ConfigError) as error:
             validate(bad)
         assert str(error.value).startswith(message), str(error.value)

@@ -296,8 +296,9 @@ def _initial(role: str, model_dir: str) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_a_trainer_run_with_sequence_parallel_groups(ray_cluster, tmp_path):
     """PPO with a critic (GAE) and a reference through the trainer, every group 2 ranks in one SP group of 2 on the
-    tiny preset: the run completes its steps, and the actor's SP forward gives the engine's log-probs of the sampled
-    tokens (the gap every run logs, within the tolerance the other end-to-end runs hold)."""
+    tiny preset, sharing prompts (4 samples a prompt; sdpa: the ranks' models on the blocks): the run completes its
+    steps, and the actor's SP forward on the shared-prompt rows gives the engine's log-probs of the sampled tokens
+    (the gap every run logs, within the tolerance the other end-to-end runs hold)."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
@@ -319,7 +320,7 @@ def test_a_trainer_run_with_sequence_parallel_groups(ray_cluster, tmp_path):
     cfg.train.critic_warmup_steps = 0
     cfg.train.sequence_parallel_size = 2
     cfg.train.actor_num_ranks = cfg.train.critic_num_ranks = cfg.train.ref_num_ranks = 2
-    cfg.train.share_prompts = False
+    assert cfg.train.share_prompts and cfg.model.attn_implementation == "sdpa"
     history = train(cfg, reward_fn=arith_task.addition_reward)
     assert len(history) == steps and history[-1]["weight_version"] == steps
     first = history[0]

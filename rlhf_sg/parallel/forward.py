@@ -1,9 +1,12 @@
 """Log-probs, entropy and values of a rollout batch computed by an SP group, each rank on its columns.
 
-Every rank of the group is given the same padded batch; it packs it (:func:`rlhf_sg.packing.pack`, labels included),
-pads and slices the rows (:func:`rlhf_sg.parallel.layout.shard_packed`), checks that the group's shards are one batch
+Every rank of the group is given the same padded batch; it packs it (:func:`rlhf_sg.packing.pack`, labels included;
+or, with ``share_prompts`` and a prompt repeated, :func:`rlhf_sg.packing.pack_shared_prompts`), pads and slices the
+rows (:func:`rlhf_sg.parallel.layout.shard_packed`, :func:`~rlhf_sg.parallel.layout.shard_shared`), checks that the
+group's shards are one batch
 (an all-gather of the shards' token and position ids: ranks given different batches would train on a mix of them),
-and runs the model on its columns with the full rows' mask, the attention going through the Ulysses wrapper
+and runs the model on its columns with the full rows' mask (the tree mask of shared-prompt rows, or the blocks that
+stand in for it on a model switched to them), the attention going through the Ulysses wrapper
 (:mod:`rlhf_sg.parallel.ulysses`). Each rank projects only the hidden states of its columns that predict a response
 token (the lm_head in chunks, as :func:`rlhf_sg.packing.response_logprobs`), then the group sums the [B, T] blocks
 (each response token is computed on exactly one rank, zero elsewhere), so every rank returns the whole batch's result.
@@ -27,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlhf_sg.packing import (
     _FLASH_IMPLEMENTATIONS,
+    SHARED_PROMPT_ATTENTION,
     PackedBatch,
     _block_causal_mask,
     _block_positions,
@@ -41,16 +45,20 @@ from rlhf_sg.packing import (
     _model_dtype,
     _response_predictors,
     _row_tokens,
+    _shared_forward,
+    _shared_groups,
     _to_response_block,
     _unwrap,
     _value_model,
     check_rope_regime,
+    default_segment_tokens,
     one_sequence_per_row_reason,
     pack,
+    pack_shared_prompts,
     pack_values,
     unwrap_adapters,
 )
-from rlhf_sg.parallel.layout import ShardedRows, shard_packed
+from rlhf_sg.parallel.layout import ShardedRows, shard_packed, shard_shared
 from rlhf_sg.parallel.ulysses import SEQUENCE_PARALLEL_KWARG, SequenceParallelGroup, wrapped_implementation
 
 
@@ -82,11 +90,9 @@ def _check_one_batch(rows: ShardedRows, group: SequenceParallelGroup) -> None:
                              "batch")
 
 
-def _sharded_forward(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                     group: SequenceParallelGroup, **forward_kwargs):
-    """Pack, pad, slice, check, and call ``model`` on this rank's columns; returns (the model's output, the packed
-    batch, the rank's rows)."""
-    module = _unwrap(model)
+def _implementation(module: nn.Module) -> str:
+    """The attention implementation a switched model's Ulysses wrapper runs (sdpa for the shared-prompt blocks, whose
+    every other call is sdpa's); refuses a model not switched, or one whose rows cannot be split."""
     implementation = wrapped_implementation(module)
     if implementation is None:
         raise ValueError(f"{type(module).__name__} is not switched to sequence parallelism; call "
@@ -95,6 +101,15 @@ def _sharded_forward(model: nn.Module, sequences: torch.Tensor, attention_mask: 
     if reason is not None:
         raise ValueError(f"{type(module).__name__}: {reason}, so its rows cannot be split across ranks; train it with "
                          "sequence_parallel_size 1")
+    return "sdpa" if implementation == SHARED_PROMPT_ATTENTION else implementation
+
+
+def _sharded_forward(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                     group: SequenceParallelGroup, **forward_kwargs):
+    """Pack, pad, slice, check, and call ``model`` on this rank's columns; returns (the model's output, the packed
+    batch, the rank's rows)."""
+    module = _unwrap(model)
+    implementation = _implementation(module)
     device = _model_device(model)
     batch = pack(sequences, attention_mask, row_tokens=_row_tokens(implementation, attention_mask))
     rows = shard_packed(batch, group.size, group.rank)
@@ -128,6 +143,31 @@ def _response_tokens(batch: PackedBatch, rows: ShardedRows, attention_mask: torc
     return local, batch.labels[predicts][mine], positions[mine]
 
 
+def _response_forward(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
+                      group: SequenceParallelGroup, share_prompts: bool, segment_tokens: int | None,
+                      **forward_kwargs):
+    """``model`` on this rank's columns: of shared-prompt rows where ``share_prompts`` finds a prompt repeated
+    (:func:`rlhf_sg.packing.pack_shared_prompts`, padded and sliced by :func:`rlhf_sg.parallel.layout.shard_shared`;
+    the tree mask or the blocks are the whole rows', so after the all-to-all each rank's heads attend as one rank's
+    do), else of packed rows. Returns the model's output and the response tokens whose predictors lie in this rank's
+    columns: their flat index in the shard, labels, flat positions ``b * T + j`` in the response block."""
+    module = _unwrap(model)
+    groups = _shared_groups(module, share_prompts, sequences, attention_mask, response_width)
+    if groups is None:
+        out, batch, rows = _sharded_forward(model, sequences, attention_mask, group, **forward_kwargs)
+        return (out, *_response_tokens(batch, rows, attention_mask, response_width))
+    implementation = _implementation(module)
+    shared = pack_shared_prompts(sequences, attention_mask, response_width,
+                                 segment_tokens or default_segment_tokens(module), groups=groups)
+    shared, rows = shard_shared(shared, group.size, group.rank)
+    _check_one_batch(rows, group)
+    forward_kwargs[SEQUENCE_PARALLEL_KWARG] = group
+    out = _shared_forward(model, shared, implementation, input_ids=rows.input_ids, position_ids=rows.position_ids,
+                          **forward_kwargs)
+    mine, local = rows.local_index(shared.predictor_slots)
+    return out, local, shared.labels[mine], shared.block_positions[mine]
+
+
 def _gathered_block(values: torch.Tensor, positions: torch.Tensor, shape: tuple[int, int],
                     group: SequenceParallelGroup) -> torch.Tensor:
     return _SumOverGroup.apply(_to_response_block(values, positions, shape), group.group)
@@ -136,11 +176,13 @@ def _gathered_block(values: torch.Tensor, positions: torch.Tensor, shape: tuple[
 def sp_response_logprobs(
     model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
     group: SequenceParallelGroup, temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int = 1024,
+    share_prompts: bool = False, segment_tokens: int | None = None,
 ):
     """:func:`rlhf_sg.packing.response_logprobs` by an SP group (module doc): ``logp`` [B, T] float32 (and
     ``entropy`` [B, T]), the whole batch's on every rank, equal to one rank's up to float rounding. ``model`` must
     have been switched (:func:`rlhf_sg.parallel.use_ulysses_attention`); every rank of ``group`` calls this with the
-    same batch."""
+    same batch. ``share_prompts``, ``segment_tokens``: as in :func:`rlhf_sg.packing.response_logprobs` (the blocks
+    where the model was switched to them before the Ulysses wrapper)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_tokens < 1:
@@ -160,11 +202,11 @@ def sp_response_logprobs(
     causal_lm = unwrap_adapters(module)
     hook = causal_lm.base_model.register_forward_hook(keep_hidden)
     try:
-        _, batch, rows = _sharded_forward(model, sequences, attention_mask, group,
-                                          logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
+        _, local, labels, positions = _response_forward(
+            model, sequences, attention_mask, response_width, group, share_prompts, segment_tokens,
+            logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
     finally:
         hook.remove()
-    local, labels, positions = _response_tokens(batch, rows, attention_mask, response_width)
     hidden = captured["hidden"].reshape(-1, captured["hidden"].shape[-1])[local.to(device)]
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
@@ -194,15 +236,16 @@ def sp_response_logprobs(
 
 
 def sp_critic_values(critic: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
-                     group: SequenceParallelGroup) -> torch.Tensor:
+                     group: SequenceParallelGroup, share_prompts: bool = False,
+                     segment_tokens: int | None = None) -> torch.Tensor:
     """:func:`rlhf_sg.packing.critic_values` by an SP group: values [B, T] float32, the whole batch's on every
-    rank."""
+    rank; ``share_prompts``, ``segment_tokens`` as there."""
     _value_model(critic, "sp_critic_values")
     device = _model_device(critic)
     sequences, attention_mask = sequences.to(device), attention_mask.to(device)
     _check_rollout(sequences, attention_mask, response_width)
     check_rope_regime(_unwrap(critic), attention_mask.sum(dim=1).tolist())
-    values, batch, rows = _sharded_forward(critic, sequences, attention_mask, group)
-    local, _, positions = _response_tokens(batch, rows, attention_mask, response_width)
+    values, local, _, positions = _response_forward(critic, sequences, attention_mask, response_width, group,
+                                                    share_prompts, segment_tokens)
     return _gathered_block(values.reshape(-1)[local.to(device)], positions, (sequences.shape[0], response_width),
                            group)
