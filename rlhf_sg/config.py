@@ -824,6 +824,13 @@ def microbatch_tokens(cfg: Config, role: str) -> int:
     return cfg.train.max_tokens_per_microbatch * sequence_parallel_size(cfg, role)[1]
 
 
+def row_token_limit(cfg: Config) -> int:
+    """The most tokens one rollout row may hold where nothing else caps it (a harness's row: its last call's prompt
+    and completion): the engines' context, and one micro-batch of every group that scores it (N x the budget for an
+    SP group of N, :func:`microbatch_tokens`)."""
+    return min(cfg.rollout.max_model_len, *(microbatch_tokens(cfg, role) for role in scoring_groups(cfg)))
+
+
 def _check_microbatch_budget(cfg: Config) -> None:
     """One full sequence (max_prompt_len + max_new_tokens) must fit one rank of every group that scores rows: whole
     where the group does not split rows, its 1 / N share (the row padded to a multiple of N) in an SP group of N."""

@@ -564,6 +564,24 @@ def test_each_group_takes_its_own_size_under_its_own_flag(sp_config):
     assert shares_prompts(validate(alone)) and Layout(alone).data_parallel_ranks("actor") == 4
 
 
+def test_a_harness_row_is_bounded_by_the_smallest_micro_batch_of_a_group_that_scores_it(sp_config):
+    """A harness's row (nothing else caps it) must fit one micro-batch of every group that scores it: N x the budget
+    for an SP group of N, the budget for a group that does not split, and the engines' context above them."""
+    from rlhf_sg.config import row_token_limit, validate
+
+    cfg = sp_config(1, 4)
+    cfg.train.actor_sequence_parallel_size, cfg.train.max_tokens_per_microbatch = 4, 64
+    cfg.train.advantage_estimator, cfg.train.kl_coef, cfg.rollout.max_model_len = "grpo", 0.0, 1024
+    cfg.data.max_prompt_len, cfg.rollout.max_new_tokens = 16, 32
+    assert row_token_limit(validate(cfg)) == 256  # the actor alone, 4 x 64
+    cfg.train.kl_coef = 0.01  # a reference group at N = 1 scores the rows too
+    assert row_token_limit(validate(cfg)) == 64
+    cfg.train.ref_sequence_parallel_size = 2
+    assert row_token_limit(validate(cfg)) == 128
+    cfg.rollout.max_model_len = 100
+    assert row_token_limit(validate(cfg)) == 100
+
+
 def test_the_microbatch_budget_is_a_ranks_share_of_a_row(sp_config):
     """--train.max_tokens_per_microbatch counts what one rank holds: a row of 256 tokens (16 prompt + 240 response)
     over a budget of 64 fits 4 ranks of an SP group (64 columns each), not 2 (128 each) nor 1, each refused before

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlhf_sg.config import Config, microbatch_tokens, scoring_groups
+from rlhf_sg.config import Config, row_token_limit
 from rlhf_sg.data import Prompt, PromptStream
 from rlhf_sg.experience import Experience, build_rollout_batch
 from rlhf_sg.timing import StepTimer
@@ -317,9 +317,7 @@ class RolloutMaker:
         endpoint = Endpoint([ActorEngine(e, t.timeout_s) for e in self.engines], self.tokenizer,
                             self.cfg.model.pretrain, router=self.router, stop_token_ids=params.stop_token_ids,
                             generate_timeout_s=t.timeout_s)
-        # a row is its last call's prompt and completion: the context bounds it, and so does one micro-batch of
-        # every group that scores it
-        context = min(r.max_model_len, *(microbatch_tokens(self.cfg, role) for role in scoring_groups(self.cfg)))
+        context = row_token_limit(self.cfg)  # a row is its last call's prompt and completion
         self.harness_results = serve_and_run(endpoint, self.harness, prompts, params.n, a.harness_workers,
                                              params.max_new_tokens, context, a.harness_timeout_s)
         return [as_trajectory(res, prompts[res.prompt_index].token_ids, self.pad_id) for res in self.harness_results]
