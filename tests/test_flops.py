@@ -283,3 +283,20 @@ def test_an_sp_groups_plan_is_counted_once_on_all_its_ranks():
                          sequence_parallel=size)
         counted[size] = accounting.flops["train"]["actor"]
     assert counted[2] == (counted[1][0], 2 * counted[1][1]) and counted[1][1] == 2
+
+
+def test_the_decode_gemm_bench_times_the_linears_the_accounting_counts(capsys):
+    """``bench decode-gemm`` times each layer's q, k, v, o, gate, up and down projections: their weights, over the
+    layers, are the decoder's matmul weights the FLOP accounting counts (so its TFLOP/s compare with the ceiling the
+    accounting divides by); it prints a row per row count, one layer's and every layer's rate."""
+    from rlhf_sg.bench import decode_gemm
+
+    for arch, size in (("qwen2", "tiny"), ("qwen2", "25m"), ("llama", "small")):
+        shape = decode_gemm.model_shape(arch, size)
+        assert shape.num_layers * sum(i * o for i, o in decode_gemm.layer_linears(shape)) == flops.matmul_params(shape)
+    decode_gemm.main(["--size", "tiny", "--rows", "4", "16", "--threads", "1", "--min-seconds", "0.02"])
+    out = capsys.readouterr().out
+    assert "qwen2/tiny, 2 layers of linears" in out
+    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert [r[0] for r in rows] == ["4", "16"]
+    assert all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows)
