@@ -887,8 +887,6 @@ def _check_sequence_parallel(cfg: Config) -> None:
         ("--reward.kind model", rw.kind == "model", "the reward model's group does not split sequences yet"),
         ("--distill.teacher", cfg.distill.teacher is not None, "the teacher's group does not split sequences yet"),
         ("--lora.rank", cfg.lora.rank > 0, "a LoRA policy is not run with split sequences yet"),
-        ("--model.attn_implementation flash_attention_2", m.attn_implementation == "flash_attention_2",
-         "the flash-attention varlen path under sequence parallelism is not tested on a GPU yet; use sdpa or eager"),
         ("--train.routing_replay", t.routing_replay, "routes are replayed per whole row, not per shard"),
         ("--model.pretrain (a mixture-of-experts model)", policy is not None and _has_experts(policy),
          "its router loss would see one shard's tokens"),

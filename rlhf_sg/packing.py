@@ -787,10 +787,9 @@ def stop_shared_prompt_attention(model: nn.Module) -> None:
 def _implementation_run(module: nn.Module) -> str | None:
     """The attention implementation ``module``'s config names, a sequence-parallel wrapper's taken off: the one it
     runs (on an SP rank, over its heads of the whole rows: :mod:`rlhf_sg.parallel.ulysses`)."""
-    from rlhf_sg.parallel.ulysses import ULYSSES_PREFIX
+    from rlhf_sg.parallel.ulysses import unwrapped
 
-    impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
-    return impl.removeprefix(ULYSSES_PREFIX) if isinstance(impl, str) else impl
+    return unwrapped(getattr(getattr(module, "config", None), "_attn_implementation", None))
 
 
 def _backbone(module: nn.Module) -> nn.Module:

@@ -11,9 +11,11 @@ the one-rank packed forward, itself held to each row alone (tests/test_packing.p
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import os
 
+import flash_reference
 import pytest
 import torch
 from test_packing import TOL, assert_grads_close, padded_reference, rollout_batch, value_reference
@@ -87,14 +89,20 @@ def test_a_switched_model_without_a_group_is_the_model_it_was():
     from rlhf_sg.tiny import build_tiny_model
 
     ids, mask, T = rollout_batch(PROMPTS, RESPONSES, seed=2)
-    for implementation in ("sdpa", "eager"):
+    names = {"sdpa": "rlhf_sg_ulysses_sdpa", "eager": "rlhf_sg_ulysses_eager",
+             FLASH: "rlhf_sg_ulysses_fa_attention_2"}  # no "flash": transformers would look for a kernel so named
+    for implementation, name in names.items():
         lm = build_tiny_model("llama", "tiny", seed=4)
-        lm.set_attn_implementation(implementation)
-        expected = response_logprobs(lm, ids, mask, T)
-        switched = copy.deepcopy(lm)
-        assert use_ulysses_attention(switched, 4) == implementation
-        assert switched.config._attn_implementation == "rlhf_sg_ulysses_" + implementation
-        got = response_logprobs(switched, ids, mask, T, attn_implementation=implementation)
+        if implementation == FLASH:
+            lm.config._attn_implementation = implementation
+        else:
+            lm.set_attn_implementation(implementation)
+        with _attention_kernels(implementation):  # the flash function loads its kernel by the wrapped name
+            expected = response_logprobs(lm, ids, mask, T)
+            switched = copy.deepcopy(lm)
+            assert use_ulysses_attention(switched, 4) == implementation
+            assert switched.config._attn_implementation == name
+            got = response_logprobs(switched, ids, mask, T, attn_implementation=implementation)
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
@@ -102,16 +110,21 @@ def test_a_switched_model_without_a_group_is_the_model_it_was():
 
 
 def _models(implementation: str, share: str | None = None):
-    """The actor and critic; ``share`` "blocks": switched to the shared-prompt blocks (as a trainer's ranks are)."""
+    """The actor and critic; ``share`` "blocks": switched to the shared-prompt blocks (as a trainer's ranks are).
+    ``flash_attention_2`` is set on the configs as it is (transformers would refuse it without the package: the
+    kernel is :mod:`flash_reference`'s, under :func:`_attention_kernels`)."""
     from rlhf_sg.models import ValueHeadModel
     from rlhf_sg.packing import use_shared_prompt_attention
     from rlhf_sg.tiny import build_tiny_model
 
     lm = build_tiny_model("llama", "tiny", seed=5)
-    lm.set_attn_implementation(implementation)
     torch.manual_seed(6)
     critic = ValueHeadModel(build_tiny_model("llama", "tiny", seed=7).model)
-    critic.model.set_attn_implementation(implementation)
+    for backbone in (lm, critic.model):
+        if implementation == FLASH:
+            backbone.config._attn_implementation = implementation
+        else:
+            backbone.set_attn_implementation(implementation)
     if share == "blocks":
         assert use_shared_prompt_attention(lm) and use_shared_prompt_attention(critic)
     return lm, critic
@@ -137,13 +150,24 @@ def _losses(logp, entropy, values, advantages, returns, action):
     return actor, critic
 
 
+FLASH = flash_reference.IMPLEMENTATION
+
+
+def _attention_kernels(implementation: str):
+    """The flash kernel's CPU reference for ``flash_attention_2`` (transformers' own flash path around it)."""
+    return flash_reference.flash_kernel_reference() if implementation == FLASH else contextlib.nullcontext()
+
+
 def _group_checks(group, implementation: str, perturb: bool, lengths: tuple, share: str | None) -> dict:
+    with _attention_kernels(implementation):
+        return _group_checks_on(group, implementation, perturb, lengths, share)
+
+
+def _group_checks_on(group, implementation: str, perturb: bool, lengths: tuple, share: str | None) -> dict:
     """On one rank of ``group``: the batch's log-probs, entropy, values, losses, and the group's summed gradients;
     with ``perturb`` also the log-probs after changing sequence 1's tokens (row 2, before sequence 3). ``share``
     ("mask", "blocks"): the forwards share prompts, on the tree mask or the blocks (taken whatever they cost, and the
     attention calls that took them counted)."""
-    import contextlib
-
     import torch.distributed as dist
 
     from rlhf_sg.packing import blocks_whatever_they_cost, counting_block_layers
@@ -187,6 +211,7 @@ GROUP_CASES = {
     "packed-sdpa": ("sdpa", (PROMPTS, RESPONSES), True, (2, 4), None),
     "packed-eager": ("eager", (PROMPTS, RESPONSES), False, (2, 4), None),
     "one-sequence-rows-sdpa": ("sdpa", ([3, 9], [20, 10]), False, (2,), None),
+    "packed-flash": (FLASH, (PROMPTS, RESPONSES), False, (2, 4), None),
     "shared-sdpa": ("sdpa", SHARED, False, (2, 4), "mask"),
     "shared-eager": ("eager", SHARED, False, (2,), "mask"),
     "blocks": ("sdpa", SHARED, False, (2, 4), "blocks"),
@@ -225,7 +250,19 @@ def _sp_rank(rank: int, size: int, port: int) -> dict:
 
 
 def _one_rank(implementation: str, lengths: tuple = (PROMPTS, RESPONSES)) -> dict:
-    """The same on one rank, through the project's packed forwards (rlhf_sg.packing)."""
+    """The same on one rank, through the project's packed forwards (rlhf_sg.packing); each row alone through sdpa
+    for flash-attention (whose padded rows would take the kernel again)."""
+    with _attention_kernels(implementation):
+        out = _one_rank_on(implementation, lengths)
+    if implementation == FLASH:
+        lm, critic = _models("sdpa")
+        ids, mask, T, _, _ = _batch(*lengths)
+        out["padded_logp"], out["padded_entropy"] = (x.detach() for x in padded_reference(lm, ids, mask, T))
+        out["padded_values"] = value_reference(critic, ids, mask, T).detach()
+    return out
+
+
+def _one_rank_on(implementation: str, lengths: tuple) -> dict:
     from rlhf_sg.packing import critic_values, response_logprobs
 
     lm, critic = _models(implementation)
@@ -347,12 +384,92 @@ def test_an_sp_group_equals_one_rank_on_shared_prompt_rows_and_the_blocks(size, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("size,implementation", [(2, "sdpa"), (4, "sdpa"), (2, "eager"), (4, "eager")])
+@pytest.mark.parametrize("size,implementation", [(2, "sdpa"), (4, "sdpa"), (2, "eager"), (4, "eager"), (2, "flash"),
+                                                 (4, "flash")])
 def test_an_sp_group_equals_one_rank_on_packed_rows(size, implementation):
     """N = 2 and 4 ranks (N = 4 replicates the tiny preset's 2 key/value heads), a response crossing shard edges, a
     row packing two sequences: log-probs, entropy, values, both losses (the same on every rank) and every parameter
-    gradient summed over the group equal one rank's packed forward, itself equal to each row alone."""
+    gradient summed over the group equal one rank's packed forward, itself equal to each row alone. ``flash``:
+    transformers' flash_attention_2 path on the varlen kernel's CPU reference (:mod:`flash_reference`), each rank's
+    heads over the whole packed row, its pad columns one more sequence in ``cu_seq_lens``."""
     _assert_group_equals_one_rank(size, f"packed-{implementation}")
+
+
+#: the layouts the two-GPU test runs in bfloat16: (implementation, lengths, shared prompts)
+CUDA_CASES = {"packed-flash": (FLASH, (PROMPTS, RESPONSES), None), "packed-sdpa": ("sdpa", (PROMPTS, RESPONSES), None),
+              "blocks": ("sdpa", SHARED, "blocks")}
+
+
+def _cuda_logp(case: str, group=None, device: str = "cuda") -> torch.Tensor:
+    """The case's log-probs from the bfloat16 actor on this process's GPU: by ``group``, or (None) by one rank's
+    packed forward; flash-attention on its own kernel."""
+    import contextlib
+
+    from rlhf_sg.packing import blocks_whatever_they_cost, response_logprobs
+    from rlhf_sg.parallel import sp_response_logprobs, use_ulysses_attention
+
+    implementation, lengths, share = CUDA_CASES[case]
+    lm, _ = _models(implementation, share)
+    lm = lm.to(device, torch.bfloat16)
+    ids, mask, T, _, _ = _batch(*lengths)
+    with torch.no_grad(), (blocks_whatever_they_cost() if share else contextlib.nullcontext()):
+        if group is None:
+            logp = response_logprobs(lm, ids, mask, T, share_prompts=share is not None)
+        else:
+            use_ulysses_attention(lm, group.size)
+            logp = sp_response_logprobs(lm, ids, mask, T, group, share_prompts=share is not None)
+    return logp.float().cpu()
+
+
+def _cuda_rank(rank: int, size: int, port: int) -> dict:
+    """One rank of an SP group of ``size`` on GPU ``rank`` (NCCL): every case of :data:`CUDA_CASES`."""
+    os.environ["DS_ACCELERATOR"] = "cuda"
+    import datetime
+
+    import torch.distributed as dist
+
+    from rlhf_sg.distributed import init_torch_distributed
+    from rlhf_sg.parallel import SequenceParallelGroup
+
+    torch.cuda.set_device(rank)
+    init_torch_distributed(rank, size, "127.0.0.1", port, backend="nccl", timeout_s=TIMEOUT_S, local_rank=rank)
+    try:
+        group = SequenceParallelGroup.of(dist.new_group(list(range(size)),
+                                                        timeout=datetime.timedelta(seconds=TIMEOUT_S)))
+        return {case: _cuda_logp(case, group) for case in CUDA_CASES}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_on_two_gpus_an_sp_group_equals_one_rank_on_flash_attention_sdpa_and_the_blocks():
+    """2 ranks on 2 GPUs (NCCL's all-to-all; NCCL refuses two ranks on one device), bfloat16: flash-attention's
+    varlen kernel on the packed row (its pad columns one more sequence), sdpa on the block-causal mask, and the
+    shared-prompt blocks each give one rank's log-probs. bfloat16 rounds differently with the GEMMs' row counts, so
+    the bound is twice what one rank's forward differs from each row alone by sdpa (plus 1e-3): a response seeing
+    another sequence differs far more."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    pytest.importorskip("flash_attn")
+    pytest.importorskip("deepspeed")
+    from zero3_rank import in_fresh_process
+
+    from rlhf_sg.distributed import free_port
+
+    port = free_port()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        ranks = [f.result() for f in [pool.submit(in_fresh_process, _cuda_rank, rank, 2, port,
+                                                  timeout_s=4 * TIMEOUT_S) for rank in range(2)]]
+    for case, (_, lengths, share) in CUDA_CASES.items():
+        expected = _cuda_logp(case)
+        lm, _ = _models("sdpa", share)
+        ids, mask, T, _, _ = _batch(*lengths)
+        with torch.no_grad():
+            alone, _ = padded_reference(lm.to("cuda", torch.bfloat16), ids.cuda(), mask.cuda(), T)
+        bound = 2 * (expected - alone.float().cpu()).abs().max().item() + 1e-3
+        for rank, seen in enumerate(ranks):
+            gap = (seen[case] - expected).abs().max().item()
+            assert gap <= bound, f"{case} rank {rank}: {gap} from one rank's log-probs (bound {bound})"
 
 
 @pytest.mark.slow
@@ -512,8 +629,7 @@ def test_the_flag_is_validated_before_ray(sp_config):
     refused = {"--reward.kind model": lambda cfg: setattr(cfg.reward, "kind", "model") or setattr(
                    cfg.model, "reward_pretrain", cfg.model.pretrain),
                "--lora.rank": lambda cfg: setattr(cfg.lora, "rank", 4),
-               "--model.attn_implementation flash_attention_2": lambda cfg: setattr(
-                   cfg.model, "attn_implementation", "flash_attention_2")}
+               "--distill.teacher": lambda cfg: setattr(cfg.distill, "teacher", cfg.model.pretrain)}
     for what, change in refused.items():
         cfg = sp_config(2, 4)
         change(cfg)
@@ -549,8 +665,8 @@ def test_each_group_takes_its_own_size_under_its_own_flag(sp_config):
              lambda c: setattr(c.train, "critic_sequence_parallel_size", 3),
              "--train.ref_sequence_parallel_size must be >= 1, got 0":
              lambda c: setattr(c.train, "ref_sequence_parallel_size", 0),
-             "--train.actor_sequence_parallel_size 4 with --model.attn_implementation flash_attention_2: ":
-             lambda c: setattr(c.model, "attn_implementation", "flash_attention_2")}
+             "--train.actor_sequence_parallel_size 4 with --distill.teacher: ":
+             lambda c: setattr(c.distill, "teacher", c.model.pretrain)}
     for message, change in cases.items():
         bad = sp_config(1, 4)
         bad.train.share_prompts, bad.train.actor_sequence_parallel_size = False, 4

@@ -27,8 +27,25 @@ from rlhf_sg.parallel.heads import check_sequence_parallel_heads, head_counts
 
 #: the model-forward keyword that carries a forward's :class:`SequenceParallelGroup` to the attention function
 SEQUENCE_PARALLEL_KWARG = "sequence_parallel"
-#: prefix of the attention implementations registered here: ``rlhf_sg_ulysses_<wrapped implementation>``
+#: prefix of the attention implementations registered here (:func:`wrapper_name`)
 ULYSSES_PREFIX = "rlhf_sg_ulysses_"
+#: each registered wrapper's name -> the implementation it wraps
+_WRAPPED: dict[str, str] = {}
+
+
+def wrapper_name(implementation: str) -> str:
+    """The name the Ulysses wrapper of ``implementation`` is registered under: ``rlhf_sg_ulysses_<implementation>``,
+    with "flash" written "fa". transformers takes any implementation whose name holds "flash" for a flash-attention
+    kernel to load by that name (``set_attn_implementation`` preloads it, and would look for a kernel called
+    ``rlhf_sg_ulysses_flash_attention_2`` on the hub); the wrapped function is handed a module whose config names
+    the wrapped implementation, so the flash function loads its own kernel."""
+    return ULYSSES_PREFIX + implementation.replace("flash", "fa")
+
+
+def unwrapped(name: str | None) -> str | None:
+    """The implementation a model whose config names ``name`` runs: the wrapped one for a Ulysses wrapper, else
+    ``name`` itself."""
+    return _WRAPPED.get(name, name) if isinstance(name, str) else name
 
 
 @dataclass(frozen=True)
@@ -77,14 +94,29 @@ def heads_to_sequence(x: torch.Tensor, group: SequenceParallelGroup) -> torch.Te
     return received.permute(1, 2, 0, 3, 4).reshape(rows, length // n, n * heads, dim)
 
 
-class _LocalHeads:
-    """The attention module as the wrapped function sees it on one rank: its own attributes, but the query heads per
-    key / value head that the rank holds (``num_key_value_groups``, which transformers' sdpa and eager functions
-    repeat the key / value heads by); changes when the key / value heads were replicated."""
+class _ConfigAs:
+    """A model config read as it is, but naming ``implementation`` as its attention implementation."""
 
-    def __init__(self, module: nn.Module, groups: int):
+    def __init__(self, config, implementation: str):
+        self._config = config
+        self._attn_implementation = implementation
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+class _AsWrapped:
+    """The attention module as the wrapped function sees it: its own attributes, but its config naming the wrapped
+    implementation (transformers' flash-attention function loads its kernels by the name
+    ``module.config._attn_implementation`` gives, which on a switched model is the wrapper's) and, on an SP rank, the
+    query heads per key / value head that the rank holds (``num_key_value_groups``, which transformers' sdpa and eager
+    functions repeat the key / value heads by; it changes when the key / value heads were replicated)."""
+
+    def __init__(self, module: nn.Module, implementation: str, groups: int | None = None):
         self._module = module
-        self.num_key_value_groups = groups
+        self.config = _ConfigAs(module.config, implementation)
+        if groups is not None:
+            self.num_key_value_groups = groups
 
     def __getattr__(self, name):
         return getattr(self._module, name)
@@ -104,21 +136,23 @@ def _wrapped_function(module: nn.Module, implementation: str):
 
 def ulysses_attention(module, query, key, value, attention_mask, *, implementation: str, sequence_parallel=None,
                       **kwargs):
-    """The attention function registered as ``rlhf_sg_ulysses_<implementation>``: query [R, h, L / N, D] and key /
+    """The attention function registered as :func:`wrapper_name` of ``implementation``: query [R, h, L / N, D] and key /
     value [R, h_kv, L / N, D] of this rank's columns; ``attention_mask`` the full rows' (or None with varlen
     arguments, which describe the full rows); returns [R, L / N, h, D] and None. Without ``sequence_parallel``
     it is the wrapped function."""
     attend = _wrapped_function(module, implementation)
     group = sequence_parallel
     if group is None or group.size == 1:
-        return attend(module, query, key, value, attention_mask, **kwargs)
+        return attend(_AsWrapped(module, implementation), query, key, value, attention_mask, **kwargs)
     kv_heads = key.shape[1]
     if kv_heads < group.size:  # replicated so that rank i holds the one its query heads read
         key, value = (x.repeat_interleave(group.size // kv_heads, dim=1) for x in (key, value))
     query, key, value = (sequence_to_heads(x, group) for x in (query, key, value))
-    local = _LocalHeads(module, query.shape[1] // key.shape[1])
+    local = _AsWrapped(module, implementation, query.shape[1] // key.shape[1])
     if group.causal:  # one sequence per row, the pad columns after it: causal over the whole rows is exact
         attention_mask, kwargs["is_causal"] = None, True
+    elif kwargs.get("cu_seq_lens_q") is not None:
+        pass  # varlen: no mask, the arguments describe the full rows (the kernel refuses lengths that do not add up)
     elif attention_mask is None or attention_mask.shape[-2] != query.shape[2]:
         raise ValueError(f"sequence parallelism: the attention mask covers "
                          f"{None if attention_mask is None else attention_mask.shape[-2]} queries, not the full rows' "
@@ -140,9 +174,10 @@ def use_ulysses_attention(model: nn.Module, size: int) -> str:
     heads, kv_heads = head_counts(config)
     check_sequence_parallel_heads(type(backbone).__name__, heads, kv_heads, size, "sequence_parallel_size")
     current = config._attn_implementation
-    if current.startswith(ULYSSES_PREFIX):
-        return current.removeprefix(ULYSSES_PREFIX)
-    name = ULYSSES_PREFIX + current
+    if current in _WRAPPED:
+        return _WRAPPED[current]
+    name = wrapper_name(current)
+    _WRAPPED[name] = current
     AttentionInterface.register(name, functools.partial(ulysses_attention, implementation=current))
     # the model builds its masks as the wrapped one would (a 4-D mask the caller passes is used as it is)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current if current in
@@ -155,5 +190,4 @@ def wrapped_implementation(module: nn.Module) -> str | None:
     """The implementation a switched model's Ulysses wrapper runs; None for a model not switched."""
     module = getattr(module, "module", module)
     config = (module.model if hasattr(module, "value_head") else module).config
-    current = getattr(config, "_attn_implementation", None) or ""
-    return current.removeprefix(ULYSSES_PREFIX) if current.startswith(ULYSSES_PREFIX) else None
+    return _WRAPPED.get(getattr(config, "_attn_implementation", None))
