@@ -4,11 +4,12 @@ Every rank of the group is given the same padded batch; it packs it (:func:`rlhf
 or, with ``share_prompts`` and a prompt repeated, :func:`rlhf_sg.packing.pack_shared_prompts`), pads and slices the
 rows (:func:`rlhf_sg.parallel.layout.shard_packed`, :func:`~rlhf_sg.parallel.layout.shard_shared`), checks that the
 group's shards are one batch (an all-gather of the shards' token and position ids: ranks given different batches
-would train on a mix of them), and runs the model on its columns with the full rows' mask (the tree mask of shared-prompt rows, or the blocks that
-stand in for it on a model switched to them), the attention going through the Ulysses wrapper
-(:mod:`rlhf_sg.parallel.ulysses`). Each rank projects only the hidden states of its columns that predict a response
-token (the lm_head in chunks, as :func:`rlhf_sg.packing.response_logprobs`), then the group sums the [B, T] blocks
-(each response token is computed on exactly one rank, zero elsewhere), so every rank returns the whole batch's result.
+would train on a mix of them), and runs the model on its columns with the full rows' mask (the tree mask of
+shared-prompt rows, or the blocks that stand in for it on a model switched to them), the attention going through the
+Ulysses wrapper (:mod:`rlhf_sg.parallel.ulysses`). Each rank projects only the hidden states of its columns that
+predict a response token (the lm_head in chunks, as :func:`rlhf_sg.packing.response_logprobs`), then the group sums
+the [B, T] blocks (each response token is computed on exactly one rank, zero elsewhere), so every rank returns the
+whole batch's result.
 
 The loss convention (one, for every group): every rank of an SP group computes the whole batch's loss from these
 gathered per-token results, with the whole batch's normaliser: the same number on every rank, reported once per group
