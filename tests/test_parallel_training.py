@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import os
 import random
 
@@ -295,23 +296,27 @@ def _initial(role: str, model_dir: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_a_trainer_run_with_sequence_parallel_groups(ray_cluster, tmp_path):
-    """PPO with a critic (GAE) and a reference through the trainer, every group 2 ranks in one SP group of 2 on the
-    tiny preset, sharing prompts (4 samples a prompt; sdpa: the ranks' models on the blocks): the run completes its
-    steps, and the actor's SP forward on the shared-prompt rows gives the engine's log-probs of the sampled tokens
-    (the gap every run logs, within the tolerance the other end-to-end runs hold)."""
+    """PPO with a critic (GAE), a reference and a reward model through the trainer, every group 2 ranks in one SP
+    group of 2 on the tiny preset, sharing prompts (4 samples a prompt; sdpa: the ranks' models on the blocks): the
+    run completes its steps, the reward model's SP group scores every completion (one plan per data-parallel rank),
+    and the actor's SP forward on the shared-prompt rows gives the engine's log-probs of the sampled tokens (the gap
+    every run logs, within the tolerance the other end-to-end runs hold)."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
     import arith_task
     from quickstart_cpu import make_config
 
+    from rlhf_sg.models import ValueHeadModel
     from rlhf_sg.tiny import build_tiny_model, build_tokenizer
     from rlhf_sg.trainer import train
 
-    policy = str(tmp_path / "policy")
+    policy, reward_model = str(tmp_path / "policy"), str(tmp_path / "reward_model")
     tokenizer = build_tokenizer()
     build_tiny_model("qwen2", "tiny", seed=0).save_pretrained(policy, safe_serialization=True)
     tokenizer.save_pretrained(policy)
+    torch.manual_seed(1)
+    ValueHeadModel.from_pretrained(policy).save_pretrained(reward_model)
     prompts = arith_task.write_prompts(str(tmp_path / "prompts.jsonl"), seed=0)
     steps = 2
     cfg = make_config(policy, prompts, str(tmp_path / "run"), steps=steps, algo="gae", backend="hf")
@@ -319,12 +324,15 @@ def test_a_trainer_run_with_sequence_parallel_groups(ray_cluster, tmp_path):
     cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt = 4, 4
     cfg.train.critic_warmup_steps = 0
     cfg.train.sequence_parallel_size = 2
-    cfg.train.actor_num_ranks = cfg.train.critic_num_ranks = cfg.train.ref_num_ranks = 2
+    cfg.train.actor_num_ranks = cfg.train.critic_num_ranks = cfg.train.ref_num_ranks = cfg.reward.num_ranks = 2
+    cfg.reward.kind, cfg.reward.function, cfg.model.reward_pretrain = "model", None, reward_model
+    cfg.train.colocate_critic_reward = True  # the cluster's 8 CPUs: 7 bundles with the engine
     assert cfg.train.share_prompts and cfg.model.attn_implementation == "sdpa"
-    history = train(cfg, reward_fn=arith_task.addition_reward)
+    history = train(cfg)
     assert len(history) == steps and history[-1]["weight_version"] == steps
     first = history[0]
     assert first["time/actor_logprob"] > 0 and first["time/critic"] > 0 and first["time/reference"] > 0
+    assert all(math.isfinite(h["reward/mean"]) and h["reward/std"] > 0 for h in history)  # the model's scores
     assert all(h["actor/updates"] > 0 and h["critic/updates"] > 0 and h["actor/grad_norm"] > 0 for h in history)
     print("engine vs trainer log-prob gap per step:", [h["rollout/logp_gap_engine_vs_trainer"] for h in history])
     assert 0 <= first["rollout/logp_gap_engine_vs_trainer"] < 0.05, first["rollout/logp_gap_engine_vs_trainer"]
