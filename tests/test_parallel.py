@@ -439,11 +439,13 @@ def _reward_model():
 
 
 def _lora_and_reward(group=None) -> dict:
-    """The LoRA actor's and critic's log-probs, entropy, values, losses and trainable parameters' gradients, and the
-    reward model's scores and gradients of a weighted sum of them: by ``group`` (switched models, the gradients
-    summed over the group), or without one on one rank through the packed forwards of rlhf_sg.packing."""
+    """The LoRA actor's and critic's log-probs, entropy, values, losses and trainable parameters' gradients, the
+    actor's log-probs with its adapter disabled (the reference of a LoRA run), and the reward model's scores and
+    gradients of a weighted sum of them: by ``group`` (switched models, the gradients summed over the group), or
+    without one on one rank through the packed forwards of rlhf_sg.packing."""
     import torch.distributed as dist
 
+    from rlhf_sg.lora import adapter_disabled
     from rlhf_sg.packing import critic_values, response_logprobs, reward_scores
     from rlhf_sg.parallel import sp_critic_values, sp_response_logprobs, sp_reward_scores, use_ulysses_attention
 
@@ -461,6 +463,9 @@ def _lora_and_reward(group=None) -> dict:
         logp, entropy = sp_response_logprobs(lm, ids, mask, T, group, with_entropy=True, chunk_tokens=3)
         values = sp_critic_values(critic, ids, mask, T, group)
         scores = sp_reward_scores(reward, ids, mask, group)
+    with torch.no_grad(), adapter_disabled(lm):
+        base_logp = (response_logprobs(lm, ids, mask, T) if group is None
+                     else sp_response_logprobs(lm, ids, mask, T, group))
     actor_loss, critic_loss = _losses(logp, entropy, values, advantages, returns, mask[:, -T:])
     (actor_loss + critic_loss + (scores * weights).sum()).backward()
     grads = {}
@@ -471,7 +476,7 @@ def _lora_and_reward(group=None) -> dict:
                 if group is not None:
                     dist.all_reduce(grad, group=group.group)
                 grads[prefix + name] = grad
-    return {"logp": logp.detach(), "entropy": entropy.detach(), "values": values.detach(),
+    return {"logp": logp.detach(), "entropy": entropy.detach(), "values": values.detach(), "base_logp": base_logp,
             "scores": scores.detach(), "actor_loss": actor_loss.item(), "critic_loss": critic_loss.item(),
             "grads": grads}
 
@@ -514,11 +519,14 @@ def test_an_sp_group_equals_one_rank_with_lora_adapters():
     """LoRA-wrapped actor and critic (PEFT's wrapper around the causal LM and around the value model, B non-zero) on 2
     ranks, a response crossing the shard edge: log-probs, entropy, values, both losses and every trainable
     parameter's gradient (the adapters' A and B and the critic's head, nothing else trains) summed over the group
-    equal one rank's packed forward."""
+    equal one rank's packed forward; so do the actor's log-probs with its adapter disabled (a LoRA run's reference),
+    which the adapter changes."""
     lm, critic = _lora_models()
     trainable = [n for model in (lm, critic) for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n or "value_head" in n for n in trainable)
-    _assert_lora_and_reward_equal_one_rank(("logp", "entropy", "values", "actor_loss", "critic_loss"),
+    expected = _one_rank_lora_and_reward()
+    assert (expected["base_logp"] - expected["logp"]).abs().max() > 1e-3
+    _assert_lora_and_reward_equal_one_rank(("logp", "entropy", "values", "base_logp", "actor_loss", "critic_loss"),
                                            ("actor.", "critic."))
 
 
