@@ -557,8 +557,8 @@ class ModelWorker:
         return order, result
 
     def _sp_forward(self, mb: Experience, temperature: float, share_prompts: bool) -> torch.Tensor:
-        """A scoring forward of this rank's SP group: the whole micro-batch's log-probs or values."""
-        from rlhf_sg.parallel import sp_critic_values, sp_response_logprobs
+        """A scoring forward of this rank's SP group: the whole micro-batch's log-probs, values or reward scores."""
+        from rlhf_sg.parallel import sp_critic_values, sp_response_logprobs, sp_reward_scores
 
         _check_sequence_parallel(self.module, mb, mb.routes is not None and self.spec.role == "actor")
         if self.spec.role in ("actor", "ref"):
@@ -567,6 +567,9 @@ class ModelWorker:
         if self.spec.role == "critic":
             return sp_critic_values(self.module, mb.sequences, mb.attention_mask, mb.response_width,
                                     self.sequence_parallel, share_prompts=share_prompts)
+        if self.spec.role == "reward":  # normalised, as the one-rank forward's
+            return self.module.normalize_rewards(sp_reward_scores(self.module, mb.sequences, mb.attention_mask,
+                                                                  self.sequence_parallel))
         raise ValueError(f"{self.spec.role}: this group does not run sequence parallelism; give it "
                          "sequence_parallel_size 1")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import copy
+import functools
 import os
 
 import flash_reference
@@ -218,6 +219,8 @@ GROUP_CASES = {
 }
 #: the SP size whose group also measures the bytes kept for one long row (and rank 0 those of one rank alone)
 SAVED_BYTES_SIZE = 2
+#: the SP size whose group also runs the LoRA models and the reward model (:func:`_lora_and_reward`)
+LORA_REWARD_SIZE = 2
 
 
 def _sp_rank(rank: int, size: int, port: int) -> dict:
@@ -240,6 +243,8 @@ def _sp_rank(rank: int, size: int, port: int) -> dict:
         alone = [dist.new_group([k], timeout=timeout) for k in range(size)]  # every rank creates every group
         seen = {case: _group_checks(group, implementation, perturb, lengths, share)
                 for case, (implementation, lengths, perturb, sizes, share) in GROUP_CASES.items() if size in sizes}
+        if size == LORA_REWARD_SIZE:
+            seen["lora_and_reward"] = _lora_and_reward(group)
         if size == SAVED_BYTES_SIZE:
             seen["saved_bytes"] = _saved_bytes(group, LONG_ROW)
             if rank == 0:
@@ -517,6 +522,140 @@ def test_no_attention_crosses_segments_in_an_sp_group():
         assert (seen["perturbed"][1] - seen["unperturbed"][1]).abs().max() > 1e-3
 
 
+# ---- LoRA models and the reward model -----------------------------------------------------------------------------
+
+
+def _lora_models():
+    """The actor and the critic of :func:`_models` (sdpa) wrapped in LoRA adapters as the workers wrap them (the
+    critic's head trained whole beside its adapters), every B non-zero so that the adapters change the forwards and
+    every A takes a gradient."""
+    from rlhf_sg.lora import LoraSpec, apply_lora
+
+    lm, critic = _models("sdpa")
+    torch.manual_seed(10)  # the adapters' A
+    spec = LoraSpec(rank=4, alpha=8.0)
+    lm, critic = apply_lora(lm, spec, True), apply_lora(critic, spec, True, head="value_head")
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for model in (lm, critic):
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return lm, critic
+
+
+def _reward_model():
+    """A tiny reward model: a :class:`rlhf_sg.models.ValueHeadModel` (sdpa)."""
+    from rlhf_sg.models import ValueHeadModel
+    from rlhf_sg.tiny import build_tiny_model
+
+    torch.manual_seed(12)
+    model = ValueHeadModel(build_tiny_model("llama", "tiny", seed=13).model)
+    model.model.set_attn_implementation("sdpa")
+    return model
+
+
+def _lora_and_reward(group=None) -> dict:
+    """The LoRA actor's and critic's log-probs, entropy, values, losses and trainable parameters' gradients, the
+    actor's log-probs with its adapter disabled (the reference of a LoRA run), and the reward model's scores and
+    gradients of a weighted sum of them: by ``group`` (switched models, the gradients summed over the group), or
+    without one on one rank through the packed forwards of rlhf_sg.packing."""
+    import torch.distributed as dist
+
+    from rlhf_sg.lora import adapter_disabled
+    from rlhf_sg.packing import critic_values, response_logprobs, reward_scores
+    from rlhf_sg.parallel import sp_critic_values, sp_response_logprobs, sp_reward_scores, use_ulysses_attention
+
+    lm, critic = _lora_models()
+    reward = _reward_model()
+    ids, mask, T, advantages, returns = _batch()
+    weights = torch.randn(ids.shape[0], generator=torch.Generator().manual_seed(14))
+    if group is None:
+        logp, entropy = response_logprobs(lm, ids, mask, T, with_entropy=True)
+        values = critic_values(critic, ids, mask, T)
+        scores = reward_scores(reward, ids, mask)
+    else:
+        for model in (lm, critic, reward):
+            use_ulysses_attention(model, group.size)
+        logp, entropy = sp_response_logprobs(lm, ids, mask, T, group, with_entropy=True, chunk_tokens=3)
+        values = sp_critic_values(critic, ids, mask, T, group)
+        scores = sp_reward_scores(reward, ids, mask, group)
+    with torch.no_grad(), adapter_disabled(lm):
+        base_logp = (response_logprobs(lm, ids, mask, T) if group is None
+                     else sp_response_logprobs(lm, ids, mask, T, group))
+    actor_loss, critic_loss = _losses(logp, entropy, values, advantages, returns, mask[:, -T:])
+    (actor_loss + critic_loss + (scores * weights).sum()).backward()
+    grads = {}
+    for prefix, model in (("actor.", lm), ("critic.", critic), ("reward.", reward)):
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                grad = param.grad.clone()
+                if group is not None:
+                    dist.all_reduce(grad, group=group.group)
+                grads[prefix + name] = grad
+    return {"logp": logp.detach(), "entropy": entropy.detach(), "values": values.detach(), "base_logp": base_logp,
+            "scores": scores.detach(), "actor_loss": actor_loss.item(), "critic_loss": critic_loss.item(),
+            "grads": grads}
+
+
+def _last_token_owners(size: int) -> list[int]:
+    """The rank whose columns hold each sequence's last token at SP size ``size`` (as sp_reward_scores packs)."""
+    ids, mask, _, _, _ = _batch()
+    batch = pack(ids, mask, row_tokens=int(mask.sum(1).max()))
+    owners = torch.full((ids.shape[0],), -1)
+    for k in range(size):
+        shard = shard_packed(batch, size, k)
+        mine, _ = shard.local_index(shard.slots[batch.cu_seqlens[1:].long() - 1])
+        owners[mine] = k
+    return owners.tolist()
+
+
+def _assert_lora_and_reward_equal_one_rank(keys: tuple[str, ...], prefixes: tuple[str, ...]) -> None:
+    expected = _one_rank_lora_and_reward()
+    for rank, ranks_seen in enumerate(_run_group(LORA_REWARD_SIZE)):
+        seen = ranks_seen["lora_and_reward"]
+        for key in keys:
+            if isinstance(expected[key], float):
+                assert seen[key] == pytest.approx(expected[key], abs=TOL), (rank, key)
+            else:
+                torch.testing.assert_close(seen[key], expected[key], atol=TOL, rtol=0, msg=f"rank {rank} {key}")
+        names = [name for name in expected["grads"] if name.startswith(prefixes)]
+        assert names and [n for n in seen["grads"] if n.startswith(prefixes)] == names
+        for name in names:
+            assert expected["grads"][name].abs().max() > 0, name  # every trainable parameter takes part
+            assert_grads_close(seen["grads"][name], expected["grads"][name], f"rank {rank} {name}")
+
+
+@functools.cache
+def _one_rank_lora_and_reward() -> dict:
+    return _lora_and_reward()
+
+
+@pytest.mark.slow
+def test_an_sp_group_equals_one_rank_with_lora_adapters():
+    """LoRA-wrapped actor and critic (PEFT's wrapper around the causal LM and around the value model, B non-zero) on 2
+    ranks, a response crossing the shard edge: log-probs, entropy, values, both losses and every trainable
+    parameter's gradient (the adapters' A and B and the critic's head, nothing else trains) summed over the group
+    equal one rank's packed forward; so do the actor's log-probs with its adapter disabled (a LoRA run's reference),
+    which the adapter changes."""
+    lm, critic = _lora_models()
+    trainable = [n for model in (lm, critic) for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n or "value_head" in n for n in trainable)
+    expected = _one_rank_lora_and_reward()
+    assert (expected["base_logp"] - expected["logp"]).abs().max() > 1e-3
+    _assert_lora_and_reward_equal_one_rank(("logp", "entropy", "values", "base_logp", "actor_loss", "critic_loss"),
+                                           ("actor.", "critic."))
+
+
+@pytest.mark.slow
+def test_an_sp_group_scores_as_one_reward_model():
+    """A reward model (a ValueHeadModel) on 2 ranks: the score of each row's last real token, read by the rank whose
+    columns hold it (some rows' on each rank), summed over the group: every rank's scores and the group's summed
+    gradients of a weighted sum of them equal one rank's reward_scores."""
+    assert set(_last_token_owners(LORA_REWARD_SIZE)) == {0, 1}
+    _assert_lora_and_reward_equal_one_rank(("scores",), ("reward.",))
+
+
 # ---- the trainer's optimizer steps -------------------------------------------------------------------------------
 
 
@@ -626,10 +765,8 @@ def test_the_flag_is_validated_before_ray(sp_config):
     assert works.train.share_prompts  # shared-prompt rows and the blocks split as packed rows do
     validate(works)
     # what the SP groups do not run yet is refused by its flag, with the way out
-    refused = {"--reward.kind model": lambda cfg: setattr(cfg.reward, "kind", "model") or setattr(
-                   cfg.model, "reward_pretrain", cfg.model.pretrain),
-               "--lora.rank": lambda cfg: setattr(cfg.lora, "rank", 4),
-               "--distill.teacher": lambda cfg: setattr(cfg.distill, "teacher", cfg.model.pretrain)}
+    refused = {"--distill.teacher": lambda cfg: setattr(cfg.distill, "teacher", cfg.model.pretrain),
+               "--train.routing_replay": lambda cfg: setattr(cfg.train, "routing_replay", True)}
     for what, change in refused.items():
         cfg = sp_config(2, 4)
         change(cfg)
@@ -680,6 +817,49 @@ def test_each_group_takes_its_own_size_under_its_own_flag(sp_config):
     assert shares_prompts(validate(alone)) and Layout(alone).data_parallel_ranks("actor") == 4
 
 
+def test_the_reward_models_group_splits_under_its_own_flag_and_a_lora_policy_splits(sp_config):
+    """--reward.kind model under SP: --train.reward_sequence_parallel_size (unset: --train.sequence_parallel_size) is
+    the reward group's size (the layout's SP and data-parallel sizes and its micro-batch budget follow), validated
+    before Ray under the flag that set it: >= 1, a divisor of --reward.num_ranks, the reward model's heads. A LoRA
+    policy (--lora.rank) splits as any other."""
+    from rlhf_sg.config import apply_overrides, microbatch_tokens, validate
+    from rlhf_sg.trainer.layout import Layout
+
+    def with_reward_model(size: int, reward_ranks: int, path: str | None = None):
+        cfg = sp_config(size, 4)
+        cfg.reward.kind, cfg.reward.function = "model", None
+        cfg.model.reward_pretrain, cfg.reward.num_ranks = path or cfg.model.pretrain, reward_ranks
+        return cfg
+
+    cfg = with_reward_model(2, 4)
+    layout = Layout(validate(cfg))
+    assert (layout.sequence_parallel_size("reward"), layout.data_parallel_ranks("reward")) == (2, 2)
+    assert microbatch_tokens(cfg, "reward") == 2 * cfg.train.max_tokens_per_microbatch
+    apply_overrides(cfg, {"train.reward_sequence_parallel_size": "4"}, "--train.reward_sequence_parallel_size")
+    assert cfg.train.reward_sequence_parallel_size == 4
+    assert Layout(validate(cfg)).data_parallel_ranks("reward") == 1
+    assert Layout(validate(cfg)).sequence_parallel_size("actor") == 2  # the other groups keep the global size
+    cases = {"--train.sequence_parallel_size 2: --reward.num_ranks 3 is not a multiple of it":
+             with_reward_model(2, 3),
+             "--train.reward_sequence_parallel_size 4: --reward.num_ranks 2 is not a multiple of it":
+             with_reward_model(1, 2),
+             "--train.reward_sequence_parallel_size must be >= 1, got 0": with_reward_model(1, 2),
+             f"--train.reward_sequence_parallel_size 4: {sp_config.odd} has 6 attention heads":
+             with_reward_model(1, 4, sp_config.odd)}
+    sizes = iter([None, 4, 0, 4])
+    for message, bad in cases.items():
+        bad.train.reward_sequence_parallel_size = next(sizes)
+        with pytest.raises(ConfigError) as error:
+            validate(bad)
+        assert str(error.value).startswith(message), str(error.value)
+    unused = with_reward_model(2, 3)  # a reward function: no reward group to split
+    unused.reward.kind, unused.reward.function = "function", "m:f"
+    assert Layout(validate(unused)).sequence_parallel_size("actor") == 2
+    lora = sp_config(2, 4)
+    lora.lora.rank = 4
+    assert Layout(validate(lora)).lora_of("actor") is not None
+
+
 def test_a_harness_row_is_bounded_by_the_smallest_micro_batch_of_a_group_that_scores_it(sp_config):
     """A harness's row (nothing else caps it) must fit one micro-batch of every group that scores it: N x the budget
     for an SP group of N, the budget for a group that does not split, and the engines' context above them."""
@@ -718,7 +898,7 @@ def test_the_microbatch_budget_is_a_ranks_share_of_a_row(sp_config):
         return cfg
 
     cfg = validate(long_rows(4))
-    assert microbatch_tokens(cfg, "actor") == 256 and microbatch_tokens(cfg, "reward") == 64
+    assert microbatch_tokens(cfg, "actor") == 256 and microbatch_tokens(cfg, "teacher") == 64
     refusals = {1: "--train.max_tokens_per_microbatch (64) must hold one full sequence (max_prompt_len + "
                    "max_new_tokens = 256) on one rank of the actor group; raise it to 256, or split the rows over "
                    "an SP group (--train.sequence_parallel_size N: a rank holds 256 / N tokens of a row, N >= 4)",

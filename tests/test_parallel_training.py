@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import os
 import random
 
@@ -66,18 +67,20 @@ def _experience():
     return batch
 
 
-def _rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str, checkpointing: bool) -> dict:
+def _rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str, checkpointing: bool,
+          lora: bool = False) -> dict:
     """One rank of a ``role`` group of ``world`` ranks in SP groups of ``size``, given its micro-batches as the
     controller gives them (the batch split over the data-parallel ranks, the normaliser per data-parallel rank): the
     scoring forward's rows and result, one optimizer step's metrics, the reduced gradients at the step and the
-    parameters after it. ``checkpointing``: gradient checkpointing (the backward recomputes each layer, its
-    all-to-alls included)."""
+    trained parameters before and after it. ``checkpointing``: gradient checkpointing (the backward recomputes each
+    layer, its all-to-alls included). ``lora``: the model carries a fresh LoRA adapter (:data:`LORA`), only it
+    trains."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
     from zero3_rank import PLAIN_UPDATE
 
-    from rlhf_sg.config import Config
+    from rlhf_sg.config import Config, LoraConfig
     from rlhf_sg.experience import CriticUpdate
     from rlhf_sg.trainer.layout import Layout
     from rlhf_sg.trainer.ppo import group_update_steps
@@ -86,7 +89,8 @@ def _rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str
     torch.set_num_threads(1)
     spec = WorkerSpec(role=role, model_path=model_dir, world_size=world, master_addr="127.0.0.1", master_port=port,
                       train=True, lr=LR, timeout_s=TIMEOUT_S, zero_stage=3,
-                      sequence_parallel_size=size, gradient_checkpointing=checkpointing)
+                      sequence_parallel_size=size, gradient_checkpointing=checkpointing,
+                      lora=dataclasses.asdict(LoraConfig(**LORA)) if lora else None)
     worker = ModelWorker(dataclasses.asdict(spec), rank)
     try:
         columns: list[int] = []  # the widest rows the model's embedding was handed (this rank's columns)
@@ -106,7 +110,8 @@ def _rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str
         t.sequence_parallel_size = size
         steps = group_update_steps(batch, Layout(cfg), role, t, random.Random(0))[1][rank]
         order, scored = worker.forward(batch, steps[0].plan)
-        named = list(worker.module.named_parameters())
+        named = [(name, p) for name, p in worker.module.named_parameters() if p.requires_grad]
+        initial = {name: safe_get_full_fp32_param(p).clone() for name, p in named}
         grads: dict[str, torch.Tensor] = {}
         losses: list[float] = []
         step, backward = worker.engine.step, worker.engine.backward
@@ -126,20 +131,28 @@ def _rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str
         else:
             metrics = worker.train_critic(batch, steps, CriticUpdate(value_clip=0.2))
         params = {name: safe_get_full_fp32_param(p).clone() for name, p in named}
-        worker.save_checkpoint(_checkpoint_dir(model_dir, role, world, size, checkpointing), TAG, {})
+        worker.save_checkpoint(_checkpoint_dir(model_dir, role, world, size, checkpointing, lora), TAG, {})
         return {"rows": order, "scored": scored, "metrics": metrics, "grads": grads, "params": params,
+                "initial": initial,
                 "moments": _moments(named), "backward_loss": losses, "columns": max(columns),
                 "layer_calls": len(layer_calls)}
     finally:
         dist.destroy_process_group()
 
 
+def _lora_rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str, checkpointing: bool) -> dict:
+    """:func:`_rank` with a LoRA adapter."""
+    return _rank(role, rank, world, size, port, model_dir, checkpointing, lora=True)
+
+
 #: the tag each group's checkpoint after its step is saved under
 TAG = "step1"
+#: the adapter of a ``lora`` group (--lora.*): every linear layer, B = 0 at the start as a fresh adapter's
+LORA = {"rank": 4, "alpha": 8.0}
 
 
-def _checkpoint_dir(model_dir: str, role: str, world: int, size: int, checkpointing: bool) -> str:
-    return f"{model_dir}-checkpoint-{role}-{world}-{size}-{checkpointing}"
+def _checkpoint_dir(model_dir: str, role: str, world: int, size: int, checkpointing: bool, lora: bool = False) -> str:
+    return f"{model_dir}-checkpoint-{role}-{world}-{size}-{checkpointing}" + ("-lora" if lora else "")
 
 
 def _moments(named) -> dict[str, torch.Tensor]:
@@ -176,10 +189,11 @@ def _loading_rank(role: str, rank: int, world: int, size: int, port: int, model_
 _GROUPS: dict[tuple, list[dict]] = {}
 
 
-def _group(role: str, world: int, size: int, model_dir: str, checkpointing: bool = False) -> list[dict]:
-    key = (role, world, size, model_dir, checkpointing)
+def _group(role: str, world: int, size: int, model_dir: str, checkpointing: bool = False,
+           lora: bool = False) -> list[dict]:
+    key = (role, world, size, model_dir, checkpointing, lora)
     if key not in _GROUPS:
-        _GROUPS[key] = _spawn(*key)
+        _GROUPS[key] = _spawn(*key[:-1], run=_lora_rank if lora else None)
     return _GROUPS[key]
 
 
@@ -205,7 +219,7 @@ def model_dir(tmp_path_factory) -> str:
     return _model_dir(str(tmp_path_factory.mktemp("tiny-sp")))
 
 
-def _assert_the_one_rank_step(role: str, model_dir: str, alone: dict, split: list[dict], size: int) -> None:
+def _assert_the_one_rank_step(role: str, alone: dict, split: list[dict], size: int) -> None:
     """Each rank of ``split`` (SP groups of ``size``) saw ``alone``'s step: its rows' scoring results, the loss,
     metrics, gradient norm, every reduced gradient, and the updated weights (fp32, the one-rank packed forward's
     tolerance). Each rank back-propagates ``size`` x its data-parallel rank's loss (ZeRO-3 divides the sum over the
@@ -238,20 +252,75 @@ def _assert_the_one_rank_step(role: str, model_dir: str, alone: dict, split: lis
     assert all(seen["backward_loss"] == group[0]["backward_loss"] for group in groups for seen in group)
     mean = sum(group[0]["backward_loss"][0] for group in groups) / (size * len(groups))
     assert mean == pytest.approx(alone["backward_loss"][0], rel=1e-5), (mean, alone["backward_loss"])
-    moved = max((alone["params"][n] - p).abs().max().item() for n, p in _initial(role, model_dir).items())
+    moved = max((alone["params"][n] - p).abs().max().item() for n, p in alone["initial"].items())
     assert moved > LR / 2  # the step changed the weights (Adam's first step moves each by about the LR)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("role", ["actor", "critic"])
-def test_an_sp_group_of_two_ranks_takes_the_one_rank_training_step(role, model_dir):
-    """One SP group of 2 ranks (one data-parallel rank) takes one rank's step, each rank on half the columns."""
-    (alone,) = _group(role, 1, 1, model_dir)
-    split = _group(role, 2, 2, model_dir)
+@pytest.mark.parametrize("role,lora", [("actor", False), ("critic", False), ("actor", True)],
+                         ids=["actor", "critic", "lora-actor"])
+def test_an_sp_group_of_two_ranks_takes_the_one_rank_training_step(role, lora, model_dir):
+    """One SP group of 2 ranks (one data-parallel rank) takes one rank's step, each rank on half the columns; a LoRA
+    actor (PEFT's wrapper inside the DeepSpeed engine, switched to the Ulysses attention through it) too, its
+    adapters alone training."""
+    (alone,) = _group(role, 1, 1, model_dir, lora=lora)
+    split = _group(role, 2, 2, model_dir, lora=lora)
+    assert all(("lora_" in name) == lora for name in alone["params"])
     # each rank ran its half of the packed rows' columns (a response crosses the edge), the rank alone all of them
     assert alone["columns"] == max(p + r for p, r in zip(PROMPTS, RESPONSES))
     assert [seen["columns"] for seen in split] == [alone["columns"] // 2] * 2, (alone["columns"], split)
-    _assert_the_one_rank_step(role, model_dir, alone, split, 2)
+    _assert_the_one_rank_step(role, alone, split, 2)
+
+
+def _reward_rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str, plan) -> dict:
+    """One rank of a reward-model group of ``world`` ranks in SP groups of ``size``: its scoring forward of the
+    batch's rows in ``plan``."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import torch.distributed as dist
+
+    from rlhf_sg.workers import ModelWorker, WorkerSpec
+
+    torch.set_num_threads(1)
+    spec = WorkerSpec(role=role, model_path=model_dir, world_size=world, master_addr="127.0.0.1", master_port=port,
+                      train=False, timeout_s=TIMEOUT_S, zero_stage=3, sequence_parallel_size=size)
+    worker = ModelWorker(dataclasses.asdict(spec), rank)
+    try:
+        return dict(zip(("rows", "scores"), worker.forward(_experience(), plan)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_reward_models_sp_group_of_two_ranks_scores_as_one_rank(model_dir, tmp_path):
+    """A reward-model group of 2 ranks in one SP group (ZeRO-3) scores the batch as the one-rank forward does: each
+    row's last token (some rows' on each rank's columns) through the value head, normalised by the statistics the
+    reward model was saved with."""
+    import json
+    import shutil
+
+    from rlhf_sg.models import REWARD_NORMALIZATION_FILE
+    from rlhf_sg.packing import pack, reward_scores
+    from rlhf_sg.parallel import shard_packed
+    from rlhf_sg.workers import WorkerSpec, load_worker_model
+
+    reward_dir = str(tmp_path / "reward_model")
+    shutil.copytree(model_dir, reward_dir)
+    with open(os.path.join(reward_dir, REWARD_NORMALIZATION_FILE), "w") as f:
+        json.dump({"mean": 0.5, "std": 2.0}, f)
+    batch, plan = _experience(), [[2, 0, 3, 1]]  # one micro-batch, its rows out of order
+    micro = batch.rows(plan[0])
+    packed = pack(micro.sequences, micro.attention_mask, row_tokens=int(micro.attention_mask.sum(1).max()))
+    last = packed.cu_seqlens[1:].long() - 1
+    owners = [k for k in range(2) if shard_packed(packed, 2, k).local_index(packed.slots[last])[0].any()]
+    assert owners == [0, 1]
+    model = load_worker_model(WorkerSpec(role="reward", model_path=reward_dir, world_size=1, master_addr="",
+                                         master_port=0, train=False))
+    assert (model.reward_mean, model.reward_std) == (0.5, 2.0)
+    with torch.no_grad():
+        expected = model.normalize_rewards(reward_scores(model, batch.sequences, batch.attention_mask))
+    for rank, seen in enumerate(_spawn("reward", 2, 2, reward_dir, plan, run=_reward_rank)):
+        assert seen["rows"] == [2, 0, 3, 1], rank
+        torch.testing.assert_close(seen["scores"], expected[seen["rows"]], atol=TOL, rtol=0, msg=f"rank {rank}")
 
 
 @pytest.mark.slow
@@ -281,37 +350,32 @@ def test_two_data_parallel_sp_groups_with_gradient_checkpointing_take_the_one_ra
     assert alone["layer_calls"] == 2 and [seen["layer_calls"] for seen in split] == [3] * 4, split
     assert split[0]["rows"] == split[1]["rows"] and split[2]["rows"] == split[3]["rows"]
     assert sorted(split[0]["rows"] + split[2]["rows"]) == [0, 1, 2, 3]
-    _assert_the_one_rank_step("actor", model_dir, alone, split, 2)
-
-
-def _initial(role: str, model_dir: str) -> dict[str, torch.Tensor]:
-    """The parameters before the step, by the workers' names."""
-    from rlhf_sg.workers import WorkerSpec, load_worker_model
-
-    model = load_worker_model(WorkerSpec(role=role, model_path=model_dir, world_size=1, master_addr="",
-                                         master_port=0, train=True))
-    return {name: p.detach() for name, p in model.named_parameters()}
+    _assert_the_one_rank_step("actor", alone, split, 2)
 
 
 @pytest.mark.slow
 def test_a_trainer_run_with_sequence_parallel_groups(ray_cluster, tmp_path):
-    """PPO with a critic (GAE) and a reference through the trainer, every group 2 ranks in one SP group of 2 on the
-    tiny preset, sharing prompts (4 samples a prompt; sdpa: the ranks' models on the blocks): the run completes its
-    steps, and the actor's SP forward on the shared-prompt rows gives the engine's log-probs of the sampled tokens
-    (the gap every run logs, within the tolerance the other end-to-end runs hold)."""
+    """PPO with a critic (GAE), a reference and a reward model through the trainer, every group 2 ranks in one SP
+    group of 2 on the tiny preset, sharing prompts (4 samples a prompt; sdpa: the ranks' models on the blocks): the
+    run completes its steps, the reward model's SP group scores every completion (one plan per data-parallel rank),
+    and the actor's SP forward on the shared-prompt rows gives the engine's log-probs of the sampled tokens (the gap
+    every run logs, within the tolerance the other end-to-end runs hold)."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
     import arith_task
     from quickstart_cpu import make_config
 
+    from rlhf_sg.models import ValueHeadModel
     from rlhf_sg.tiny import build_tiny_model, build_tokenizer
     from rlhf_sg.trainer import train
 
-    policy = str(tmp_path / "policy")
+    policy, reward_model = str(tmp_path / "policy"), str(tmp_path / "reward_model")
     tokenizer = build_tokenizer()
     build_tiny_model("qwen2", "tiny", seed=0).save_pretrained(policy, safe_serialization=True)
     tokenizer.save_pretrained(policy)
+    torch.manual_seed(1)
+    ValueHeadModel.from_pretrained(policy).save_pretrained(reward_model)
     prompts = arith_task.write_prompts(str(tmp_path / "prompts.jsonl"), seed=0)
     steps = 2
     cfg = make_config(policy, prompts, str(tmp_path / "run"), steps=steps, algo="gae", backend="hf")
@@ -319,12 +383,15 @@ def test_a_trainer_run_with_sequence_parallel_groups(ray_cluster, tmp_path):
     cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt = 4, 4
     cfg.train.critic_warmup_steps = 0
     cfg.train.sequence_parallel_size = 2
-    cfg.train.actor_num_ranks = cfg.train.critic_num_ranks = cfg.train.ref_num_ranks = 2
+    cfg.train.actor_num_ranks = cfg.train.critic_num_ranks = cfg.train.ref_num_ranks = cfg.reward.num_ranks = 2
+    cfg.reward.kind, cfg.reward.function, cfg.model.reward_pretrain = "model", None, reward_model
+    cfg.train.colocate_critic_reward = True  # the cluster's 8 CPUs: 7 bundles with the engine
     assert cfg.train.share_prompts and cfg.model.attn_implementation == "sdpa"
-    history = train(cfg, reward_fn=arith_task.addition_reward)
+    history = train(cfg)
     assert len(history) == steps and history[-1]["weight_version"] == steps
     first = history[0]
     assert first["time/actor_logprob"] > 0 and first["time/critic"] > 0 and first["time/reference"] > 0
+    assert all(math.isfinite(h["reward/mean"]) and h["reward/std"] > 0 for h in history)  # the model's scores
     assert all(h["actor/updates"] > 0 and h["critic/updates"] > 0 and h["actor/grad_norm"] > 0 for h in history)
     print("engine vs trainer log-prob gap per step:", [h["rollout/logp_gap_engine_vs_trainer"] for h in history])
     assert 0 <= first["rollout/logp_gap_engine_vs_trainer"] < 0.05, first["rollout/logp_gap_engine_vs_trainer"]

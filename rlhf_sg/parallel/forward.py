@@ -34,6 +34,7 @@ from rlhf_sg.packing import (
     PackedBatch,
     _block_causal_mask,
     _block_positions,
+    _check_padded,
     _check_rollout,
     _dense_mask,
     _forward_replaced,
@@ -249,3 +250,21 @@ def sp_critic_values(critic: nn.Module, sequences: torch.Tensor, attention_mask:
                                                     share_prompts, segment_tokens)
     return _gathered_block(values.reshape(-1)[local.to(device)], positions, (sequences.shape[0], response_width),
                            group)
+
+
+def sp_reward_scores(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                     group: SequenceParallelGroup) -> torch.Tensor:
+    """:func:`rlhf_sg.packing.reward_scores` by an SP group: scores [B] float32, each row's value at its last real
+    token, the whole batch's on every rank. ``sequences`` / ``attention_mask`` [B, S] in any contiguous-row padding.
+    The rank whose columns hold a sequence's last token reads its score (zero elsewhere) and the group sums them, as
+    the log-probs' blocks; the backward keeps each rank's own scores (the module doc's convention)."""
+    _value_model(model, "sp_reward_scores")
+    device = _model_device(model)
+    sequences, attention_mask = sequences.to(device), attention_mask.to(device)
+    _check_padded(sequences, attention_mask)
+    check_rope_regime(_unwrap(model), attention_mask.sum(dim=1).tolist())
+    values, batch, rows = _sharded_forward(model, sequences, attention_mask, group)
+    mine, local = rows.local_index(rows.slots[batch.cu_seqlens[1:].long() - 1])  # each sequence's last token
+    scores = values.new_zeros(sequences.shape[0]).index_put((mine.nonzero().flatten().to(device),),
+                                                            values.reshape(-1)[local.to(device)])
+    return _SumOverGroup.apply(scores, group.group)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rlhf_sg.packing import _backbone, _unwrap, unwrap_adapters
 from rlhf_sg.parallel.heads import check_sequence_parallel_heads, head_counts
 
 #: the model-forward keyword that carries a forward's :class:`SequenceParallelGroup` to the attention function
@@ -161,6 +162,13 @@ def ulysses_attention(module, query, key, value, attention_mask, *, implementati
     return heads_to_sequence(out, group), None
 
 
+def _attention_model(model: nn.Module) -> nn.Module:
+    """The transformers model whose config names the attention a forward of ``model`` runs: inside a DeepSpeed
+    engine, a PEFT (LoRA) wrapper (whose attribute lookups would reach a value model's head model, not its backbone)
+    and a value model's head."""
+    return _backbone(unwrap_adapters(_unwrap(model)))
+
+
 def use_ulysses_attention(model: nn.Module, size: int) -> str:
     """Switch ``model``'s attention to the Ulysses wrapper of the one it runs (sdpa, eager, flash-attention, the
     shared-prompt blocks); returns the wrapped implementation's name. Refuses (ConfigError) an SP ``size`` its heads
@@ -168,8 +176,7 @@ def use_ulysses_attention(model: nn.Module, size: int) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    module = getattr(model, "module", model)
-    backbone = module.model if hasattr(module, "value_head") else module
+    backbone = _attention_model(model)
     config = backbone.config
     heads, kv_heads = head_counts(config)
     check_sequence_parallel_heads(type(backbone).__name__, heads, kv_heads, size, "sequence_parallel_size")
@@ -188,6 +195,4 @@ def use_ulysses_attention(model: nn.Module, size: int) -> str:
 
 def wrapped_implementation(module: nn.Module) -> str | None:
     """The implementation a switched model's Ulysses wrapper runs; None for a model not switched."""
-    module = getattr(module, "module", module)
-    config = (module.model if hasattr(module, "value_head") else module).config
-    return _WRAPPED.get(getattr(config, "_attn_implementation", None))
+    return _WRAPPED.get(getattr(_attention_model(module).config, "_attn_implementation", None))

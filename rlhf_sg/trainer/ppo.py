@@ -579,7 +579,8 @@ class PPOTrainer:
         timeout_s = cfg.reward.timeout_s or t.timeout_s
         n = cfg.rollout.n_samples_per_prompt
         if cfg.reward.kind == "model":
-            plans = microbatch_plans(experience, cfg.reward.num_ranks, t.max_tokens_per_microbatch)
+            plans = microbatch_plans(experience, self.layout.data_parallel_ranks("reward"),
+                                     microbatch_tokens(cfg, "reward"))
             return self.cluster.reward_model.forward(_put(experience), plans, len(completions))
         texts_p = [prompts[i // n].text for i in range(len(completions))]
         texts_c = [completion_text(self.tokenizer, c) for c in completions]  # multi-turn: the model's text
