@@ -135,10 +135,10 @@ class TrainConfig:
     recompute_old_logp: bool | None = None
     #: recompute activations in the backward of actor and critic (less memory, ~30% more compute)
     gradient_checkpointing: bool = False
-    #: sequence parallelism (Ulysses, rlhf_sg/parallel/): every packed row of the actor, critic, reference and reward
-    #: model groups split over this many ranks of the group, each attention computed per head over the whole row;
-    #: each group's ranks = data-parallel ranks x this. The heads of every model must split (checked here); what the
-    #: SP groups do not run yet (a teacher, routing replay among them) is refused by its flag before Ray starts
+    #: sequence parallelism (Ulysses, rlhf_sg/parallel/): every packed row of the actor, critic, reference, reward
+    #: model and teacher groups split over this many ranks of the group, each attention computed per head over the
+    #: whole row; each group's ranks = data-parallel ranks x this. The heads of every model must split (checked here);
+    #: what the SP groups do not run yet (routing replay among them) is refused by its flag before Ray starts
     sequence_parallel_size: int = 1
     #: the actor's SP size in place of sequence_parallel_size (None: that); e.g. the actor's long rows split over 4
     #: ranks and the critic's over 2
@@ -149,6 +149,8 @@ class TrainConfig:
     ref_sequence_parallel_size: int | None = None
     #: the reward model's SP size (--reward.kind model; None: sequence_parallel_size)
     reward_sequence_parallel_size: int | None = None
+    #: the teacher's SP size (--distill.teacher; None: sequence_parallel_size)
+    teacher_sequence_parallel_size: int | None = None
     #: a model group of one rank under ZeRO-3 too (true) or unpartitioned (false, the default: DeepSpeed stage 0, or
     #: stage 1 with bfloat16, where one rank partitions nothing; no gathers, same numbers); groups of several ranks
     #: stay ZeRO-3. A checkpoint written under the other setting is converted on resume (rlhf_sg/checkpoint_convert.py)
@@ -794,9 +796,10 @@ def _heads(path: str) -> tuple[int, int] | None:
 
 def sequence_parallel_size(cfg: Config, role: str) -> tuple[str, int]:
     """``role``'s SP group size and the flag that sets it: ``--train.<role>_sequence_parallel_size`` where given
-    (actor, critic, ref, reward), else ``--train.sequence_parallel_size``; 1 for the groups that do not split rows."""
+    (actor, critic, ref, reward, teacher), else ``--train.sequence_parallel_size``; 1 for the groups that do not
+    split rows."""
     t = cfg.train
-    if role not in ("actor", "critic", "ref", "reward"):
+    if role not in ("actor", "critic", "ref", "reward", "teacher"):
         return "--train.sequence_parallel_size", 1
     own = getattr(t, f"{role}_sequence_parallel_size")
     if own is None:
@@ -856,8 +859,8 @@ def _check_microbatch_budget(cfg: Config) -> None:
 
 def _check_sequence_parallel(cfg: Config) -> None:
     """--train.sequence_parallel_size and the per-group sizes: each divides the ranks of the group it splits (actor,
-    critic, reference, reward model) and that model's heads split over it; what the SP groups do not run yet is
-    refused by the flag of a group that splits."""
+    critic, reference, reward model, teacher) and that model's heads split over it; what the SP groups do not run
+    yet is refused by the flag of a group that splits."""
     from rlhf_sg.parallel.heads import check_sequence_parallel_heads
 
     m, t, rw = cfg.model, cfg.train, cfg.reward
@@ -868,7 +871,9 @@ def _check_sequence_parallel(cfg: Config) -> None:
               ("critic", "--train.critic_num_ranks", t.critic_num_ranks,
                m.critic_pretrain or m.reward_pretrain or m.pretrain, critic),
               ("ref", "--train.ref_num_ranks", t.ref_num_ranks, m.pretrain, t.kl_coef > 0),
-              ("reward", "--reward.num_ranks", rw.num_ranks, m.reward_pretrain, rw.kind == "model"))
+              ("reward", "--reward.num_ranks", rw.num_ranks, m.reward_pretrain, rw.kind == "model"),
+              ("teacher", "--distill.num_ranks", cfg.distill.num_ranks, cfg.distill.teacher,
+               cfg.distill.teacher is not None))
     split = []  # (flag, size) of each group that splits its rows
     for role, ranks_flag, ranks, path, used in groups:
         flag, n = sequence_parallel_size(cfg, role)
@@ -887,7 +892,6 @@ def _check_sequence_parallel(cfg: Config) -> None:
     policy = m.pretrain if m.pretrain and os.path.isfile(os.path.join(m.pretrain, "config.json")) else None
     # what the SP groups do not run yet: each refused by its flag
     refused = (
-        ("--distill.teacher", cfg.distill.teacher is not None, "the teacher's group does not split sequences yet"),
         ("--train.routing_replay", t.routing_replay, "routes are replayed per whole row, not per shard"),
         ("--model.pretrain (a mixture-of-experts model)", policy is not None and _has_experts(policy),
          "its router loss would see one shard's tokens"),

@@ -561,7 +561,7 @@ class ModelWorker:
         from rlhf_sg.parallel import sp_critic_values, sp_response_logprobs, sp_reward_scores
 
         _check_sequence_parallel(self.module, mb, mb.routes is not None and self.spec.role == "actor")
-        if self.spec.role in ("actor", "ref"):
+        if self.spec.role in ("actor", "ref", "teacher"):
             return sp_response_logprobs(self.module, mb.sequences, mb.attention_mask, mb.response_width,
                                         self.sequence_parallel, temperature, share_prompts=share_prompts)
         if self.spec.role == "critic":

@@ -290,8 +290,9 @@ def test_the_teacher_group_is_placed_like_the_reference(make):
 
 @pytest.mark.slow
 def test_a_run_distills_toward_the_teacher_through_its_own_log_probs(ray_cluster, task, tmp_path):
-    """Three ``--distill.only`` steps on the quickstart's task with a teacher that answers 7 to every problem: the
-    teacher log-probs of each step's samples are the teacher model's own forward on them, the advantages are the
+    """Three ``--distill.only`` steps on the quickstart's task with a teacher that answers 7 to every problem, the
+    teacher a group of 2 ranks splitting its rows (one SP group of 2): the teacher log-probs of each step's samples
+    are the teacher model's own forward on them (one rank, each row alone), the advantages are the
     teacher's log-ratio, and the trained policy gives the teacher's answer a higher log-prob on every problem (the
     logged reverse KL, estimated on each step's 32 samples, moves by less than its noise in three steps)."""
     import arith_task
@@ -312,7 +313,8 @@ def test_a_run_distills_toward_the_teacher_through_its_own_log_probs(ray_cluster
 
     cfg = make_cfg(task, str(tmp_path / "run"), steps=3, algo="grpo", distill__teacher=teacher, distill__only=True,
                    train__kl_coef=0.0, train__actor_lr=1e-3, rollout__prompts_per_step=4, eval__prompt_data=None,
-                   perf__accounting=False, train__actor_num_ranks=1, log__export_hf=True)
+                   perf__accounting=False, train__actor_num_ranks=1, log__export_hf=True, distill__num_ranks=2,
+                   train__teacher_sequence_parallel_size=2)
     history = train(cfg, Keep)
     assert all(h["time/teacher"] > 0 and h["distill/reverse_kl"] > 0 for h in history)
 

@@ -765,8 +765,7 @@ def test_the_flag_is_validated_before_ray(sp_config):
     assert works.train.share_prompts  # shared-prompt rows and the blocks split as packed rows do
     validate(works)
     # what the SP groups do not run yet is refused by its flag, with the way out
-    refused = {"--distill.teacher": lambda cfg: setattr(cfg.distill, "teacher", cfg.model.pretrain),
-               "--train.routing_replay": lambda cfg: setattr(cfg.train, "routing_replay", True)}
+    refused = {"--train.routing_replay": lambda cfg: setattr(cfg.train, "routing_replay", True)}
     for what, change in refused.items():
         cfg = sp_config(2, 4)
         change(cfg)
@@ -802,8 +801,8 @@ def test_each_group_takes_its_own_size_under_its_own_flag(sp_config):
              lambda c: setattr(c.train, "critic_sequence_parallel_size", 3),
              "--train.ref_sequence_parallel_size must be >= 1, got 0":
              lambda c: setattr(c.train, "ref_sequence_parallel_size", 0),
-             "--train.actor_sequence_parallel_size 4 with --distill.teacher: ":
-             lambda c: setattr(c.distill, "teacher", c.model.pretrain)}
+             "--train.actor_sequence_parallel_size 4 with --train.routing_replay: ":
+             lambda c: setattr(c.train, "routing_replay", True)}
     for message, change in cases.items():
         bad = sp_config(1, 4)
         bad.train.share_prompts, bad.train.actor_sequence_parallel_size = False, 4
@@ -860,6 +859,35 @@ def test_the_reward_models_group_splits_under_its_own_flag_and_a_lora_policy_spl
     assert Layout(validate(lora)).lora_of("actor") is not None
 
 
+def test_the_teachers_group_splits_under_its_own_flag(sp_config):
+    """--distill.teacher under SP: --train.teacher_sequence_parallel_size (unset: --train.sequence_parallel_size) is
+    the teacher group's size (the layout's SP and data-parallel sizes and its micro-batch budget follow), validated
+    before Ray under the flag that set it: a divisor of --distill.num_ranks, the teacher's heads."""
+    from rlhf_sg.config import microbatch_tokens, validate
+    from rlhf_sg.trainer.layout import Layout
+
+    def with_teacher(size: int, teacher_ranks: int, own: int | None = None, path: str | None = None):
+        cfg = sp_config(size, 4)
+        cfg.distill.teacher, cfg.distill.num_ranks = path or cfg.model.pretrain, teacher_ranks
+        cfg.train.teacher_sequence_parallel_size = own
+        return cfg
+
+    cfg = validate(with_teacher(2, 4))
+    layout = Layout(cfg)
+    assert (layout.sequence_parallel_size("teacher"), layout.data_parallel_ranks("teacher")) == (2, 2)
+    assert microbatch_tokens(cfg, "teacher") == 2 * cfg.train.max_tokens_per_microbatch
+    assert Layout(validate(with_teacher(1, 4, own=4))).data_parallel_ranks("teacher") == 1
+    cases = {"--train.sequence_parallel_size 2: --distill.num_ranks 3 is not a multiple of it": with_teacher(2, 3),
+             "--train.teacher_sequence_parallel_size 4: --distill.num_ranks 2 is not a multiple of it":
+             with_teacher(1, 2, own=4),
+             f"--train.teacher_sequence_parallel_size 4: {sp_config.odd} has 6 attention heads":
+             with_teacher(1, 4, own=4, path=sp_config.odd)}
+    for message, bad in cases.items():
+        with pytest.raises(ConfigError) as error:
+            validate(bad)
+        assert str(error.value).startswith(message), str(error.value)
+
+
 def test_a_harness_row_is_bounded_by_the_smallest_micro_batch_of_a_group_that_scores_it(sp_config):
     """A harness's row (nothing else caps it) must fit one micro-batch of every group that scores it: N x the budget
     for an SP group of N, the budget for a group that does not split, and the engines' context above them."""
@@ -898,6 +926,7 @@ def test_the_microbatch_budget_is_a_ranks_share_of_a_row(sp_config):
         return cfg
 
     cfg = validate(long_rows(4))
+    cfg.train.teacher_sequence_parallel_size = 1  # a group at a size of 1 of its own keeps the budget
     assert microbatch_tokens(cfg, "actor") == 256 and microbatch_tokens(cfg, "teacher") == 64
     refusals = {1: "--train.max_tokens_per_microbatch (64) must hold one full sequence (max_prompt_len + "
                    "max_new_tokens = 256) on one rank of the actor group; raise it to 256, or split the rows over "

@@ -272,9 +272,9 @@ def test_an_sp_group_of_two_ranks_takes_the_one_rank_training_step(role, lora, m
     _assert_the_one_rank_step(role, alone, split, 2)
 
 
-def _reward_rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str, plan) -> dict:
-    """One rank of a reward-model group of ``world`` ranks in SP groups of ``size``: its scoring forward of the
-    batch's rows in ``plan``."""
+def _scoring_rank(role: str, rank: int, world: int, size: int, port: int, model_dir: str, plan) -> dict:
+    """One rank of a forward-only ``role`` group (reward model, teacher) of ``world`` ranks in SP groups of ``size``:
+    its scoring forward of the batch's rows in ``plan``."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import torch.distributed as dist
 
@@ -318,8 +318,25 @@ def test_a_reward_models_sp_group_of_two_ranks_scores_as_one_rank(model_dir, tmp
     assert (model.reward_mean, model.reward_std) == (0.5, 2.0)
     with torch.no_grad():
         expected = model.normalize_rewards(reward_scores(model, batch.sequences, batch.attention_mask))
-    for rank, seen in enumerate(_spawn("reward", 2, 2, reward_dir, plan, run=_reward_rank)):
+    for rank, seen in enumerate(_spawn("reward", 2, 2, reward_dir, plan, run=_scoring_rank)):
         assert seen["rows"] == [2, 0, 3, 1], rank
+        torch.testing.assert_close(seen["scores"], expected[seen["rows"]], atol=TOL, rtol=0, msg=f"rank {rank}")
+
+
+@pytest.mark.slow
+def test_a_teachers_sp_group_of_two_ranks_scores_as_one_rank(model_dir):
+    """A teacher group of 2 ranks in one SP group (ZeRO-3, forward only) gives the one-rank log-probs of the rows it
+    is handed, in their order (a response crossing the shard edge)."""
+    from rlhf_sg.packing import response_logprobs
+    from rlhf_sg.workers import WorkerSpec, load_worker_model
+
+    batch, plan = _experience(), [[1, 3, 0, 2]]
+    model = load_worker_model(WorkerSpec(role="teacher", model_path=model_dir, world_size=1, master_addr="",
+                                         master_port=0, train=False))
+    with torch.no_grad():
+        expected = response_logprobs(model, batch.sequences, batch.attention_mask, batch.response_width)
+    for rank, seen in enumerate(_spawn("teacher", 2, 2, model_dir, plan, run=_scoring_rank)):
+        assert seen["rows"] == [1, 3, 0, 2], rank
         torch.testing.assert_close(seen["scores"], expected[seen["rows"]], atol=TOL, rtol=0, msg=f"rank {rank}")
 
 

@@ -175,9 +175,8 @@ class Layout:
         )
 
     def sequence_parallel_size(self, role: str) -> int:
-        """``role``'s SP group size: --train.<role>_sequence_parallel_size or --train.sequence_parallel_size for the
-        actor, critic, reference and reward model groups, 1 for the others (config.py refuses a run that would need
-        them split)."""
+        """``role``'s SP group size: --train.<role>_sequence_parallel_size or --train.sequence_parallel_size
+        (:func:`rlhf_sg.config.sequence_parallel_size`)."""
         return sequence_parallel_size(self.cfg, role)[1]
 
     def data_parallel_ranks(self, role: str) -> int:

@@ -394,7 +394,7 @@ class PPOTrainer:
         """The scoring forwards, in eval mode: reference and teacher log-probs, critic values and (when the step
         needs them, :attr:`recomputes_old_logp`) the actor's old log-probs, the KL of the sampling policy from the
         reference and its reverse KL from the teacher. Fills ``experience``; returns metrics."""
-        t, B = self.cfg.train, experience.batch_size
+        B = experience.batch_size
         if not (self.uses_ref or self.uses_critic or self.recomputes_old_logp):
             return {}  # nothing to score: the actor's update measures the log-prob gap itself
         temperature = self.cfg.rollout.temperature or 1.0
@@ -414,8 +414,8 @@ class PPOTrainer:
                     self._count("reference", "ref", experience, plans)
         if self.layout.uses_teacher:
             with timer.phase("teacher"):  # the teacher scores the policy's samples as the reference does
-                plans = microbatch_plans(experience, self.cfg.distill.num_ranks, t.max_tokens_per_microbatch,
-                                         share_prompts=self.share_prompts)
+                plans = microbatch_plans(experience, self.layout.data_parallel_ranks("teacher"),
+                                         microbatch_tokens(self.cfg, "teacher"), share_prompts=self.share_prompts)
                 experience.teacher_logp = self.cluster.teacher.forward(ref, plans, B, temperature, self.share_prompts)
                 self._count("teacher", "teacher", experience, plans)
         if self.uses_critic:
