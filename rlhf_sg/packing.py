@@ -875,8 +875,7 @@ def _model_device(model: nn.Module) -> torch.device:
 def _attn_implementation(module: nn.Module, override: str | None) -> str:
     if override is not None:
         return override
-    config = getattr(module, "config", None)
-    impl = getattr(config, "_attn_implementation", None)
+    impl = _implementation_run(module)  # a sequence-parallel wrapper's: the implementation it wraps
     if impl == SHARED_PROMPT_ATTENTION:  # sdpa, with shared-prompt rows computed block by block
         return "sdpa"
     if impl is None:

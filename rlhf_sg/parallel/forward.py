@@ -30,8 +30,8 @@ from torch.utils.checkpoint import checkpoint
 
 from rlhf_sg.packing import (
     _FLASH_IMPLEMENTATIONS,
-    SHARED_PROMPT_ATTENTION,
     PackedBatch,
+    _attn_implementation,
     _block_causal_mask,
     _block_positions,
     _check_padded,
@@ -94,15 +94,14 @@ def _check_one_batch(rows: ShardedRows, group: SequenceParallelGroup) -> None:
 def _implementation(module: nn.Module) -> str:
     """The attention implementation a switched model's Ulysses wrapper runs (sdpa for the shared-prompt blocks, whose
     every other call is sdpa's); refuses a model not switched, or one whose rows cannot be split."""
-    implementation = wrapped_implementation(module)
-    if implementation is None:
+    if wrapped_implementation(module) is None:
         raise ValueError(f"{type(module).__name__} is not switched to sequence parallelism; call "
                          "rlhf_sg.parallel.use_ulysses_attention(model, size) first")
     reason = one_sequence_per_row_reason(module)
     if reason is not None:
         raise ValueError(f"{type(module).__name__}: {reason}, so its rows cannot be split across ranks; train it with "
                          "sequence_parallel_size 1")
-    return "sdpa" if implementation == SHARED_PROMPT_ATTENTION else implementation
+    return _attn_implementation(module, None)
 
 
 def _sharded_forward(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
