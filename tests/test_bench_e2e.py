@@ -40,13 +40,42 @@ def test_trl_settings_cover_every_micro_batch_that_divides_the_step_with_and_wit
 def test_a_pinned_setting_reads_back_from_its_flag_and_must_make_up_the_step():
     assert parse_trl_setting("8,8,off", 64) == TrlSetting(8, 8, False)
     assert parse_trl_setting(" 16, 4, ON", 64) == TrlSetting(16, 4, True)
-    for setting in trl_settings(64):
+    assert parse_trl_setting("16,4,off,compile", 64) == TrlSetting(16, 4, False, compile=True)
+    for setting in trl_settings(64) + [TrlSetting(16, 4, False, compile=True)]:
         assert parse_trl_setting(setting.flag, 64) == setting
+    assert TrlSetting(16, 4, False, compile=True).knobs == [16, 4, False, True]
+    assert "torch_compile on" in TrlSetting(16, 4, False, compile=True).describe()
     with pytest.raises(ValueError, match=r"--trl-setting '8,4,off'.*8 x 4.*64"):
         parse_trl_setting("8,4,off", 64)
-    for bad in ("8,8", "8,8,maybe", "a,8,off", "0,64,off"):
+    for bad in ("8,8", "8,8,maybe", "a,8,off", "0,64,off", "8,8,off,fast", "8,8,off,compile,x"):
         with pytest.raises(ValueError, match="--trl-setting"):
             parse_trl_setting(bad, 64)
+
+
+@pytest.mark.parametrize("compiled_s, kept", [(9.5, "16,4,off,compile"), (14.0, "16,4,off"), (None, "16,4,off")])
+def test_the_search_tries_its_fastest_setting_again_with_torch_compile(monkeypatch, capsys, compiled_s, kept):
+    """After the grid (one process), the fastest setting once more with the Trainer's ``torch_compile``, in a process
+    of its own; the faster of all is kept (a compiled run that failed is not)."""
+    seconds = {(16, 4, False, False): 10.0, (16, 4, False, True): compiled_s}
+    calls = []
+
+    def run_trl(args, model_path, prompt_file, out, settings, steps):  # the TRL processes: timed steps per setting
+        calls.append([s.flag for s in settings])
+        results = []
+        for setting in settings:
+            step_s = seconds.get(tuple(setting.knobs), 12.0)
+            result = None
+            if step_s is not None:
+                result = e2e.SideResult("trl-grpo", 64)
+                result.add_step(step_s, {}, 64.0)
+            results.append((setting, result))
+        return results
+
+    monkeypatch.setattr(e2e, "run_trl", run_trl)
+    args = argparse.Namespace(prompts=8, samples=8, warmup=1, trl_probe_steps=1)
+    assert e2e.search_trl(args, "m", "p", "o").flag == kept
+    assert calls[0] == [s.flag for s in trl_settings(64)] and calls[1] == ["16,4,off,compile"]
+    assert f"trl {kept:<10}" in capsys.readouterr().out.split("<- kept")[0].splitlines()[-1]
 
 
 def test_the_search_keeps_the_fastest_setting_that_finished_and_the_first_of_a_tie():
@@ -195,7 +224,7 @@ def test_our_steps_are_timed_by_the_wall_clock_not_by_the_trainers_own_step_time
     monkeypatch.setattr(e2e, "wait_for_children", lambda timeout_s: waits.append(timeout_s) or 0)
     args = argparse.Namespace(backend="hf", prompts=8, samples=8, max_new_tokens=64, actor_ranks=1, lr=1e-6,
                               critic_lr=1e-5, warmup=1, steps=2, seed=0, worker_threads=None, engine_threads=None,
-                              share_prompts=True, stop_token_ids=[])
+                              share_prompts=True, fused_kernels=False, stop_token_ids=[])
     got = e2e.run_ours("grpo-async", args, "model", "prompts.jsonl", str(tmp_path))
     assert got.name == "ours-grpo-async"
     assert len(got.step_s) == 2 and min(got.step_s) >= _OverlappingTrainer.STEP_S
@@ -246,12 +275,13 @@ def test_the_k4_side_runs_ahead_by_four_with_the_decoupled_loss_and_the_long_tai
     assert [by_id[i] for i in ids] == ["~", "`"] and not any(by_id[i].isdigit() for i in ids)
     args = argparse.Namespace(backend="hf", prompts=4, samples=4, max_new_tokens=64, actor_ranks=1, lr=1e-6,
                               critic_lr=1e-5, warmup=1, steps=2, seed=0, worker_threads=None, engine_threads=None,
-                              share_prompts=True, stop_token_ids=ids)
+                              share_prompts=True, fused_kernels=True, stop_token_ids=ids)
     k4 = e2e.make_config("grpo", args, "m", "p", "o", mode="async", max_staleness=e2e.MAX_STALENESS["grpo-async-k4"])
     k1 = e2e.make_config("grpo", args, "m", "p", "o", mode="async", max_staleness=e2e.MAX_STALENESS["grpo-async"])
     assert (k4.rollout.max_staleness, k4.train.decoupled_loss) == (4, True)
     assert (k1.rollout.max_staleness, k1.train.decoupled_loss) == (1, False)
     assert k4.rollout.stop_token_ids == ids
+    assert k4.model.fused_kernels and k1.model.fused_kernels
     with pytest.raises(ValueError, match=r"--tail-stop-ids must be in \[1, 4\], got 5"):
         e2e.tail_stop_ids(5)
 
@@ -279,3 +309,30 @@ def test_trl_alone_is_a_plain_script_scoring_as_the_bench():
     assert e2e.trl_digit_reward is _trl_alone.digit_reward
     completions = ["12 ab", "", "abc", "9"]
     assert _trl_alone.digit_reward(["p"] * 4, completions) == e2e.digit_reward(["p"] * 4, completions, [None] * 4)
+
+
+def test_every_side_is_held_to_the_highest_ceiling_reading_at_its_thread_count():
+    """A side's process reads the ceiling once, at its start, maybe while the last side's processes still exit: the
+    bench holds every side to the highest reading at its thread count (the bench's own after the sides included)
+    and rescales each step's fractions to it: the FLOP fractions by TFLOP/s, bandwidth by GB/s, the roofline by
+    whichever bound it takes."""
+    ours = e2e.SideResult("ours-grpo", 64, rank_threads=2)
+    ours.add_step(5.0, {}, 64.0, perf={"perf/train_of_peak": 0.6, "perf/generate_of_peak_bw": 0.2,
+                                       "perf/generate_GBps": 4.0, "perf/generate_TFLOPs": 0.09,
+                                       "perf/generate_of_roofline": 0.45}, ceiling=(0.2, 20.0))
+    trl = e2e.SideResult("trl-grpo", 64, rank_threads=2)
+    trl.add_step(9.0, {}, 64.0, perf={"perf/train_of_peak": 0.9}, ceiling=(0.1, 10.0))
+    other_round = e2e.SideResult("trl-grpo", 64, rank_threads=2)
+    other_round.add_step(9.0, {}, 64.0, perf={"perf/train_of_peak": 0.3}, ceiling=(0.3, 25.0))
+    trl.merge(other_round)
+    one_thread = e2e.SideResult("ours-split", 64, rank_threads=1)
+    one_thread.add_step(5.0, {}, 64.0, perf={"perf/train_of_peak": 0.5}, ceiling=(0.15, 12.0))
+    lines = e2e.hold_to_ceiling([ours, trl, one_thread], {2: (0.25, 30.0), 4: (9.0, 99.0)})
+    assert ours.perf[0]["perf/train_of_peak"] == pytest.approx(0.6 * 0.2 / 0.3)
+    assert ours.perf[0]["perf/generate_of_peak_bw"] == pytest.approx(0.2 * 20.0 / 30.0)
+    # bytes bound before (4/20 > 0.09/0.2) and after (4/30 > 0.09/0.3): the roofline scales as the bandwidth
+    assert ours.perf[0]["perf/generate_of_roofline"] == pytest.approx(0.45 * (4.0 / 30.0) / (4.0 / 20.0))
+    assert [p["perf/train_of_peak"] for p in trl.perf] == pytest.approx([0.9 * 0.1 / 0.3, 0.3])
+    assert one_thread.perf[0]["perf/train_of_peak"] == pytest.approx(0.5)  # its own thread count: its own reading
+    assert len(lines) == 2 and "0.3 TFLOP/s and 30 GB/s" in lines[1]
+    assert "trl-grpo 0.1/0.3" in lines[1] and "the bench after the sides 0.25" in lines[1]

@@ -44,10 +44,11 @@ def _loss(logp: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor, a
     return -((logp * advantages).sum() + 0.1 * (entropy * action).sum()) / action.sum()
 
 
-def _rank_steps(rank: int, port: int) -> dict[str, list[torch.Tensor]]:
+def _rank_steps(rank: int, port: int, fused: bool = False) -> dict[str, list[torch.Tensor]]:
     """One of two ZeRO-3 ranks: :data:`STEPS` SGD steps on its rollout; at each, the scoring forward's log-probs
     (no grad, eval mode), the update's log-probs and entropy, the lm_head's full gradient and its weight after the
-    step."""
+    step. ``fused``: the model's norms and MLP products run as fused kernels (:mod:`rlhf_sg.kernels`), inside
+    ZeRO-3's gathers."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
     import torch.distributed as dist
@@ -59,6 +60,10 @@ def _rank_steps(rank: int, port: int) -> dict[str, list[torch.Tensor]]:
     init_torch_distributed(rank, 2, "127.0.0.1", port, timeout_s=TIMEOUT_S, local_rank=0)
     try:
         model = _model()
+        if fused:
+            from rlhf_sg.kernels import fuse_kernels
+
+            assert fuse_kernels(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         # on CPU every parameter is partitioned (persistence threshold 0), the lm_head included; no clipping
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero3_config(max_grad_norm=0.0))
@@ -106,10 +111,12 @@ def _reference() -> tuple[dict[int, dict[str, list[torch.Tensor]]], dict[str, li
 
 
 @pytest.mark.slow
-def test_two_zero3_ranks_with_different_response_tokens_match_one_unpartitioned_model():
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused-kernels"])
+def test_two_zero3_ranks_with_different_response_tokens_match_one_unpartitioned_model(fused):
     """Two ZeRO-3 ranks (gloo), 2 vs 5 lm_head chunks, three steps (DeepSpeed records its module trace in the first
     and prefetches from it after): the scoring forward's and the update's log-probs, the entropy, the lm_head's
-    gradient and its stepped weight equal one unpartitioned model's up to fp32 rounding."""
+    gradient and its stepped weight equal one unpartitioned model's up to fp32 rounding; with the ranks' norms and
+    MLP products fused too (the reference stays eager)."""
     from zero3_rank import in_fresh_process
 
     from rlhf_sg.distributed import free_port
@@ -117,7 +124,7 @@ def test_two_zero3_ranks_with_different_response_tokens_match_one_unpartitioned_
     per_rank, head = _reference()
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(len(ROLLOUTS)) as ranks:
-        futures = {rank: ranks.submit(in_fresh_process, _rank_steps, rank, port, timeout_s=4 * TIMEOUT_S)
+        futures = {rank: ranks.submit(in_fresh_process, _rank_steps, rank, port, fused, timeout_s=4 * TIMEOUT_S)
                    for rank in ROLLOUTS}
         failed = {rank: future.exception() for rank, future in futures.items()}
     if any(failed.values()):

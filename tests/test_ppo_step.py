@@ -630,6 +630,41 @@ def test_the_actor_logs_its_gradient_norm_and_rows_out_of_the_loss_move_nothing(
     torch.testing.assert_close(frozen["before"], frozen["after"], rtol=0, atol=0)
 
 
+def _one_rank_updates(model_path: str, allreduce: bool) -> dict:
+    """Two updates of an unpartitioned single-rank actor (ZeRO stage 0); ``allreduce``: with DeepSpeed's
+    all-reduce of the gradients after each backward turned back on. How often the engine ran it, its optimizer's
+    settings, and the weights after."""
+    import torch.distributed as dist
+
+    worker, batch, plan = actor_rank(model_path, zero_stage=0)
+    try:
+        engine, calls = worker.engine, []
+        skipped = not engine.enable_backward_allreduce
+        engine.enable_backward_allreduce = allreduce or engine.enable_backward_allreduce
+        reduce = engine.allreduce_gradients
+        engine.allreduce_gradients = lambda *a, **k: (calls.append(1), reduce(*a, **k))[1]
+        for _ in range(2):
+            worker.train_actor(batch, one_step(plan, batch), FRESH_UPDATE)
+        return {"skipped": skipped, "calls": len(calls), "fused": engine.optimizer.defaults.get("fused"),
+                "weights": [p.detach().clone() for p in worker.module.parameters()]}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_single_rank_skips_the_gradient_all_reduce_and_steps_with_fused_adamw(model_dir):
+    """A group of one unpartitioned rank has nothing to average: its engine runs no all-reduce after a backward
+    (DeepSpeed's flatten, reduce and copy back of every gradient), and its weights after two updates are those of
+    the same rank with the all-reduce on, bit for bit. Its CPU optimizer is torch's fused AdamW."""
+    lean = in_fresh_process(_one_rank_updates, model_dir, False)
+    reduced = in_fresh_process(_one_rank_updates, model_dir, True)
+    assert lean["skipped"] and lean["calls"] == 0
+    assert reduced["calls"] == 2
+    assert lean["fused"] is True
+    for mine, theirs in zip(lean["weights"], reduced["weights"], strict=True):
+        assert torch.equal(mine, theirs)
+
+
 def _a_rank_sharing_prompts(model_path: str, share_prompts: bool) -> dict:
     import torch.distributed as dist
 

@@ -8,7 +8,8 @@ the same settings; the bench's side adds only its phase timers.
 
 SPEC_JSON: ``model_path``, ``prompt_file`` (JSONL rows with ``prompt``), ``output_dir``, ``samples``,
 ``max_new_tokens``, ``lr``, ``warmup``, ``steps``, ``threads``, ``seed`` and ``setting`` ([micro_batch,
-accumulation, checkpointing]). Prints one line, :data:`RESULT_MARKER` then JSON: each timed step's seconds.
+accumulation, checkpointing, compile], ``compile`` the Trainer's ``torch_compile``). Prints one line,
+:data:`RESULT_MARKER` then JSON: each timed step's seconds.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def digit_reward(prompts: list[str], completions: list[str], **kwargs: Any) -> l
 
 
 def grpo_config_kwargs(spec: dict[str, Any], micro_batch: int, accumulation: int, checkpointing: bool,
-                       warmup: int) -> dict[str, Any]:
+                       warmup: int, compile_model: bool = False) -> dict[str, Any]:
     """The bench's ``GRPOConfig``: one generation round of ``micro_batch x accumulation`` completions
     (``steps_per_generation`` defaults to the accumulation), then that many micro-batches and one optimizer step;
     sampling at temperature 1 with no top-p / top-k, no reference model (``beta=0``), float32 on the CPU."""
@@ -54,6 +55,7 @@ def grpo_config_kwargs(spec: dict[str, Any], micro_batch: int, accumulation: int
         disable_tqdm=True,
         dataloader_num_workers=0,
         seed=spec["seed"],
+        torch_compile=compile_model,
     )
 
 
@@ -70,8 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32, attn_implementation="sdpa")
     with open(spec["prompt_file"]) as f:
         dataset = Dataset.from_list([{"prompt": json.loads(line)["prompt"]} for line in f if line.strip()])
-    micro_batch, accumulation, checkpointing = spec["setting"]
-    config = GRPOConfig(**grpo_config_kwargs(spec, micro_batch, accumulation, checkpointing, spec["warmup"]))
+    micro_batch, accumulation, checkpointing, compile_model = spec["setting"]
+    config = GRPOConfig(**grpo_config_kwargs(spec, micro_batch, accumulation, checkpointing, spec["warmup"],
+                                             compile_model))
     seconds: list[float] = []
 
     class StepTimes(TrainerCallback):

@@ -35,12 +35,13 @@ Sides:
   ``--trl-search`` (on by default) tries ``per_device_train_batch_size`` 8, 16, 32 and 64 with
   ``gradient_accumulation_steps`` = 64 / that (one optimizer step over the step's 64 samples) and
   ``gradient_checkpointing`` off and on, each for ``--trl-probe-steps`` timed steps after ``--warmup`` untimed
-  ones of its own (a fresh model and trainer pays its first step's allocations), all in one process, and keeps the
-  fastest
-  (it prints every setting's time and the one kept; ``--trl-setting 8,8,off`` pins one and skips the
-  search). After the TRL side in each round, TRL alone: the same setting as a plain script that imports nothing
-  of this project (``rlhf_sg/bench/_trl_alone.py``, whose ``GRPOConfig`` and reward the TRL side uses too); the
-  ``baseline:`` line says whether the bench's TRL side is within 5 % of it (``--no-trl-alone`` skips it).
+  ones of its own (a fresh model and trainer pays its first step's allocations), all in one process; then the
+  fastest of those again with the Trainer's ``torch_compile`` on, in a process of its own (our side may compile
+  fused kernels, ``--fused-kernels``, so TRL gets its compile knob too), and keeps the fastest of all
+  (it prints every setting's time and the one kept; ``--trl-setting 8,8,off`` or ``16,4,off,compile`` pins one
+  and skips the search). After the TRL side in each round, TRL alone: the same setting as a plain script that
+  imports nothing of this project (``rlhf_sg/bench/_trl_alone.py``, whose ``GRPOConfig`` and reward the TRL side
+  uses too); the ``baseline:`` line says whether the bench's TRL side is within 5 % of it (``--no-trl-alone`` skips it).
   TRL's ``steps_per_generation`` defaults to the accumulation, so its generation batch is
   micro-batch x accumulation = 64 completions in every setting: one ``generate`` over 64, then the
   accumulated micro-batches, then one optimizer step, and no separate old-log-prob forward
@@ -84,6 +85,7 @@ machine load hits both ends alike. With one round (the default, to keep the run 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -219,13 +221,20 @@ class SideResult:
     #: per measured step, its ``perf/*`` accounting (:mod:`rlhf_sg.flops`), and the ceiling it is held to
     perf: list[dict[str, float]] = field(default_factory=list)
     ceiling: str = ""
+    #: per measured step, the ceiling its ``perf/*`` were computed against: (TFLOP/s, GB/s) per rank, the reading
+    #: its process took (None: none); :func:`hold_to_ceiling` rescales them to the bench's held ceiling
+    step_ceilings: list[tuple[float, float] | None] = field(default_factory=list)
+    #: torch threads per rank the side computes with (the ceiling is measured with as many)
+    rank_threads: int = 0
     #: async sides, over the measured steps: the largest sample staleness and the mean token staleness per step
     staleness_max: list[float] = field(default_factory=list)
     token_staleness_mean: list[float] = field(default_factory=list)
 
     def add_step(self, seconds: float, phases: dict[str, float], response_len: float,
-                 reward: float = float("nan"), perf: dict[str, float] | None = None) -> None:
+                 reward: float = float("nan"), perf: dict[str, float] | None = None,
+                 ceiling: tuple[float, float] | None = None) -> None:
         self.perf.append(dict(perf or {}))
+        self.step_ceilings.append(ceiling)
         self.step_s.append(seconds)
         for name, value in phases.items():
             self.phase_s.setdefault(name, []).append(value)
@@ -236,8 +245,10 @@ class SideResult:
         """Pool ``other``'s measured steps and reward trajectories (another round of the same side) into these."""
         for i, seconds in enumerate(other.step_s):
             self.add_step(seconds, {p: v[i] for p, v in other.phase_s.items()}, other.response_len[i],
-                          other.reward[i], other.perf[i] if i < len(other.perf) else None)
+                          other.reward[i], other.perf[i] if i < len(other.perf) else None,
+                          other.step_ceilings[i] if i < len(other.step_ceilings) else None)
         self.ceiling = self.ceiling or other.ceiling
+        self.rank_threads = self.rank_threads or other.rank_threads
         self.trajectories += other.trajectories
         self.wall_s += other.wall_s
         self.generated_tokens += other.generated_tokens
@@ -324,6 +335,61 @@ def perf_lines(results: list[SideResult]) -> list[str]:
     return lines
 
 
+def remeasure_ceilings(shape, results: list[SideResult]) -> dict[int, tuple[float, float]]:
+    """The ceiling measured again by the bench once every side has finished (their processes gone): ``{threads:
+    (TFLOP/s, GB/s)}`` for each thread count a side computed with. Not the per-process cached reading."""
+    from rlhf_sg.flops import measure_cpu_ceiling
+
+    out = {}
+    for threads in sorted({r.rank_threads for r in results if r.rank_threads and any(r.step_ceilings)}):
+        c = measure_cpu_ceiling.__wrapped__(shape, "float32", threads)
+        out[threads] = (c.tflops, c.gbs)
+    return out
+
+
+def hold_to_ceiling(results: list[SideResult], remeasured: dict[int, tuple[float, float]]) -> list[str]:
+    """Hold every side to one ceiling: per thread count, the highest of every reading the sides' processes took
+    (each measures once, at its start, when the last side's processes may still be exiting, or another process
+    loads the machine) and ``remeasured`` (the bench's own, after the sides: ``{threads: (TFLOP/s, GB/s)}``).
+    A low reading makes a phase look closer to the machine's limit than it is; the highest is what the machine
+    did. Rescales each step's ``*_of_peak``, ``*_of_peak_bw`` and ``generate_of_roofline`` in place; returns the
+    report's lines."""
+    held: dict[int, list[float]] = {}
+    readings: dict[int, list[str]] = {}
+    for r in results:
+        for figures in r.step_ceilings:
+            if figures is None:
+                continue
+            best = held.setdefault(r.rank_threads, [0.0, 0.0])
+            best[0], best[1] = max(best[0], figures[0]), max(best[1], figures[1])
+        seen = sorted({f[0] for f in r.step_ceilings if f is not None})
+        if seen:
+            readings.setdefault(r.rank_threads, []).append(f"{r.name} {'/'.join(f'{x:.3g}' for x in seen)}")
+    for threads, (tflops, gbs) in remeasured.items():
+        if threads in held:
+            best = held[threads]
+            best[0], best[1] = max(best[0], tflops), max(best[1], gbs)
+            readings[threads].append(f"the bench after the sides {tflops:.3g}")
+    for r in results:
+        target = held.get(r.rank_threads)
+        for perf, figures in zip(r.perf, r.step_ceilings):
+            if target is None or figures is None:
+                continue
+            own_tf, own_gbs = figures
+            for key in list(perf):
+                if key.endswith("_of_peak"):
+                    perf[key] *= own_tf / target[0]
+                elif key.endswith("_of_peak_bw"):
+                    perf[key] *= own_gbs / target[1]
+            if "perf/generate_of_roofline" in perf and "perf/generate_GBps" in perf and "perf/generate_TFLOPs" in perf:
+                gbps, tfs = perf["perf/generate_GBps"], perf["perf/generate_TFLOPs"]
+                own = max(gbps / own_gbs, tfs / own_tf)
+                if own > 0:
+                    perf["perf/generate_of_roofline"] *= max(gbps / target[1], tfs / target[0]) / own
+    return [f"  every side at {threads} thread(s) per rank is held to {tf:.3g} TFLOP/s and {gbs:.4g} GB/s, the highest "
+            f"reading (TFLOP/s: {', '.join(readings.get(threads, []))})" for threads, (tf, gbs) in sorted(held.items())]
+
+
 def eval_overhead_line(evaluated: SideResult, plain: SideResult) -> str:
     """The wall time held-out evaluation adds to training (same measured steps, pooled), against the evaluation's
     share of generated tokens plus :data:`EVAL_OVERHEAD_SLACK`: generation costs about the same per token
@@ -359,14 +425,21 @@ def reward_lines(results: list[SideResult]) -> list[str]:
 
 @dataclass(frozen=True)
 class TrlSetting:
-    """One setting of TRL's batch knobs: ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
-    ``gradient_checkpointing``. TRL's ``steps_per_generation`` defaults to the accumulation, so the generation
-    batch is ``micro_batch x accumulation`` completions, generated at once, and one optimizer step trains on
-    all of them: every setting with the same product does the same work."""
+    """One setting of TRL's knobs: ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
+    ``gradient_checkpointing`` and ``torch_compile`` (transformers' Trainer compiles the model it trains). TRL's
+    ``steps_per_generation`` defaults to the accumulation, so the generation batch is ``micro_batch x
+    accumulation`` completions, generated at once, and one optimizer step trains on all of them: every setting
+    with the same product does the same work."""
 
     micro_batch: int
     accumulation: int
     checkpointing: bool
+    compile: bool = False
+
+    @property
+    def knobs(self) -> list:
+        """What the TRL processes take: [micro_batch, accumulation, checkpointing, compile]."""
+        return [self.micro_batch, self.accumulation, self.checkpointing, self.compile]
 
     @property
     def samples(self) -> int:
@@ -375,11 +448,13 @@ class TrlSetting:
     @property
     def flag(self) -> str:
         """The setting as ``--trl-setting`` takes it."""
-        return f"{self.micro_batch},{self.accumulation},{'on' if self.checkpointing else 'off'}"
+        flag = f"{self.micro_batch},{self.accumulation},{'on' if self.checkpointing else 'off'}"
+        return flag + (",compile" if self.compile else "")
 
     def describe(self) -> str:
         return (f"per_device_train_batch_size {self.micro_batch} x gradient_accumulation_steps {self.accumulation}, "
-                f"gradient_checkpointing {'on' if self.checkpointing else 'off'}")
+                f"gradient_checkpointing {'on' if self.checkpointing else 'off'}, "
+                f"torch_compile {'on' if self.compile else 'off'}")
 
 
 def trl_settings(samples: int, micro_batches: tuple[int, ...] = TRL_MICRO_BATCHES) -> list[TrlSetting]:
@@ -394,10 +469,11 @@ _SWITCH = {"on": True, "true": True, "1": True, "off": False, "false": False, "0
 
 
 def parse_trl_setting(text: str, samples: int) -> TrlSetting:
-    """``--trl-setting MB,ACCUM,on|off`` as a :class:`TrlSetting`; ``MB x ACCUM`` must be the step's samples."""
+    """``--trl-setting MB,ACCUM,on|off[,compile]`` as a :class:`TrlSetting`; ``MB x ACCUM`` must be the step's
+    samples."""
     parts = [p.strip().lower() for p in text.split(",")]
-    usage = "give micro_batch,accumulation,checkpointing, e.g. --trl-setting 8,8,off"
-    if len(parts) != 3 or parts[2] not in _SWITCH:
+    usage = "give micro_batch,accumulation,checkpointing[,compile], e.g. --trl-setting 8,8,off or 16,4,off,compile"
+    if len(parts) not in (3, 4) or parts[2] not in _SWITCH or parts[3:] not in ([], ["compile"]):
         raise ValueError(f"--trl-setting {text!r}: {usage}")
     try:
         micro_batch, accumulation = int(parts[0]), int(parts[1])
@@ -408,7 +484,7 @@ def parse_trl_setting(text: str, samples: int) -> TrlSetting:
             f"--trl-setting {text!r}: {micro_batch} x {accumulation} samples an optimizer step, but a step has "
             f"{samples} (--prompts x --samples); choose the two so their product is {samples}"
         )
-    return TrlSetting(micro_batch, accumulation, _SWITCH[parts[2]])
+    return TrlSetting(micro_batch, accumulation, _SWITCH[parts[2]], compile=len(parts) == 4)
 
 
 def fastest_setting(probes: list[tuple[TrlSetting, float | None]]) -> TrlSetting:
@@ -482,6 +558,7 @@ def make_config(algo: str, args: argparse.Namespace, model_path: str, prompt_fil
     if args.worker_threads is not None:
         cfg.train.worker_threads = args.worker_threads
     cfg.train.share_prompts = args.share_prompts
+    cfg.model.fused_kernels = args.fused_kernels
     cfg.rollout.engine_threads = args.engine_threads
     cfg.reward.kind = "function"
     cfg.reward.function = f"{MODULE}:digit_reward"
@@ -534,6 +611,8 @@ def run_ours(side: str, args: argparse.Namespace, model_path: str, prompt_file: 
         accounting = getattr(trainer, "accounting", None)  # None: --perf.accounting off
         ceiling = accounting.ceiling if accounting else None
         result.ceiling = f"{ceiling.describe()} per rank" if ceiling else ""
+        figures = (ceiling.tflops, ceiling.gbs) if ceiling else None
+        result.rank_threads = cfg.train.worker_threads or 0
         for _ in range(args.warmup):
             trajectory.append(trainer.train_step()["reward/mean"])
         for _ in range(args.steps):
@@ -545,7 +624,7 @@ def run_ours(side: str, args: argparse.Namespace, model_path: str, prompt_file: 
                 # async: the batch was generated beside the step before; its generation time overlaps training
                 phases["generate"] = metrics["rollout_time/generate"]
             result.add_step(seconds, phases, metrics["rollout/response_len"], metrics["reward/mean"],
-                            {k: v for k, v in metrics.items() if k.startswith("perf/")})
+                            {k: v for k, v in metrics.items() if k.startswith("perf/")}, figures)
             result.generated_tokens += metrics["rollout/response_len"] * result.samples_per_step
             if "eval/response_len" in metrics:  # an evaluation ran after this step, inside its wall time
                 result.eval_tokens += metrics["eval/response_len"] * metrics["eval/prompts"] * args.eval_samples
@@ -615,7 +694,7 @@ def run_trl(args: argparse.Namespace, model_path: str, prompt_file: str, out: st
     Returns each setting's result, None for one that failed (the reason printed); all None if the process
     failed."""
     spec = {**_trl_spec(args, model_path, prompt_file, os.path.join(out, "trl"), steps), "prompts": args.prompts,
-            "settings": [[s.micro_batch, s.accumulation, s.checkpointing] for s in settings]}
+            "settings": [s.knobs for s in settings]}
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", MODULE, "--trl-child", json.dumps(spec)],
@@ -635,11 +714,12 @@ def run_trl(args: argparse.Namespace, model_path: str, prompt_file: str, out: st
             results.append((setting, None))
             continue
         result = SideResult("trl-grpo", args.prompts * args.samples, threads=payload["threads"],
-                            wall_s=wall / len(settings), ceiling=payload.get("ceiling", ""))
+                            wall_s=wall / len(settings), ceiling=payload.get("ceiling", ""),
+                            rank_threads=args.trl_threads)
         shape, ceiling = _trl_shape_and_ceiling(model_path, payload)
         for step in run["steps"]:
             result.add_step(step["seconds"], step["phases"], step["response_len"], step["reward"],
-                            trl_perf(shape, ceiling, step))
+                            trl_perf(shape, ceiling, step), (ceiling.tflops, ceiling.gbs) if ceiling else None)
         result.trajectories.append(run["rewards"])
         results.append((setting, result))
     return results
@@ -651,7 +731,7 @@ def run_trl_alone(args: argparse.Namespace, model_path: str, prompt_file: str, o
     the bench's model, prompts and ``setting`` with the TRL side's threads and environment; each timed step's
     seconds, None if it failed (its last lines printed)."""
     spec = {**_trl_spec(args, model_path, prompt_file, os.path.join(out, "trl-alone"), steps),
-            "setting": [setting.micro_batch, setting.accumulation, setting.checkpointing]}
+            "setting": setting.knobs}
     try:
         proc = subprocess.run([sys.executable, _trl_alone.__file__, json.dumps(spec)], env=_trl_env(args),
                               capture_output=True, text=True, check=False, timeout=timeout_s)
@@ -720,6 +800,13 @@ def search_trl(args: argparse.Namespace, model_path: str, prompt_file: str, out:
     runs = run_trl(args, model_path, prompt_file, os.path.join(out, "trl-search"), settings, args.trl_probe_steps)
     probes = [(setting, None if r is None else r.mean_step_s) for setting, r in runs]
     kept = fastest_setting(probes)
+    # then the fastest with the Trainer's torch_compile (our side compiles its fused kernels when it is asked to):
+    # a process of its own, as a user would run it, with its warm-up paying the compile
+    compiled = dataclasses.replace(kept, compile=True)
+    runs = run_trl(args, model_path, prompt_file, os.path.join(out, "trl-search-compile"), [compiled],
+                   args.trl_probe_steps)
+    probes += [(compiled, None if runs[0][1] is None else runs[0][1].mean_step_s)]
+    kept = fastest_setting(probes)
     for line in search_lines(probes, kept):
         print(line, flush=True)
     print(f"trl search: keeps {kept.describe()} ({time.perf_counter() - start:.0f} s)", flush=True)
@@ -749,7 +836,7 @@ class _Clock:
 
 def _trl_child(spec: dict[str, Any]) -> None:
     """The TRL side: GRPOTrainer on ``spec``'s model and prompts, once per setting of ``spec["settings"]``
-    (micro-batch, accumulation, checkpointing), each with a fresh model; prints one result line as JSON."""
+    (micro-batch, accumulation, checkpointing, compile), each with a fresh model; prints one result line as JSON."""
     torch.set_num_threads(spec["threads"])
     import dataclasses
 
@@ -759,9 +846,9 @@ def _trl_child(spec: dict[str, Any]) -> None:
     ceiling = measure_cpu_ceiling(dataclasses.replace(load_shape(spec["model_path"]), dtype="float32"), "float32",
                                   torch.get_num_threads())
     runs = []
-    for micro_batch, accumulation, checkpointing in spec["settings"]:
+    for micro_batch, accumulation, checkpointing, compile_model in spec["settings"]:
         try:  # each setting's own warm-up: a fresh model and trainer pays its first step's allocations
-            runs.append(_trl_run(spec, micro_batch, accumulation, checkpointing, spec["warmup"]))
+            runs.append(_trl_run(spec, micro_batch, accumulation, checkpointing, spec["warmup"], compile_model))
         except Exception as e:  # one setting failing (e.g. out of memory) leaves the others to compare
             runs.append({"error": f"{type(e).__name__}: {e}"})
     threads = f"1 process x {torch.get_num_threads()} thread(s)"
@@ -770,7 +857,7 @@ def _trl_child(spec: dict[str, Any]) -> None:
 
 
 def _trl_run(spec: dict[str, Any], micro_batch: int, accumulation: int, checkpointing: bool,
-             warmup: int) -> dict[str, Any]:
+             warmup: int, compile_model: bool = False) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -794,7 +881,8 @@ def _trl_run(spec: dict[str, Any], micro_batch: int, accumulation: int, checkpoi
         return timed_reward(prompts, completions, **kwargs)
 
     reward.__name__ = trl_digit_reward.__name__
-    config = GRPOConfig(**_trl_alone.grpo_config_kwargs(spec, micro_batch, accumulation, checkpointing, warmup))
+    config = GRPOConfig(**_trl_alone.grpo_config_kwargs(spec, micro_batch, accumulation, checkpointing, warmup,
+                                                        compile_model))
     if config.generation_batch_size != spec["prompts"] * spec["samples"]:
         raise RuntimeError(f"TRL's generation batch is {config.generation_batch_size} completions, not "
                            f"{spec['prompts'] * spec['samples']}: the setting does not do the bench's work")
@@ -897,6 +985,9 @@ def main(argv: list[str] | None = None) -> None:
                              "placement's, else the config's)")
     parser.add_argument("--engine-threads", type=int, default=None,
                         help="our --rollout.engine_threads (default: the placement's, else the product's)")
+    parser.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
+                        help="our sides' training ranks run their norms and gated-MLP products as fused kernels "
+                             "(--model.fused_kernels; each rank compiles them in its warm-up)")
     parser.add_argument("--share-prompts", action=argparse.BooleanOptionalAction, default=True,
                         help="our sides: the samples of a prompt compute it once in the training forwards")
     parser.add_argument("--eval-interval", type=int, default=10,
@@ -960,6 +1051,9 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
         model_path, prompt_file, num_params = prepare(tmp, args)
+        from rlhf_sg.memory import load_shape
+
+        shape = dataclasses.replace(load_shape(model_path), dtype="float32")
         ours = ", ".join(f"{k} {v}" for k, v in (("actor ranks", args.actor_ranks), ("worker threads",
                          args.worker_threads), ("engine threads", args.engine_threads)) if v is not None)
         print(
@@ -968,7 +1062,8 @@ def main(argv: list[str] | None = None) -> None:
             f"({os.cpu_count()} cores), length mix {args.length_mix}"
             f"{f' (stop ids {args.stop_token_ids})' if args.stop_token_ids else ''}, "
             f"ours: backend {args.backend}, placement {args.placement}"
-            f"{' (' + ours + ')' if ours else ''}, shared prompts {'on' if args.share_prompts else 'off'}; "
+            f"{' (' + ours + ')' if ours else ''}, shared prompts {'on' if args.share_prompts else 'off'}, "
+            f"fused kernels {'on' if args.fused_kernels else 'off'}; "
             f"{args.warmup} warm-up + {args.steps} measured step(s) per side, "
             f"{args.rounds} round(s); load average {load_average()} (other work on the machine slows whichever side it "
             "overlaps)",
@@ -1015,7 +1110,8 @@ def main(argv: list[str] | None = None) -> None:
         print("no side finished")
         return
     print_table(table)
-    for line in perf_lines(table):
+    held_lines = hold_to_ceiling(table, remeasure_ceilings(shape, table))
+    for line in perf_lines(table) + held_lines:
         print(line)
     for line in reward_lines(table):
         print(line)

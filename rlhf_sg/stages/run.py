@@ -64,7 +64,7 @@ def worker_spec(cfg: StageConfig, role: str, model_path: str, train: bool, total
                       lr_total_steps=total_steps, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
                       gradient_checkpointing=t.gradient_checkpointing and train, disable_dropout=t.disable_dropout,
                       seed=t.seed, device=t.device, timeout_s=t.timeout_s, packing_probe=t.packing_probe,
-                      zero_stage=3 if t.num_ranks > 1 else 0, lora=lora)
+                      zero_stage=3 if t.num_ranks > 1 else 0, lora=lora, fused_kernels=m.fused_kernels)
 
 
 def _in_process(cfg: StageConfig) -> bool:

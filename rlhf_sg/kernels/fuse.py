@@ -1,0 +1,197 @@
+"""Swap a model's RMSNorms and gated-MLP products for the fused ops of :mod:`rlhf_sg.kernels.ops`, module by module.
+
+A module is swapped only when its class's ``forward`` is, statement for statement, one of the forms below (its
+source parsed and compared, argument names aside). A transformers release that changes a forward, or a family
+with its own norm, then runs as it is instead of running a fused op that computes something else. The forms are
+the transformers code the ops stand in for.
+
+The swap sets the module's instance ``forward``, so the module keeps its parameters, hooks (ZeRO-3's gathers,
+LoRA's adapters on the projections) and state dict. :func:`unfuse_kernels` removes it again.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+import types
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from rlhf_sg.kernels import ops
+
+#: set on a swapped module: the name of the op it runs
+FUSED_ATTR = "_rlhf_sg_fused"
+
+
+# ---- the forms (transformers' code, the ops' specification) -----------------------------------------------
+
+
+class _CastThenScale:
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class _ScaleThenCast:
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return (self.weight * hidden_states).to(input_dtype)
+
+
+class _Offset:
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+
+
+class _GatedMLP:
+    def forward(self, x):
+        down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return down_proj
+
+
+def _norm_forward(op: Callable, eps_attr: str):
+    def forward(self, hidden_states):
+        return op(hidden_states, self.weight, getattr(self, eps_attr))
+    return forward
+
+
+def _mlp_forward(op: Callable):
+    def forward(self, x):
+        return self.down_proj(op(self.gate_proj(x), self.up_proj(x)))
+    return forward
+
+
+#: (form class, the methods that must match, the op, the swapped-in forward)
+_NORMS = (
+    (_CastThenScale, ("forward",), ops.rms_norm_cast_then_scale,
+     _norm_forward(ops.rms_norm_cast_then_scale, "variance_epsilon")),
+    (_ScaleThenCast, ("forward",), ops.rms_norm_scale_then_cast,
+     _norm_forward(ops.rms_norm_scale_then_cast, "variance_epsilon")),
+    (_Offset, ("forward", "_norm"), ops.rms_norm_offset, _norm_forward(ops.rms_norm_offset, "eps")),
+)
+
+
+# ---- matching ----------------------------------------------------------------------------------------------
+
+
+class _Rename(ast.NodeTransformer):
+    def __init__(self, old: str):
+        self.old = old
+
+    def visit_Name(self, node: ast.Name) -> ast.Name:
+        return ast.Name(id="x", ctx=node.ctx) if node.id == self.old else node
+
+
+@functools.cache
+def _shape_of(fn: Callable) -> str | None:
+    """``fn``'s body as an AST dump: docstring, comments and annotations dropped, its first argument after ``self``
+    named ``x``. None when its source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    node = tree.body[0]
+    if not isinstance(node, ast.FunctionDef) or len(node.args.args) != 2 or node.args.vararg or node.args.kwarg:
+        return None
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]
+    renamed = [_Rename(node.args.args[1].arg).visit(stmt) for stmt in body]
+    return "\n".join(ast.dump(stmt, annotate_fields=False) for stmt in renamed)
+
+
+def _matches(cls: type, form: type, methods: tuple[str, ...]) -> bool:
+    for name in methods:
+        mine, theirs = getattr(cls, name, None), getattr(form, name)
+        if mine is None or _shape_of(mine) is None or _shape_of(mine) != _shape_of(theirs):
+            return False
+    return True
+
+
+def _activation_op(act: nn.Module) -> Callable | None:
+    """The fused product for a gated MLP's activation module: SiLU, or GELU's tanh approximation computed by
+    ``F.gelu`` (transformers' ``GELUTanh`` unless built with its Python formula, which rounds differently)."""
+    from transformers import activations
+
+    if type(act) in (nn.SiLU, activations.SiLUActivation):
+        return ops.silu_mul
+    fn = getattr(act, "act", None)
+    if (type(act).__name__ == "GELUTanh" and isinstance(fn, functools.partial)
+            and fn.func is torch.nn.functional.gelu and fn.keywords == {"approximate": "tanh"}):
+        return ops.gelu_tanh_mul
+    return None
+
+
+def _fused_forward(module: nn.Module) -> tuple[str, Callable] | None:
+    """The op name and forward that stand in for ``module``'s, None when its forward is none of the forms."""
+    cls = type(module)
+    if "RMSNorm" in cls.__name__ and isinstance(getattr(module, "weight", None), torch.Tensor):
+        for form, methods, op, forward in _NORMS:
+            if _matches(cls, form, methods):
+                return op.__name__, forward
+        return None
+    if all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")) \
+            and _matches(cls, _GatedMLP, ("forward",)):
+        op = _activation_op(module.act_fn)
+        if op is not None:
+            return op.__name__, _mlp_forward(op)
+    return None
+
+
+def fuse_kernels(model: nn.Module) -> dict[str, str]:
+    """Swap each module of ``model`` whose forward is one of the forms for its fused op.
+
+    Returns ``{class name: op name}`` of what was swapped (empty: nothing in the model has a fused form, and it
+    runs as it is). Idempotent."""
+    swapped: dict[str, str] = {}
+    for module in model.modules():
+        if getattr(module, FUSED_ATTR, None):
+            swapped[type(module).__name__] = getattr(module, FUSED_ATTR)
+            continue
+        fused = _fused_forward(module)
+        if fused is None:
+            continue
+        name, forward = fused
+        module.forward = types.MethodType(forward, module)
+        setattr(module, FUSED_ATTR, name)
+        swapped[type(module).__name__] = name
+    return swapped
+
+
+def unfuse_kernels(model: nn.Module) -> int:
+    """Give every swapped module of ``model`` its own forward back; returns how many were swapped."""
+    count = 0
+    for module in model.modules():
+        if getattr(module, FUSED_ATTR, None):
+            del module.forward
+            delattr(module, FUSED_ATTR)
+            count += 1
+    return count
+
+
+def fused_counts(model: nn.Module) -> Counter:
+    """``{op name: modules running it}`` of ``model``."""
+    return Counter(getattr(m, FUSED_ATTR) for m in model.modules() if getattr(m, FUSED_ATTR, None))
+
+
+def describe(swapped: dict[str, str]) -> str:
+    """One line for a log: what runs fused, or that nothing does."""
+    if not swapped:
+        return "fused kernels: no module of this model has a fused form; it runs as it is"
+    return "fused kernels: " + ", ".join(f"{cls} -> {op}" for cls, op in sorted(swapped.items()))
