@@ -336,3 +336,17 @@ def test_every_side_is_held_to_the_highest_ceiling_reading_at_its_thread_count()
     assert one_thread.perf[0]["perf/train_of_peak"] == pytest.approx(0.5)  # its own thread count: its own reading
     assert len(lines) == 2 and "0.3 TFLOP/s and 30 GB/s" in lines[1]
     assert "trl-grpo 0.1/0.3" in lines[1] and "the bench after the sides 0.25" in lines[1]
+
+
+def test_the_ratio_against_trl_alone_is_the_median_of_the_rounds():
+    """Each round's ratio pairs our steps with the TRL-alone steps of the same round; a round where either side did
+    not finish drops out."""
+    ours = e2e.SideResult("ours-grpo", 64)
+    for step_s in (5.0, 5.2, 6.0, 6.4, 5.5):
+        ours.add_step(step_s, {}, 64.0)
+    lines = e2e.alone_ratio_lines(ours, [[5.0, 5.2], [6.0, 6.4], [5.5], []],
+                                  [[9.0, 10.0], [9.6, 10.0], [], [9.0]])
+    # round 1: 9.5 / 5.1; round 2: 9.8 / 6.2; rounds 3 and 4 lack a side
+    assert "1.72 median of 2 round(s) (1.86, 1.58)" in lines[0]
+    assert "pooled medians 1.75" in lines[0]  # 9.6 / 5.5
+    assert e2e.alone_ratio_lines(ours, [[5.0]], [[]]) == []

@@ -761,6 +761,21 @@ def baseline_line(bench_steps: list[float], alone_steps: list[float], tolerance:
             f"{ratio:.3f}x, {verdict}")
 
 
+def alone_ratio_lines(ours: SideResult, ours_by_round: list[list[float]], alone_by_round: list[list[float]]
+                      ) -> list[str]:
+    """Our side against TRL alone (the plain script), samples/s over median steps: in each round (the two run one
+    after the other, so they meet the same machine) and pooled; the median of the rounds' ratios is the figure
+    (the rounds alternate the order of the sides)."""
+    per_round = [statistics.median(a) / statistics.median(o)
+                 for o, a in zip(ours_by_round, alone_by_round) if o and a]
+    if not per_round:
+        return []
+    pooled = statistics.median([s for a in alone_by_round for s in a]) / ours.median_step_s
+    return [f"ratio {ours.name} / TRL alone samples/s: {statistics.median(per_round):.2f} median of {len(per_round)} "
+            f"round(s) ({', '.join(f'{r:.2f}' for r in per_round)}); pooled medians {pooled:.2f} (TRL alone: the "
+            f"plain script at the kept setting, run in the same rounds)"]
+
+
 def _trl_shape_and_ceiling(model_path: str, payload: dict[str, Any]):
     """The bench model's shape (float32, as TRL runs it) and the ceiling the TRL process measured."""
     import dataclasses
@@ -1080,6 +1095,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"trl: {trl_setting.describe()}" + (" (pinned)" if pinned is not None else ""), flush=True)
         results: dict[str, SideResult] = {}
         alone: list[float] = []  # TRL alone's timed steps, every round
+        by_round: dict[str, list[list[float]]] = {}  # per side, each round's timed steps (TRL alone as "trl-alone")
         for r in range(args.rounds):
             order = sides if r % 2 == 0 else sides[::-1]
             print(f"round {r + 1}: {' -> '.join(order)}", flush=True)
@@ -1091,6 +1107,7 @@ def main(argv: list[str] | None = None) -> None:
                         steps_alone = run_trl_alone(args, model_path, prompt_file, out, trl_setting, args.steps)
                         if steps_alone is not None:
                             alone += steps_alone
+                            by_round.setdefault("trl-alone", [[] for _ in range(args.rounds)])[r] = steps_alone
                             print(f"  trl alone: steps {', '.join(f'{s:.2f}' for s in steps_alone)} s", flush=True)
                 else:
                     got = run_ours(side, args, model_path, prompt_file, out)
@@ -1103,6 +1120,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  {got.name}: steps {', '.join(f'{s:.2f}' for s in got.step_s)} s; reward per step "
                       f"(warm-up first) {rewards}; {got.threads}; {got.wall_s:.0f} s with start-up", flush=True)
                 results.setdefault(got.name, SideResult(got.name, got.samples_per_step, threads=got.threads)).merge(got)
+                by_round.setdefault(got.name, [[] for _ in range(args.rounds)])[r] = list(got.step_s)
 
     print()
     table = [results[n] for n in ROW_ORDER if n in results]
@@ -1122,6 +1140,9 @@ def main(argv: list[str] | None = None) -> None:
     trl = results.get("trl-grpo")
     if trl is not None and alone:
         print(baseline_line(trl.step_s, alone))
+    if "ours-grpo" in results and "trl-alone" in by_round:
+        for line in alone_ratio_lines(results["ours-grpo"], by_round["ours-grpo"], by_round["trl-alone"]):
+            print(line)
     if trl is not None:
         kept = f"TRL at {trl_setting.flag}" + (", the fastest it tried" if pinned is None and args.trl_search else "")
         for name, note in (("ours-grpo", f">= 1.0: ours at least as fast; {kept}"),
