@@ -11,21 +11,22 @@ from rlhf_sg.kernels import FUSED_ATTR, fuse_kernels, fused_counts, unfuse_kerne
 
 #: per family, what must be swapped (class -> op); a family absent here has no fused form
 EXPECTED = {
-    "llama-3": {"LlamaMLP": "silu_mul", "LlamaRMSNorm": "rms_norm_cast_then_scale"},
-    "qwen2": {"Qwen2MLP": "silu_mul", "Qwen2RMSNorm": "rms_norm_cast_then_scale"},
-    "qwen2-window": {"Qwen2MLP": "silu_mul", "Qwen2RMSNorm": "rms_norm_cast_then_scale"},
-    "qwen3": {"Qwen3MLP": "silu_mul", "Qwen3RMSNorm": "rms_norm_cast_then_scale"},
-    "qwen3-moe": {"Qwen3MoeRMSNorm": "rms_norm_cast_then_scale"},
+    "llama-3": {"LlamaAttention": "rotary", "LlamaMLP": "silu_mul", "LlamaRMSNorm": "rms_norm_cast_then_scale"},
+    "qwen2": {"Qwen2Attention": "rotary", "Qwen2MLP": "silu_mul", "Qwen2RMSNorm": "rms_norm_cast_then_scale"},
+    "qwen2-window": {"Qwen2Attention": "rotary", "Qwen2MLP": "silu_mul", "Qwen2RMSNorm": "rms_norm_cast_then_scale"},
+    "qwen3": {"Qwen3Attention": "rotary", "Qwen3MLP": "silu_mul", "Qwen3RMSNorm": "rms_norm_cast_then_scale"},
+    "qwen3-moe": {"Qwen3MoeAttention": "rotary", "Qwen3MoeRMSNorm": "rms_norm_cast_then_scale"},
     "qwen3.5": {"Qwen3_5MLP": "silu_mul", "Qwen3_5RMSNorm": "rms_norm_offset"},
     "qwen3-next": {"Qwen3NextMLP": "silu_mul", "Qwen3NextRMSNorm": "rms_norm_offset"},
-    "mistral": {"MistralMLP": "silu_mul", "MistralRMSNorm": "rms_norm_cast_then_scale"},
-    "mixtral": {"MixtralRMSNorm": "rms_norm_cast_then_scale"},
-    "gemma-3": {"Gemma3MLP": "gelu_tanh_mul", "Gemma3RMSNorm": "rms_norm_offset"},
+    "mistral": {"MistralAttention": "rotary", "MistralMLP": "silu_mul", "MistralRMSNorm": "rms_norm_cast_then_scale"},
+    "mixtral": {"MixtralAttention": "rotary", "MixtralRMSNorm": "rms_norm_cast_then_scale"},
+    "gemma-3": {"Gemma3Attention": "rotary", "Gemma3MLP": "gelu_tanh_mul", "Gemma3RMSNorm": "rms_norm_offset"},
     "gpt-oss": {"GptOssRMSNorm": "rms_norm_scale_then_cast"},
     "phi-3": {"Phi3RMSNorm": "rms_norm_cast_then_scale"},
     "phi-3-longrope": {"Phi3RMSNorm": "rms_norm_cast_then_scale"},
-    "gemma-2": {"Gemma2MLP": "gelu_tanh_mul", "Gemma2RMSNorm": "rms_norm_offset"},
+    "gemma-2": {"Gemma2Attention": "rotary", "Gemma2MLP": "gelu_tanh_mul", "Gemma2RMSNorm": "rms_norm_offset"},
     "cohere2": {"Cohere2MLP": "silu_mul"},
+    "starcoder2": {"Starcoder2Attention": "rotary"},
     "olmo-2": {"Olmo2MLP": "silu_mul", "Olmo2RMSNorm": "rms_norm_scale_then_cast"},
 }
 
@@ -91,11 +92,63 @@ def test_unfuse_gives_every_module_its_forward_back():
     fuse_kernels(model)
     counts = fused_counts(model)
     assert counts == {"rms_norm_cast_then_scale": 2 * model.config.num_hidden_layers + 1,
-                      "silu_mul": model.config.num_hidden_layers}
+                      "silu_mul": model.config.num_hidden_layers, "rotary": model.config.num_hidden_layers}
     assert fuse_kernels(model) == EXPECTED["llama-3"]  # idempotent: nothing swapped twice
     assert unfuse_kernels(model) == sum(counts.values())
     assert not fused_counts(model)
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_the_rotary_swap_points_the_name_at_the_fused_op_only_while_a_fused_attention_runs():
+    """The rotary embedding is a global of the model's module: a fused attention points it at the fused op during
+    its own forward and back after (after an error too); a model of the same family that is not fused, run in the
+    same process, computes with the module's own function."""
+    import sys
+
+    from rlhf_sg.kernels import ops
+
+    fused, ids = _family_case("qwen2")
+    plain, _ = _family_case("qwen2")
+    namespace = sys.modules[type(fused.model.layers[0].self_attn).__module__].__dict__
+    own = namespace["apply_rotary_pos_emb"]
+    fuse_kernels(fused)
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(namespace["apply_rotary_pos_emb"])
+        return own(*args, **kwargs)
+
+    namespace["apply_rotary_pos_emb"] = spy
+    try:
+        plain(input_ids=ids)
+        assert seen and all(f is spy for f in seen)  # the plain model called the module's function (the spy)
+        seen.clear()
+        fused(input_ids=ids)  # each fused attention points the name at the fused op, so the spy is not called
+        assert not seen and namespace["apply_rotary_pos_emb"] is spy  # and the name is the spy again after
+        with pytest.raises(AttributeError):  # no hidden states: the attention's own forward fails inside the swap
+            fused.model.layers[0].self_attn(None, None, None)
+        assert namespace["apply_rotary_pos_emb"] is spy
+    finally:
+        namespace["apply_rotary_pos_emb"] = own
+    assert ops.rotary is not own
+
+
+def test_an_attention_whose_module_rotates_otherwise_keeps_its_forward(monkeypatch):
+    """Mutation of the check: a family whose ``rotate_half`` interleaves instead of swapping halves (as some do)
+    keeps its attention's own forward; its norms and MLPs are still swapped."""
+    import sys
+
+    model, _ = _family_case("llama-3")
+    namespace = sys.modules[type(model.model.layers[0].self_attn).__module__]
+
+    def rotate_half(x):
+        x1 = x[..., ::2]
+        x2 = x[..., 1::2]
+        return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+    monkeypatch.setattr(namespace, "rotate_half", rotate_half)
+    swapped = fuse_kernels(model)
+    assert "LlamaAttention" not in swapped and swapped["LlamaMLP"] == "silu_mul"
 
 
 @pytest.mark.parametrize("family", ["qwen2", "olmo-2", "gemma-3"])
@@ -181,3 +234,26 @@ def test_the_worker_loads_its_model_fused_when_the_flag_says(tmp_path):
     critic = load_worker_model(WorkerSpec(role="critic", fused_kernels=True, **base))
     assert fused_counts(critic)["rms_norm_cast_then_scale"] > 0
     assert not fused_counts(load_worker_model(WorkerSpec(role="actor", **base)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen2", "olmo-2", "gemma-3"])
+def test_on_a_gpu_the_triton_kernels_compute_the_models_values(family):
+    """On CUDA Inductor writes Triton kernels: in bfloat16 each norm gives the module's own bits, and the whole
+    model's logits and gradients stay within bfloat16 rounding of its own (the products round once)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model, ids = _family_case(family)
+    model, ids = model.to("cuda", torch.bfloat16), ids.to("cuda")
+    norm = next(m for m in model.modules() if "RMSNorm" in type(m).__name__)
+    x = torch.randn(3, 7, norm.weight.shape[0], device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    x = x.to(torch.bfloat16)
+    expected_norm = norm(x)
+    logits, grads = _forward_backward(model, ids)
+    assert fuse_kernels(model) == EXPECTED[family]
+    assert torch.equal(norm(x), expected_norm)
+    fused_logits, fused_grads = _forward_backward(model, ids)
+    torch.testing.assert_close(fused_logits.float(), logits.float(), atol=0.1, rtol=0.05)
+    for name, grad in grads.items():
+        torch.testing.assert_close(fused_grads[name].float(), grad.float(), atol=0.1, rtol=0.05,
+                                   msg=lambda m, name=name: f"{name}: {m}")

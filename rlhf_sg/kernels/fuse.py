@@ -1,4 +1,5 @@
-"""Swap a model's RMSNorms and gated-MLP products for the fused ops of :mod:`rlhf_sg.kernels.ops`, module by module.
+"""Swap a model's RMSNorms, gated-MLP products and rotary embeddings for the fused ops of
+:mod:`rlhf_sg.kernels.ops`, module by module.
 
 A module is swapped only when its class's ``forward`` is, statement for statement, one of the forms below (its
 source parsed and compared, argument names aside). A transformers release that changes a forward, or a family
@@ -7,6 +8,11 @@ the transformers code the ops stand in for.
 
 The swap sets the module's instance ``forward``, so the module keeps its parameters, hooks (ZeRO-3's gathers,
 LoRA's adapters on the projections) and state dict. :func:`unfuse_kernels` removes it again.
+
+The rotary embedding is a function of the model's module (``apply_rotary_pos_emb``), called by name from the
+attention's forward. An attention module of a family whose function and ``rotate_half`` are the forms gets a
+forward that points that name at the fused op while the module's own forward runs, and back after: other models
+of the family in the process keep their own.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import sys
 import textwrap
 import types
 from collections import Counter
@@ -63,6 +70,24 @@ class _GatedMLP:
     def forward(self, x):
         down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         return down_proj
+
+
+def _rotate_half_form(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rotary_form(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)  # noqa: F821 -- the model module's, checked as _rotate_half_form
+    k_embed = (k * cos) + (rotate_half(k) * sin)  # noqa: F821
+    return q_embed, k_embed
+
+
+#: the model-module functions the rotary swap checks: name -> form
+_ROTARY_FUNCTIONS = {"apply_rotary_pos_emb": _apply_rotary_form, "rotate_half": _rotate_half_form}
 
 
 def _norm_forward(op: Callable, eps_attr: str):
@@ -116,6 +141,59 @@ def _shape_of(fn: Callable) -> str | None:
     return "\n".join(ast.dump(stmt, annotate_fields=False) for stmt in renamed)
 
 
+@functools.cache
+def _function_shape(fn: Callable) -> str | None:
+    """A module-level function's arguments (names and defaults) and body as an AST dump, docstring and comments
+    dropped; None when its source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    node = tree.body[0]
+    if not isinstance(node, ast.FunctionDef):
+        return None
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]
+    args = ast.dump(ast.arguments(posonlyargs=[], args=[ast.arg(a.arg) for a in node.args.args], kwonlyargs=[],
+                                  kw_defaults=[], defaults=node.args.defaults))
+    return args + "\n" + "\n".join(ast.dump(stmt, annotate_fields=False) for stmt in body)
+
+
+def _calls(fn: Callable, name: str) -> bool:
+    """Whether ``fn``'s source calls ``name`` by its bare name (a global of its module)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name
+               for n in ast.walk(tree))
+
+
+def _rotary_namespace(cls: type) -> dict | None:
+    """The globals of ``cls``'s module when its forward calls ``apply_rotary_pos_emb`` and that module's
+    ``apply_rotary_pos_emb`` and ``rotate_half`` are the forms; else None."""
+    namespace = getattr(sys.modules.get(cls.__module__), "__dict__", None)
+    if namespace is None or not _calls(cls.forward, "apply_rotary_pos_emb"):
+        return None
+    for name, form in _ROTARY_FUNCTIONS.items():
+        fn = namespace.get(name)
+        if not callable(fn) or _function_shape(fn) is None or _function_shape(fn) != _function_shape(form):
+            return None
+    return namespace
+
+
+def _rotary_forward(namespace: dict, own: Callable):
+    def forward(self, *args, **kwargs):
+        saved = namespace["apply_rotary_pos_emb"]
+        namespace["apply_rotary_pos_emb"] = ops.rotary
+        try:
+            return own(self, *args, **kwargs)
+        finally:
+            namespace["apply_rotary_pos_emb"] = saved
+    return forward
+
+
 def _matches(cls: type, form: type, methods: tuple[str, ...]) -> bool:
     for name in methods:
         mine, theirs = getattr(cls, name, None), getattr(form, name)
@@ -151,6 +229,11 @@ def _fused_forward(module: nn.Module) -> tuple[str, Callable] | None:
         op = _activation_op(module.act_fn)
         if op is not None:
             return op.__name__, _mlp_forward(op)
+        return None
+    if cls.__name__.endswith("Attention"):
+        namespace = _rotary_namespace(cls)
+        if namespace is not None:
+            return ops.rotary.__name__, _rotary_forward(namespace, cls.forward)
     return None
 
 

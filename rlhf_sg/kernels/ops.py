@@ -6,7 +6,12 @@ Each op computes what the transformers module it stands in for computes, in the 
 (:mod:`rlhf_sg.kernels.fuse` checks a module's source against that form before it swaps it in). Compiled with
 ``dynamic=True``: packed rows change length every micro-batch, and one graph serves every length.
 
-Shapes: ``x [..., hidden]`` in the model's dtype, ``weight [hidden]``; ``gate``, ``up [..., intermediate]``.
+Shapes: ``x [..., hidden]`` in the model's dtype, ``weight [hidden]``; ``gate``, ``up [..., intermediate]``;
+``q [B, H, T, D]``, ``k [B, H_kv, T, D]``, ``cos``, ``sin [B, T, D]``.
+
+The norms give the module's bits in every dtype. The products (the gated MLP's, the rotary embedding's) compute in
+float32 inside the kernel and round once: in float32 that is the module's value up to rounding, in half precision
+at most one unit in the last place from it (eager rounds after each op).
 """
 
 from __future__ import annotations
@@ -52,3 +57,17 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """A gated MLP's product with tanh-approximated GELU (Gemma): ``gelu_tanh(gate) * up``."""
     return F.gelu(gate, approximate="tanh") * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@torch.compile(dynamic=True, fullgraph=True, options=_OPTIONS)
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding of queries and keys (Llama's ``apply_rotary_pos_emb``, whole head dim rotated, halves
+    swapped): ``x cos + rotate_half(x) sin``."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
