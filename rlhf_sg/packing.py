@@ -609,21 +609,27 @@ class SharedPromptBlocks:
         flat_query, flat_key, flat_value = (x.transpose(1, 2).reshape(rows * length, x.shape[1], x.shape[3])
                                             for x in (query, key, value))
 
-        def gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # -> [k, h, w, d]
-            return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *flat.shape[1:]).transpose(1, 2)
+        def gather(flat: torch.Tensor, slots: list[torch.Tensor]) -> list[torch.Tensor]:  # -> each [k, h, w, d]
+            # one gather for every block: its backward zero-fills and scatters into the rows' tensor once, where a
+            # gather per block would do both once per block and then add the blocks' gradients up
+            taken = flat.index_select(0, torch.cat([s.reshape(-1) for s in slots]))
+            parts = taken.split([s.numel() for s in slots])
+            return [p.view(*s.shape, *flat.shape[1:]).transpose(1, 2) for p, s in zip(parts, slots)]
 
-        def sdpa(query_slots: torch.Tensor, key_slots: torch.Tensor, **causal) -> torch.Tensor:
-            q, k, v = gather(flat_query, query_slots), gather(flat_key, key_slots), gather(flat_value, key_slots)
+        blocks = [(self.prompt_slots, self.prompt_slots), *self.responses]
+        queries = gather(flat_query, [q for q, _ in blocks])
+        keys, values = gather(flat_key, [k for _, k in blocks]), gather(flat_value, [k for _, k in blocks])
+
+        def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **causal) -> torch.Tensor:
             grouped = heads == kv_heads or _takes_grouped_heads(q, k, v, "is_causal" in causal)
             if not grouped:  # repeated as transformers' sdpa path repeats them, after the gather: only what is used
                 k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, scale=scaling, enable_gqa=grouped and heads != kv_heads, **causal)
 
-        outputs = [sdpa(self.prompt_slots, self.prompt_slots, is_causal=True)]
-        for query_slots, key_slots in self.responses:
-            outputs.append(sdpa(query_slots, key_slots,
-                                attn_mask=causal_lower_right(query_slots.shape[1], key_slots.shape[1])))
+        outputs = [sdpa(queries[0], keys[0], values[0], is_causal=True)]
+        for (query_slots, key_slots), q, k, v in zip(self.responses, queries[1:], keys[1:], values[1:]):
+            outputs.append(sdpa(q, k, v, attn_mask=causal_lower_right(query_slots.shape[1], key_slots.shape[1])))
         flat = [o.transpose(1, 2).reshape(-1, heads, value.shape[3]) for o in outputs]
         out = torch.cat([*flat, flat[0].new_zeros(1, heads, value.shape[3])]).index_select(0, self.slot_index)
         for counter in _BLOCK_COUNTERS:
