@@ -595,6 +595,16 @@ class SharedPromptBlocks:
         return cls(mask=mask, num_slots=rows.num_slots, prompt_slots=prompt_slots.to(device),
                    responses=[(q.to(device), k.to(device)) for q, k in blocks], slot_index=slot_index.to(device))
 
+    @functools.cached_property
+    def _gather_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gathers' indices, views of one storage that every layer shares: the responses' query slots, then the
+        prompts' slots, then the responses' key slots; the queries read [responses' queries, prompts], the keys and
+        values [prompts, responses' keys], the two overlapping at the prompts. Built at the first layer's call."""
+        queries = sum(q.numel() for q, _ in self.responses)
+        index = torch.cat([*(q.reshape(-1) for q, _ in self.responses), self.prompt_slots.reshape(-1),
+                           *(k.reshape(-1) for _, k in self.responses)])
+        return index[:queries + self.prompt_slots.numel()], index[queries:]
+
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
                ) -> torch.Tensor:
         """query [R, H, L, D], key / value [R, H_kv, L, D] of the rows -> the attention output [R, L, H, D] (the
@@ -609,16 +619,19 @@ class SharedPromptBlocks:
         flat_query, flat_key, flat_value = (x.transpose(1, 2).reshape(rows * length, x.shape[1], x.shape[3])
                                             for x in (query, key, value))
 
-        def gather(flat: torch.Tensor, slots: list[torch.Tensor]) -> list[torch.Tensor]:  # -> each [k, h, w, d]
-            # one gather for every block: its backward zero-fills and scatters into the rows' tensor once, where a
-            # gather per block would do both once per block and then add the blocks' gradients up
-            taken = flat.index_select(0, torch.cat([s.reshape(-1) for s in slots]))
-            parts = taken.split([s.numel() for s in slots])
+        query_index, key_index = self._gather_index
+        query_slots = [q for q, _ in self.responses] + [self.prompt_slots]
+        key_slots = [self.prompt_slots] + [k for _, k in self.responses]
+
+        def gather(flat: torch.Tensor, index: torch.Tensor, slots: list[torch.Tensor]) -> list[torch.Tensor]:
+            # one gather for every block (-> each [k, h, w, d]): its backward zero-fills and scatters into the rows'
+            # tensor once, where a gather per block would do both once per block and then add the gradients up
+            parts = flat.index_select(0, index).split([s.numel() for s in slots])
             return [p.view(*s.shape, *flat.shape[1:]).transpose(1, 2) for p, s in zip(parts, slots)]
 
-        blocks = [(self.prompt_slots, self.prompt_slots), *self.responses]
-        queries = gather(flat_query, [q for q, _ in blocks])
-        keys, values = gather(flat_key, [k for _, k in blocks]), gather(flat_value, [k for _, k in blocks])
+        *response_queries, prompt_queries = gather(flat_query, query_index, query_slots)
+        queries = [prompt_queries, *response_queries]
+        keys, values = gather(flat_key, key_index, key_slots), gather(flat_value, key_index, key_slots)
 
         def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **causal) -> torch.Tensor:
             grouped = heads == kv_heads or _takes_grouped_heads(q, k, v, "is_causal" in causal)

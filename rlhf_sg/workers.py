@@ -426,9 +426,10 @@ class ModelWorker:
                     if self.spec.train else None)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                                config=self.ds_config)
-        if self.spec.zero_stage == 0 and self.spec.world_size == 1:
+        if self._plain_optimizer and self.spec.world_size == 1:
             # a group of one rank has no gradients to average, but DeepSpeed's stage-0 engine still flattens every
-            # gradient into a bucket, all-reduces it alone and copies it back after each backward
+            # gradient into a bucket, all-reduces it alone and copies it back after each backward (a bfloat16 rank
+            # is ZeRO stage 1, whose optimizer takes its gradients through that reduction: it keeps it)
             self.engine.enable_backward_allreduce = False
         if not self.spec.train:
             self.engine.eval()
