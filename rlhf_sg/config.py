@@ -52,9 +52,9 @@ class ModelConfig:
     #: a vision-language policy's vision tower stays as loaded (no gradient, no optimizer state): training moves
     #: the language model only
     freeze_vision_tower: bool = True
-    #: the training ranks run RMSNorms and gated-MLP products as fused torch.compile kernels where a module's
-    #: forward matches the form they compute (:mod:`rlhf_sg.kernels`); each process compiles them at its first
-    #: forward
+    #: the training ranks run RMSNorms, gated-MLP products and rotary embeddings as fused torch.compile kernels
+    #: where a module's forward matches the form they compute (:mod:`rlhf_sg.kernels`); each process compiles them
+    #: at its first forward
     fused_kernels: bool = False
 
 

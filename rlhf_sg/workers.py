@@ -60,7 +60,8 @@ class WorkerSpec:
     timeout_s: float = 900.0
     #: the trainer's forwards share prompts (the layouts the start-up probe checks: packed, and shared with this)
     share_prompts: bool = False
-    #: --model.fused_kernels: RMSNorms and gated-MLP products as fused kernels (:mod:`rlhf_sg.kernels`)
+    #: --model.fused_kernels: RMSNorms, gated-MLP products and rotary embeddings as fused kernels
+    #: (:mod:`rlhf_sg.kernels`)
     fused_kernels: bool = False
     #: run the start-up packing probe (:mod:`rlhf_sg.probe`) at model load
     packing_probe: bool = True
@@ -349,7 +350,7 @@ def make_optimizer(model, spec: WorkerSpec):
     """AdamW over ``model``'s trained parameters. On GPU, DeepSpeed's FusedAdam: faster there, and the only optimizer
     whose states ZeRO-3 can move off the device while the engines generate (:meth:`ModelWorker.offload_states`).
     On CPU, torch's fused AdamW: one kernel over each parameter where the default runs a dozen ops per parameter
-    (a fifth of the time on the e2e bench's 25M model)."""
+    (about a fifth of the default's time on the e2e bench's 25M model)."""
     params = [p for p in model.parameters() if p.requires_grad]
     kwargs = dict(lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95))
     # an unpartitioned float32 rank: no DeepSpeed optimizer wraps this one, so it clips and skips itself

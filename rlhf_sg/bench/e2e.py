@@ -1001,7 +1001,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-threads", type=int, default=None,
                         help="our --rollout.engine_threads (default: the placement's, else the product's)")
     parser.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
-                        help="our sides' training ranks run their norms and gated-MLP products as fused kernels "
+                        help="our sides' training ranks run their norms, gated-MLP products and rotary embeddings as "
+                             "fused kernels "
                              "(--model.fused_kernels; each rank compiles them in its warm-up)")
     parser.add_argument("--share-prompts", action=argparse.BooleanOptionalAction, default=True,
                         help="our sides: the samples of a prompt compute it once in the training forwards")

@@ -47,7 +47,7 @@ class StageModelConfig:
     ref_pretrain: str | None = None
     dtype: str = "float32"  # "float32" | "bfloat16"
     attn_implementation: str = "sdpa"
-    #: RMSNorms and gated-MLP products as fused torch.compile kernels (:mod:`rlhf_sg.kernels`)
+    #: RMSNorms, gated-MLP products and rotary embeddings as fused torch.compile kernels (:mod:`rlhf_sg.kernels`)
     fused_kernels: bool = False
 
 
