@@ -214,9 +214,8 @@ def test_a_form_swapped_for_another_is_caught_by_the_family_check(monkeypatch):
     from rlhf_sg.kernels import fuse as fuse_module
     from rlhf_sg.kernels import ops
 
-    wrong = fuse_module._norm_forward(ops.rms_norm_scale_then_cast, "variance_epsilon")
-    norms = tuple((form, methods, op, wrong if op is ops.rms_norm_cast_then_scale else forward)
-                  for form, methods, op, forward in fuse_module._NORMS)
+    norms = tuple((form, methods, ops.rms_norm_scale_then_cast if op is ops.rms_norm_cast_then_scale else op, eps)
+                  for form, methods, op, eps in fuse_module._NORMS)
     monkeypatch.setattr(fuse_module, "_NORMS", norms)
     with pytest.raises(AssertionError):
         test_half_precision_norms_round_where_the_model_rounds("qwen2")

@@ -102,13 +102,11 @@ def _mlp_forward(op: Callable):
     return forward
 
 
-#: (form class, the methods that must match, the op, the swapped-in forward)
+#: (form class, the methods that must match, the op, the attribute holding the norm's epsilon)
 _NORMS = (
-    (_CastThenScale, ("forward",), ops.rms_norm_cast_then_scale,
-     _norm_forward(ops.rms_norm_cast_then_scale, "variance_epsilon")),
-    (_ScaleThenCast, ("forward",), ops.rms_norm_scale_then_cast,
-     _norm_forward(ops.rms_norm_scale_then_cast, "variance_epsilon")),
-    (_Offset, ("forward", "_norm"), ops.rms_norm_offset, _norm_forward(ops.rms_norm_offset, "eps")),
+    (_CastThenScale, ("forward",), ops.rms_norm_cast_then_scale, "variance_epsilon"),
+    (_ScaleThenCast, ("forward",), ops.rms_norm_scale_then_cast, "variance_epsilon"),
+    (_Offset, ("forward", "_norm"), ops.rms_norm_offset, "eps"),
 )
 
 
@@ -124,37 +122,42 @@ class _Rename(ast.NodeTransformer):
 
 
 @functools.cache
-def _shape_of(fn: Callable) -> str | None:
-    """``fn``'s body as an AST dump: docstring, comments and annotations dropped, its first argument after ``self``
-    named ``x``. None when its source cannot be read."""
+def _parsed(fn: Callable) -> tuple[ast.FunctionDef, list[ast.stmt]] | None:
+    """``fn``'s definition and its body without the docstring; None when its source cannot be read."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
     except (OSError, TypeError, SyntaxError):
         return None
-    node = tree.body[0]
-    if not isinstance(node, ast.FunctionDef) or len(node.args.args) != 2 or node.args.vararg or node.args.kwarg:
-        return None
-    body = node.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
-        body = body[1:]
-    renamed = [_Rename(node.args.args[1].arg).visit(stmt) for stmt in body]
-    return "\n".join(ast.dump(stmt, annotate_fields=False) for stmt in renamed)
-
-
-@functools.cache
-def _function_shape(fn: Callable) -> str | None:
-    """A module-level function's arguments (names and defaults) and body as an AST dump, docstring and comments
-    dropped; None when its source cannot be read."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    node = tree.body[0]
     if not isinstance(node, ast.FunctionDef):
         return None
     body = node.body
     if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
         body = body[1:]
+    return node, body
+
+
+@functools.cache
+def _shape_of(fn: Callable) -> str | None:
+    """A method's body as an AST dump (comments and annotations dropped), its argument after ``self`` named ``x``;
+    None for any other signature or unreadable source."""
+    parsed = _parsed(fn)
+    if parsed is None:
+        return None
+    node, body = parsed
+    if len(node.args.args) != 2 or node.args.vararg or node.args.kwarg:
+        return None
+    rename = _Rename(node.args.args[1].arg)
+    return "\n".join(ast.dump(rename.visit(stmt), annotate_fields=False) for stmt in body)
+
+
+@functools.cache
+def _function_shape(fn: Callable) -> str | None:
+    """A module-level function's arguments (names and defaults) and body as an AST dump; None when its source
+    cannot be read."""
+    parsed = _parsed(fn)
+    if parsed is None:
+        return None
+    node, body = parsed
     args = ast.dump(ast.arguments(posonlyargs=[], args=[ast.arg(a.arg) for a in node.args.args], kwonlyargs=[],
                                   kw_defaults=[], defaults=node.args.defaults))
     return args + "\n" + "\n".join(ast.dump(stmt, annotate_fields=False) for stmt in body)
@@ -162,12 +165,9 @@ def _function_shape(fn: Callable) -> str | None:
 
 def _calls(fn: Callable, name: str) -> bool:
     """Whether ``fn``'s source calls ``name`` by its bare name (a global of its module)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name
-               for n in ast.walk(tree))
+    parsed = _parsed(fn)
+    return parsed is not None and any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name
+                                      for n in ast.walk(parsed[0]))
 
 
 def _rotary_namespace(cls: type) -> dict | None:
@@ -220,9 +220,9 @@ def _fused_forward(module: nn.Module) -> tuple[str, Callable] | None:
     """The op name and forward that stand in for ``module``'s, None when its forward is none of the forms."""
     cls = type(module)
     if "RMSNorm" in cls.__name__ and isinstance(getattr(module, "weight", None), torch.Tensor):
-        for form, methods, op, forward in _NORMS:
+        for form, methods, op, eps_attr in _NORMS:
             if _matches(cls, form, methods):
-                return op.__name__, forward
+                return op.__name__, _norm_forward(op, eps_attr)
         return None
     if all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")) \
             and _matches(cls, _GatedMLP, ("forward",)):
