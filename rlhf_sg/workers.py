@@ -376,6 +376,9 @@ class ModelWorker:
         torch.set_num_threads(self.spec.threads)
         if self.spec.device == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            from rlhf_sg.kernels.host_memory import retain_freed_memory
+
+            retain_freed_memory()  # each step's activations stay paged in (see the module)
         torch.manual_seed(self.spec.seed + rank)
 
         import deepspeed

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from zero3_rank import FRESH_UPDATE, PLAIN_UPDATE, actor_rank, in_fresh_process, one_step
+from zero3_rank import FRESH_UPDATE, PLAIN_UPDATE, activation_faults, actor_rank, in_fresh_process, one_step
 
 from rlhf_sg.config import Config, validate
 from rlhf_sg.tiny import save_tiny_model
@@ -646,7 +646,7 @@ def _one_rank_updates(model_path: str, allreduce: bool) -> dict:
         for _ in range(2):
             worker.train_actor(batch, one_step(plan, batch), FRESH_UPDATE)
         return {"skipped": skipped, "calls": len(calls), "fused": engine.optimizer.defaults.get("fused"),
-                "weights": [p.detach().clone() for p in worker.module.parameters()]}
+                "weights": [p.detach().clone() for p in worker.module.parameters()], "faults": activation_faults()}
     finally:
         dist.destroy_process_group()
 
@@ -655,12 +655,15 @@ def _one_rank_updates(model_path: str, allreduce: bool) -> dict:
 def test_a_single_rank_skips_the_gradient_all_reduce_and_steps_with_fused_adamw(model_dir):
     """A group of one unpartitioned rank has nothing to average: its engine runs no all-reduce after a backward
     (DeepSpeed's flatten, reduce and copy back of every gradient), and its weights after two updates are those of
-    the same rank with the all-reduce on, bit for bit. Its CPU optimizer is torch's fused AdamW."""
+    the same rank with the all-reduce on, bit for bit. Its CPU optimizer is torch's fused AdamW, and the rank keeps
+    the memory it frees (rlhf_sg.kernels.host_memory): a step's activations are not faulted in again."""
     lean = in_fresh_process(_one_rank_updates, model_dir, False)
     reduced = in_fresh_process(_one_rank_updates, model_dir, True)
     assert lean["skipped"] and lean["calls"] == 0
     assert reduced["calls"] == 2
     assert lean["fused"] is True
+    faults, pages = lean["faults"]
+    assert faults < 0.01 * pages
     for mine, theirs in zip(lean["weights"], reduced["weights"], strict=True):
         assert torch.equal(mine, theirs)
 
