@@ -8,6 +8,9 @@ bit in every dtype, the products rounded once), where the module's source matche
 (:mod:`rlhf_sg.kernels.fuse`); anything else runs as it is. Off by default, as peers' fused kernels are (OpenRLHF's
 ``--use_liger_kernel``, verl's ``use_fused_kernels``): each process compiles its ops once at its first forward
 (seconds on a CPU; cached on disk for the next run).
+
+:mod:`rlhf_sg.kernels.host_memory` is the CPU ranks' allocator setting: the memory a step frees stays in the
+process, so the next step's activations are not faulted in again (every CPU model-worker rank, flag or not).
 """
 
 from rlhf_sg.kernels.fuse import FUSED_ATTR, describe, fuse_kernels, fused_counts, unfuse_kernels
