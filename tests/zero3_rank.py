@@ -69,7 +69,6 @@ def one_step(plan, batch) -> list[OptimizerStep]:
     return [OptimizerStep(plan=plan, normalizer=float(batch.action_mask.sum()))]
 
 
-
 #: a forward's kept activations in MiB (a [tokens, hidden] and a [tokens, intermediate] tensor a layer, 8 layers)
 ACTIVATION_MIB = (1, 3, 3, 3, 1) * 8
 
