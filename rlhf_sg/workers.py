@@ -30,6 +30,10 @@ from rlhf_sg.probe import check_packing
 
 log = logging.getLogger("rlhf_sg")
 
+#: a profiled step's trace (``--log.profile_step``) holds each update phase of a rank in a span of this name and the
+#: role's ("rlhf_sg.update/actor"), which ``python -m rlhf_sg.bench train-profile`` reads
+UPDATE_SPAN_PREFIX = "rlhf_sg.update/"
+
 
 @dataclass
 class WorkerSpec:
@@ -611,6 +615,11 @@ class ModelWorker:
         clipping over the updates that were not skipped. Metrics weigh the tokens that count in the loss
         (:attr:`Experience.loss_rows`). ``scope``: a context manager that holds each micro-batch's forward and
         backward (routing replay's, whose recomputation under gradient checkpointing runs in the backward)."""
+        with torch.profiler.record_function(f"{UPDATE_SPAN_PREFIX}{prefix}"):  # a profiled step's trace names it
+            return self._run_update_steps(experience, steps, micro_loss, prefix, scope)
+
+    def _run_update_steps(self, experience: Experience, steps: list[OptimizerStep], micro_loss, prefix: str,
+                          scope) -> dict[str, float]:
         self.engine.train()
         device = self.device
         skipped_before = self.engine.skipped_steps
@@ -888,7 +897,8 @@ class ModelWorker:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        self._profiler = profile(activities=activities, record_shapes=False)
+        # shapes: `bench train-profile` counts each matmul's FLOPs from them
+        self._profiler = profile(activities=activities, record_shapes=True)
         self._profiler.__enter__()
 
     def stop_profile(self, directory: str, name: str) -> str | None:

@@ -224,7 +224,7 @@ def test_our_steps_are_timed_by_the_wall_clock_not_by_the_trainers_own_step_time
     monkeypatch.setattr(e2e, "wait_for_children", lambda timeout_s: waits.append(timeout_s) or 0)
     args = argparse.Namespace(backend="hf", prompts=8, samples=8, max_new_tokens=64, actor_ranks=1, lr=1e-6,
                               critic_lr=1e-5, warmup=1, steps=2, seed=0, worker_threads=None, engine_threads=None,
-                              share_prompts=True, fused_kernels=False, stop_token_ids=[])
+                              share_prompts=True, fused_kernels=False, stop_token_ids=[], profile_dir=None)
     got = e2e.run_ours("grpo-async", args, "model", "prompts.jsonl", str(tmp_path))
     assert got.name == "ours-grpo-async"
     assert len(got.step_s) == 2 and min(got.step_s) >= _OverlappingTrainer.STEP_S
@@ -233,6 +233,36 @@ def test_our_steps_are_timed_by_the_wall_clock_not_by_the_trainers_own_step_time
     assert got.phase_s["wait_rollout"] == [0.0, 0.0]
     assert got.phase_s["generate"] == [0.04, 0.04]  # the batch's own generation, beside the step before
     assert waits == [60.0]
+
+
+def test_profile_dir_profiles_the_first_measured_step_into_a_directory_the_bench_keeps(monkeypatch, tmp_path):
+    import rlhf_sg.trainer
+
+    configs = []
+    monkeypatch.setattr(rlhf_sg.trainer, "PPOTrainer",
+                        lambda cfg, reward_fn=None: configs.append(cfg) or _OverlappingTrainer(cfg))
+    monkeypatch.setattr(e2e, "_describe_ours_threads", lambda trainer: "")
+    monkeypatch.setattr(e2e, "wait_for_children", lambda timeout_s: 0)
+    args = argparse.Namespace(backend="hf", prompts=8, samples=8, max_new_tokens=64, actor_ranks=1, lr=1e-6,
+                              critic_lr=1e-5, warmup=1, steps=2, seed=0, worker_threads=None, engine_threads=None,
+                              share_prompts=True, fused_kernels=False, stop_token_ids=[],
+                              profile_dir=str(tmp_path / "traces"))
+    e2e.run_ours("grpo", args, "model", "prompts.jsonl", str(tmp_path / "bench-tmp"))
+    # the trainer's step counter is the steps done before: 1 after the warm-up, so the first measured step
+    assert configs[0].log.profile_step == 1
+    assert configs[0].log.output_dir == str(tmp_path / "traces" / "ours-grpo")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rounds", "2"], "--profile-dir: one round"),
+    ([], "not empty; name a new or empty directory"),
+])
+def test_profile_dir_is_refused_before_any_work_where_it_would_write_over_traces(tmp_path, capsys, flags, message):
+    (tmp_path / "earlier.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        e2e.main(["--sides", "grpo", "--profile-dir", str(tmp_path), *flags])
+    assert message in capsys.readouterr().err
+    assert (tmp_path / "earlier.json").read_text() == "{}"
 
 
 def test_the_next_side_waits_for_the_processes_the_last_one_left():

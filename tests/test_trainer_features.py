@@ -52,6 +52,7 @@ def test_grpo_with_remote_reward_kl_loss_tis_profiler_tensorboard_and_export(ray
                                                                             reward_server):
     from transformers import AutoModelForCausalLM
 
+    from rlhf_sg.bench.train_profile import read_phase
     from rlhf_sg.trainer import PPOTrainer
 
     out = tmp_path / "run"
@@ -85,6 +86,9 @@ def test_grpo_with_remote_reward_kl_loss_tis_profiler_tensorboard_and_export(ray
     for rank in (0, 1):  # each actor rank's trace of step 0, written as it ended
         with open(out / "profile" / f"step1.rank{rank}.json") as f:
             assert json.load(f)["traceEvents"]
+        # its update in the span `bench train-profile` reads, the matmuls with their shapes
+        phase = read_phase(str(out / "profile" / f"step1.rank{rank}.json"))
+        assert phase.matmul_flops > 0 and phase.seconds["matmuls"] > 0 and phase.seconds["optimizer"] > 0
     assert glob.glob(str(out / "tensorboard" / "events.out.tfevents.*"))
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in records] == [1, 2]

@@ -601,6 +601,9 @@ def run_ours(side: str, args: argparse.Namespace, model_path: str, prompt_file: 
         cfg.eval.interval, cfg.eval.n_samples = args.eval_interval, args.eval_samples
         cfg.eval.before_train = cfg.eval.after_train = False
         cfg.eval.threshold = 0.5
+    if args.profile_dir is not None:  # the first measured step's traces and the run's metrics, kept after the bench
+        cfg.log.output_dir = os.path.join(args.profile_dir, name)
+        cfg.log.profile_step = args.warmup
     result = SideResult(name, args.prompts * args.samples)
     trajectory: list[float] = []
     start = time.perf_counter()
@@ -1024,6 +1027,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-6, help="actor learning rate, both trainers")
     parser.add_argument("--critic-lr", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-dir", default=None, metavar="DIR",
+                        help="our sides: profile the first measured step (--log.profile_step) and keep each side's "
+                             "run directory, its metrics.jsonl and its ranks' traces (DIR/SIDE/profile), after the "
+                             "bench; the profiler slows that step (`python -m rlhf_sg.bench train-profile` reads it)")
     parser.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -1045,6 +1052,13 @@ def main(argv: list[str] | None = None) -> None:
             args.stop_token_ids = tail_stop_ids(args.tail_stop_ids)
         except ValueError as e:
             parser.error(str(e))
+    if args.profile_dir is not None:
+        if args.rounds != 1:
+            parser.error(f"--profile-dir: one round (--rounds {args.rounds}: each round's run would write over the "
+                         "last one's traces)")
+        if os.path.isdir(args.profile_dir) and os.listdir(args.profile_dir):
+            parser.error(f"--profile-dir {args.profile_dir}: not empty; name a new or empty directory (nothing in "
+                         "it is overwritten)")
     pinned = None
     if args.trl_setting is not None:
         try:
