@@ -275,7 +275,8 @@ def unpack(
 
 def _rows_to_tokens(row_values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     """[R, L, ...] model outputs on packed rows -> [N, ...] in token order (row padding dropped)."""
-    return row_values.reshape(-1, *row_values.shape[2:])[batch.slots.to(row_values.device)]
+    # index_select: its backward adds into the rows' gradient (an advanced index's accumulates by index_put, slower)
+    return row_values.reshape(-1, *row_values.shape[2:]).index_select(0, batch.slots.to(row_values.device))
 
 
 # ---- shared prompts ---------------------------------------------------------------------------------------
@@ -1418,13 +1419,16 @@ def response_logprobs(
         hook.remove()
     if router is not None:
         router.set_weights(rows.holders.reshape(-1) if groups is not None else _slot_holders(batch))
+    # the predictors' hidden states by index_select, whose backward adds into the rows' gradient (index_add); an
+    # advanced index's backward is an accumulating index_put, several times slower (CPU: 4.9 against 0.6 ms for
+    # 2048 of 2213 rows of 512)
     if groups is not None:
-        hidden = captured["hidden"].reshape(-1, captured["hidden"].shape[-1])[rows.predictor_slots]
+        hidden = captured["hidden"].reshape(-1, captured["hidden"].shape[-1]).index_select(0, rows.predictor_slots)
         labels, positions = rows.labels, rows.block_positions
     else:
         hidden = _rows_to_tokens(captured["hidden"], batch)
-        predicts = pack_values(_response_predictors(attention_mask, response_width), batch)
-        hidden, labels = hidden[predicts], batch.labels[predicts]
+        predicts = pack_values(_response_predictors(attention_mask, response_width), batch).nonzero()[:, 0]
+        hidden, labels = hidden.index_select(0, predicts), batch.labels[predicts]
         positions = _block_positions(batch.indices[predicts], batch, response_width)
 
     needs_grad = torch.is_grad_enabled() and (
