@@ -40,10 +40,8 @@ import tempfile
 import torch
 
 from rlhf_sg.flops import _best_seconds, measure_cpu_ceiling
+from rlhf_sg.workers import UPDATE_SPAN_PREFIX as SPAN_PREFIX  # the span a rank holds each update phase in
 
-#: the span each update phase of a rank is held in (rlhf_sg.workers.UPDATE_SPAN_PREFIX; not imported, so reading a
-#: trace needs no Ray or DeepSpeed)
-SPAN_PREFIX = "rlhf_sg.update/"
 MATMULS = {"aten::mm": 0, "aten::addmm": 1, "aten::bmm": 0, "aten::baddbmm": 1}  # name -> where its operands start
 #: the ceiling's readings before and after further apart than this: a warning that the fractions mix moments
 MOVED_WARNING = 0.10
