@@ -1521,7 +1521,7 @@ def critic_values(
     if groups is not None:
         rows = pack_shared_prompts(sequences, attention_mask, response_width,
                                    segment_tokens or default_segment_tokens(module), groups=groups)
-        values = _shared_forward(critic, rows, impl).reshape(-1)[rows.predictor_slots]
+        values = _shared_forward(critic, rows, impl).reshape(-1).index_select(0, rows.predictor_slots)
         return _to_response_block(values, rows.block_positions, shape)
     batch = _pack_for(module, impl, sequences, attention_mask)
     values = _rows_to_tokens(packed_forward(critic, batch, impl), batch)
