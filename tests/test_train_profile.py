@@ -82,6 +82,26 @@ def test_the_report_holds_the_phase_to_the_ceiling_and_its_matmuls_to_the_same_s
     assert f"{3e-6 / 1.5 / 0.5:.1%} of the ceiling" in text
     assert f"{3e-6 / phase.seconds['matmuls'] / 0.5:.1%} of the ceiling" in text  # if only the matmuls took time
     assert "timed as the ceiling is" in text and "other ops, the largest:" in text
+    assert "back to back" not in text  # no sustained reading given: no line
+    sustained = train_profile.report(phase, 0.5, hot, None, sustained=0.4)
+    assert any(f"as long as the span ({phase.span_s:.2f} s): 0.400 TFLOP/s, 80.0% of the ceiling" in line
+               for line in sustained)
+
+
+def test_the_sustained_gemm_runs_for_the_span_and_counts_every_call():
+    """The ceiling's GEMM called back to back for the span's length: it runs that long, and its rate counts every
+    call (a rate from one call over the whole time would be a small fraction of the ceiling's)."""
+    import time
+
+    from rlhf_sg.bench.decode_gemm import model_shape
+    from rlhf_sg.flops import measure_cpu_ceiling
+
+    shape = model_shape("qwen2", "tiny")
+    start = time.perf_counter()
+    rate = train_profile.sustained_gemm(shape, threads=1, seconds=0.2, tokens=64)
+    assert time.perf_counter() - start >= 0.2
+    best = measure_cpu_ceiling.__wrapped__(shape, "float32", 1, tokens=64, min_total_s=0.1).tflops
+    assert 0.2 * best < rate < 1.5 * best
 
 
 def test_main_reads_a_trace_and_prints_its_table(step_trace, capsys):
@@ -92,6 +112,7 @@ def test_main_reads_a_trace_and_prints_its_table(step_trace, capsys):
     for kind in train_profile.CLASSES:
         assert f"  {kind} " in out
     assert "if only the matmuls took time" in out
+    assert "the ceiling's GEMM back to back for as long as the span" in out
 
 
 def test_a_trace_without_the_span_or_without_shapes_is_refused_by_name(tmp_path):

@@ -21,8 +21,10 @@ inside it, by their own time (an op's time less the ops it called):
 Then the accounting's ceiling (:func:`rlhf_sg.flops.measure_cpu_ceiling`: a 1024-row GEMM of the model's MLP shape,
 the fastest of five timings), and the step's own matmul shapes timed the same way, each called again and again on
 the same tensors: in the step the matmuls read what the ops before them wrote, so the ratio of the two rates is what
-that costs. "if only the matmuls took time" is the phase's model FLOPs over the matmuls' seconds: what no change to
-the other ops can pass.
+that costs. Then the ceiling's GEMM called back to back for as long as the span, over that whole time: the ceiling is
+its fastest short window, and on a shared host the rate a CPU holds over seconds is lower by however much its speed
+moves; the step's matmuls pay that too. "if only the matmuls took time" is the phase's model FLOPs over the matmuls'
+seconds: what no change to the other ops can pass.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import json
 import os
 import re
 import tempfile
+import time
 
 import torch
 
@@ -172,6 +175,28 @@ def time_hot(phase: PhaseProfile, threads: int, min_total_s: float, share: float
     return hot
 
 
+def sustained_gemm(shape, threads: int, seconds: float, tokens: int = 1024) -> float:
+    """TFLOP/s of the ceiling's GEMM (:func:`rlhf_sg.flops.measure_cpu_ceiling`: ``[tokens, hidden] x [hidden,
+    intermediate]``, float32) called back to back for ``seconds``, over that whole time: what this CPU holds over a
+    phase, where the ceiling is the fastest of a few short windows. On a shared host the two differ by how much its
+    speed moves."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        a, b = torch.randn(tokens, shape.hidden_size), torch.randn(shape.hidden_size, shape.intermediate_size)
+        torch.mm(a, b)  # warm up (allocation, thread pool)
+        calls, start = 0, time.perf_counter()
+        while True:
+            torch.mm(a, b)
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                break
+    finally:
+        torch.set_num_threads(before)
+    return 2.0 * tokens * shape.hidden_size * shape.intermediate_size * calls / elapsed / 1e12
+
+
 def step_metrics(trace: str) -> dict | None:
     """The metrics.jsonl record of the step a trace profiled (``RUN/profile/stepS.rankR.json`` -> ``RUN/metrics.jsonl``,
     the record of step S), or None."""
@@ -184,9 +209,10 @@ def step_metrics(trace: str) -> dict | None:
     return next((r for r in records if r.get("step") == int(match.group(1))), None)
 
 
-def report(phase: PhaseProfile, ceiling_tflops: float, hot: HotMatmuls | None, metrics: dict | None) -> list[str]:
-    """The printed lines: the table, the step's matmuls against the same shapes timed hot, the phase against the
-    ceiling."""
+def report(phase: PhaseProfile, ceiling_tflops: float, hot: HotMatmuls | None, metrics: dict | None,
+           sustained: float | None = None) -> list[str]:
+    """The printed lines: the table, the step's matmuls against the same shapes timed hot, the ceiling's GEMM
+    sustained for as long as the span (``sustained``, TFLOP/s), the phase against the ceiling."""
     mm_s, mm_flops = phase.seconds["matmuls"], phase.matmul_flops
     header = ("where the time goes", "seconds", "share", "TFLOP", "TFLOP/s", "of ceiling")
     lines = ["  {:<22} {:>8} {:>7} {:>7} {:>8} {:>11}".format(*header)]
@@ -208,6 +234,10 @@ def report(phase: PhaseProfile, ceiling_tflops: float, hot: HotMatmuls | None, m
                      f"as the ceiling is, on the same tensors again and again: {hot_rate:.3f} TFLOP/s "
                      f"({hot_rate / ceiling_tflops:.1%} of the ceiling); in the step they ran at {step_rate:.3f} "
                      f"({step_rate / hot_rate:.1%} of that)")
+    if sustained:
+        lines.append(f"the ceiling's GEMM back to back for as long as the span ({phase.span_s:.2f} s): {sustained:.3f} "
+                     f"TFLOP/s, {sustained / ceiling_tflops:.1%} of the ceiling (its fastest short window): what this "
+                     "CPU holds over a phase, which the step's matmuls cannot pass either")
     if metrics and metrics.get("perf/train_TFLOP") and metrics.get("time/train"):
         model_tflop, train_s = metrics["perf/train_TFLOP"], metrics["time/train"]
         lines.append(f"the phase: {model_tflop:.3f} model TFLOP in {train_s:.3f} s (time/train, the driver's clock): "
@@ -265,13 +295,14 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"train-profile: {e}") from None
         metrics = step_metrics(trace)
     hot = time_hot(phase, args.threads, args.min_seconds)
+    sustained = sustained_gemm(shape, args.threads, phase.span_s)
     readings.append(measure())
     ceiling = max(readings, key=lambda c: c.tflops)
     source = trace if args.trace else f"the e2e run's {os.path.basename(trace)}"
     print(f"train-profile: the {args.role} update of {source}; the accounting's ceiling for {args.arch}/{args.size}: "
           f"{ceiling.tflops:.3f} TFLOP/s, the higher of its readings before ({readings[0].tflops:.3f}) and after "
           f"({readings[1].tflops:.3f}) ({ceiling.source})", flush=True)
-    for line in report(phase, ceiling.tflops, hot, metrics):
+    for line in report(phase, ceiling.tflops, hot, metrics, sustained):
         print(line)
     moved = 1 - min(r.tflops for r in readings) / ceiling.tflops
     if moved > MOVED_WARNING:
