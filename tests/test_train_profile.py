@@ -83,8 +83,8 @@ def test_the_report_holds_the_phase_to_the_ceiling_and_its_matmuls_to_the_same_s
     assert f"{3e-6 / phase.seconds['matmuls'] / 0.5:.1%} of the ceiling" in text  # if only the matmuls took time
     assert "timed as the ceiling is" in text and "other ops, the largest:" in text
     assert "back to back" not in text  # no sustained reading given: no line
-    sustained = train_profile.report(phase, 0.5, hot, None, sustained=0.4)
-    assert any(f"as long as the span ({phase.span_s:.2f} s): 0.400 TFLOP/s, 80.0% of the ceiling" in line
+    sustained = train_profile.report(phase, 0.5, hot, None, sustained=(0.4, 2.5))
+    assert any(f"back to back for 2.50 s (the span: {phase.span_s:.2f} s): 0.400 TFLOP/s, 80.0% of the ceiling" in line
                for line in sustained)
 
 
@@ -112,7 +112,8 @@ def test_main_reads_a_trace_and_prints_its_table(step_trace, capsys):
     for kind in train_profile.CLASSES:
         assert f"  {kind} " in out
     assert "if only the matmuls took time" in out
-    assert "the ceiling's GEMM back to back for as long as the span" in out
+    phase = train_profile.read_phase(str(path))
+    assert f"the ceiling's GEMM back to back for {phase.span_s:.2f} s (the span: {phase.span_s:.2f} s)" in out
 
 
 def test_a_trace_without_the_span_or_without_shapes_is_refused_by_name(tmp_path):

@@ -21,10 +21,10 @@ inside it, by their own time (an op's time less the ops it called):
 Then the accounting's ceiling (:func:`rlhf_sg.flops.measure_cpu_ceiling`: a 1024-row GEMM of the model's MLP shape,
 the fastest of five timings), and the step's own matmul shapes timed the same way, each called again and again on
 the same tensors: in the step the matmuls read what the ops before them wrote, so the ratio of the two rates is what
-that costs. Then the ceiling's GEMM called back to back for as long as the span, over that whole time: the ceiling is
-its fastest short window, and on a shared host the rate a CPU holds over seconds is lower by however much its speed
-moves; the step's matmuls pay that too. "if only the matmuls took time" is the phase's model FLOPs over the matmuls'
-seconds: what no change to the other ops can pass.
+that costs. Then the ceiling's GEMM called back to back for as long as the span (at most 30 s), over that whole
+time: the ceiling is its fastest short window, and on a shared host the rate a CPU holds over seconds is lower by
+however much its speed moves; the step's matmuls pay that too. "if only the matmuls took time" is the phase's model
+FLOPs over the matmuls' seconds: what no change to the other ops can pass.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ from rlhf_sg.workers import UPDATE_SPAN_PREFIX as SPAN_PREFIX  # the span a rank
 MATMULS = {"aten::mm": 0, "aten::addmm": 1, "aten::bmm": 0, "aten::baddbmm": 1}  # name -> where its operands start
 #: the ceiling's readings before and after further apart than this: a warning that the fractions mix moments
 MOVED_WARNING = 0.10
+#: the longest the sustained GEMM runs (a long span's whole length would add minutes)
+SUSTAINED_MAX_S = 30.0
 CLASSES = ("matmuls", "attention", "fused kernels", "optimizer", "communication", "other ops")
 
 
@@ -210,9 +212,9 @@ def step_metrics(trace: str) -> dict | None:
 
 
 def report(phase: PhaseProfile, ceiling_tflops: float, hot: HotMatmuls | None, metrics: dict | None,
-           sustained: float | None = None) -> list[str]:
+           sustained: tuple[float, float] | None = None) -> list[str]:
     """The printed lines: the table, the step's matmuls against the same shapes timed hot, the ceiling's GEMM
-    sustained for as long as the span (``sustained``, TFLOP/s), the phase against the ceiling."""
+    sustained (``sustained``: its TFLOP/s and the seconds it ran), the phase against the ceiling."""
     mm_s, mm_flops = phase.seconds["matmuls"], phase.matmul_flops
     header = ("where the time goes", "seconds", "share", "TFLOP", "TFLOP/s", "of ceiling")
     lines = ["  {:<22} {:>8} {:>7} {:>7} {:>8} {:>11}".format(*header)]
@@ -235,9 +237,10 @@ def report(phase: PhaseProfile, ceiling_tflops: float, hot: HotMatmuls | None, m
                      f"({hot_rate / ceiling_tflops:.1%} of the ceiling); in the step they ran at {step_rate:.3f} "
                      f"({step_rate / hot_rate:.1%} of that)")
     if sustained:
-        lines.append(f"the ceiling's GEMM back to back for as long as the span ({phase.span_s:.2f} s): {sustained:.3f} "
-                     f"TFLOP/s, {sustained / ceiling_tflops:.1%} of the ceiling (its fastest short window): what this "
-                     "CPU holds over a phase, which the step's matmuls cannot pass either")
+        rate, seconds = sustained
+        lines.append(f"the ceiling's GEMM back to back for {seconds:.2f} s (the span: {phase.span_s:.2f} s): "
+                     f"{rate:.3f} TFLOP/s, {rate / ceiling_tflops:.1%} of the ceiling (its fastest short window): what "
+                     "this CPU holds over a phase, which the step's matmuls cannot pass either")
     if metrics and metrics.get("perf/train_TFLOP") and metrics.get("time/train"):
         model_tflop, train_s = metrics["perf/train_TFLOP"], metrics["time/train"]
         lines.append(f"the phase: {model_tflop:.3f} model TFLOP in {train_s:.3f} s (time/train, the driver's clock): "
@@ -295,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"train-profile: {e}") from None
         metrics = step_metrics(trace)
     hot = time_hot(phase, args.threads, args.min_seconds)
-    sustained = sustained_gemm(shape, args.threads, phase.span_s)
+    sustained_s = min(phase.span_s, SUSTAINED_MAX_S)
+    sustained = sustained_gemm(shape, args.threads, sustained_s), sustained_s
     readings.append(measure())
     ceiling = max(readings, key=lambda c: c.tflops)
     source = trace if args.trace else f"the e2e run's {os.path.basename(trace)}"
