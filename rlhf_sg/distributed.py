@@ -33,6 +33,7 @@ import torch.distributed as dist
 from rlhf_sg.placement import free_port
 
 __all__ = [
+    "RendezvousPortTaken",
     "create_group_store",
     "free_port",
     "init_torch_distributed",
@@ -61,6 +62,24 @@ def pin_torch_extensions_dir() -> str:
     path = os.path.join(get_default_build_root(), f"{python}_{kind}-env-{env}")
     os.environ["TORCH_EXTENSIONS_DIR"] = path
     return path
+
+
+class RendezvousPortTaken(TimeoutError):
+    """Rank 0 could not listen on the group's rendezvous port: another process bound it after it was picked free
+    (the pick and the bind are seconds apart, and other jobs on the node bind ports meanwhile). A group that picked
+    its own port starts again on another (:class:`rlhf_sg.workers.ModelGroup`)."""
+
+
+def _port_taken(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a store's listen failing on a port in use."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def init_torch_distributed(
@@ -112,6 +131,12 @@ def init_torch_distributed(
             verbose=False,
         )
     except Exception as exc:  # the rendezvous reports a missing peer as several exception types
+        if _port_taken(exc):
+            raise RendezvousPortTaken(
+                f"init_torch_distributed: {where}: port {master_port} is in use on {master_addr} (another process "
+                f"bound it after it was picked free): {type(exc).__name__}: {exc}. A group that picked its own port "
+                "starts again on another; a port you gave must be free on rank 0's node"
+            ) from exc
         raise TimeoutError(
             f"init_torch_distributed: {where} could not form the default group within {timeout_s} s: "
             f"{type(exc).__name__}: {exc}. Are all {world_size} ranks started with the same master address?"

@@ -964,27 +964,40 @@ class SharedBundles:
 
 
 def wait_ranks(calls: list[tuple[str, int, Any]], phase: str, timeout_s: float) -> list[Any]:
-    """Results of remote rank calls ``(group role, rank, object ref)``, in order. Raises TimeoutError naming the
-    phase and every rank that had not answered within ``timeout_s`` (--train.timeout_s), and re-raises a
-    failed call naming its group and rank."""
+    """Results of remote rank calls ``(group role, rank, object ref)``, in order. A call that fails is re-raised
+    as soon as it fails, naming its group and rank (a rank whose process died as RuntimeError), without waiting
+    for the others: they are often stuck waiting for it (a collective, a rendezvous) until their own timeout.
+    Raises TimeoutError naming the phase and every rank that had not answered within ``timeout_s``
+    (--train.timeout_s)."""
     import ray
 
-    refs = [ref for _, _, ref in calls]
-    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    if pending:
-        late = {ref for ref in pending}
-        stuck = ", ".join(f"{role} rank {rank}" for role, rank, ref in calls if ref in late)
-        raise TimeoutError(
-            f"{phase}: no answer within {timeout_s:.0f} s (--train.timeout_s) from {stuck}; that rank is stuck (a "
-            "collective waiting for a rank that died, a hung reward or engine) or the cluster lacks the resources"
-        )
-    results = []
-    for role, rank, ref in calls:
-        try:
-            results.append(ray.get(ref, timeout=0))
-        except ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"{phase}: {role} rank {rank} died: {e}") from e
-    return results
+    where = {ref: (role, rank) for role, rank, ref in calls}
+    results: dict[Any, Any] = {}
+    pending = list(where)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            stuck = ", ".join(f"{role} rank {rank}" for role, rank, ref in calls if ref in set(pending))
+            raise TimeoutError(
+                f"{phase}: no answer within {timeout_s:.0f} s (--train.timeout_s) from {stuck}; that rank is stuck "
+                "(a collective waiting for a rank that died, a hung reward or engine) or the cluster lacks the "
+                "resources"
+            )
+        for ref in ready:
+            role, rank = where[ref]
+            try:
+                results[ref] = ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as e:
+                raise RuntimeError(f"{phase}: {role} rank {rank} died: {e}") from e
+            except Exception as e:  # the call raised: its own error, with where it came from
+                e.add_note(f"{phase}: raised by {role} rank {rank}")
+                raise
+    return [results[ref] for _, _, ref in calls]
+
+
+#: how many times a group starts its ranks when the rendezvous port it picked is taken before rank 0 binds it
+RENDEZVOUS_TRIES = 3
 
 
 class ModelGroup:
@@ -998,7 +1011,6 @@ class ModelGroup:
                  runtime_env: dict | None = None, shared: SharedBundles | None = None, wait: bool = True):
         """Start the ranks; with ``wait`` (the default) return once every rank has loaded its model, otherwise at
         once, and :meth:`wait_started` waits (groups then load their models at the same time)."""
-        import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -1017,32 +1029,57 @@ class ModelGroup:
             self.pg = shared.pg
             num_cpus, num_gpus = shared.num_cpus, shared.num_gpus
             strategies = [shared.strategy(i) for i in range(spec.world_size)]
-        if not spec.master_addr:
-            # rank 0's node and a port free there: ranks on other nodes reach it, loopback they would not
-            from rlhf_sg.placement import rendezvous_for_bundle
-
-            host, port = rendezvous_for_bundle(self.pg, 0, self.timeout_s)
-            spec = self.spec = replace(spec, master_addr=host, master_port=port)
         env = {"env_vars": {"OMP_NUM_THREADS": str(spec.threads), "TOKENIZERS_PARALLELISM": "false"}}
         if spec.device == "cpu":
             env["env_vars"]["DS_ACCELERATOR"] = "cpu"
         if runtime_env:
             env["env_vars"].update(runtime_env.get("env_vars", {}))
-        cls = ray.remote(self.worker)
-        self.workers = [
-            cls.options(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=env, scheduling_strategy=strategies[i])
-            .remote(asdict(spec), i)
-            for i in range(spec.world_size)
-        ]
-        self._started = [w.ping.remote() for w in self.workers]
+        self._options = [dict(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=env, scheduling_strategy=strategy)
+                         for strategy in strategies]
+        #: the group picks its rendezvous (rank 0's node, a port free there) and picks again when the port is
+        #: taken before rank 0 binds it; a rendezvous given in the spec is used as it is
+        self.picks_rendezvous = not spec.master_addr
+        self._launch()
         if wait:
             self.wait_started()
 
+    def _launch(self) -> None:
+        import ray
+
+        if self.picks_rendezvous:
+            # rank 0's node and a port free there: ranks on other nodes reach it, loopback they would not
+            from rlhf_sg.placement import rendezvous_for_bundle
+
+            host, port = rendezvous_for_bundle(self.pg, 0, self.timeout_s)
+            self.spec = replace(self.spec, master_addr=host, master_port=port)
+        cls = ray.remote(self.worker)
+        self.workers = [cls.options(**options).remote(asdict(self.spec), i) for i, options in enumerate(self._options)]
+        self._started = [w.ping.remote() for w in self.workers]
+
     def wait_started(self) -> None:
-        """Wait until every rank has loaded its model and joined its process group (at most ``timeout_s``)."""
-        if self._started:
+        """Wait until every rank has loaded its model and joined its process group (at most ``timeout_s``). When
+        another process took the port the group picked before its rank 0 bound it
+        (:class:`rlhf_sg.distributed.RendezvousPortTaken`), the ranks start again on another port, at most
+        :data:`RENDEZVOUS_TRIES` times in all."""
+        import ray
+
+        for attempt in range(1, RENDEZVOUS_TRIES + 1):
+            if not self._started:
+                return
             refs, self._started = self._started, []
-            self._get(refs, "start-up")
+            try:
+                self._get(refs, "start-up")
+                return
+            except Exception as e:
+                if not (self.picks_rendezvous and "RendezvousPortTaken" in str(e) and attempt < RENDEZVOUS_TRIES):
+                    raise
+                log.warning("%s: rendezvous port %d on %s was taken by another process before rank 0 bound it; "
+                            "starting the %d ranks again on another port (try %d of %d)", self.spec.role,
+                            self.spec.master_port, self.spec.master_addr, self.spec.world_size, attempt + 1,
+                            RENDEZVOUS_TRIES)
+                for w in self.workers:  # the other ranks wait to meet at the taken port
+                    ray.kill(w, no_restart=True)
+                self._launch()
 
     def _get(self, refs, what: str):
         return wait_ranks([(self.spec.role, i, ref) for i, ref in enumerate(refs)], what, self.timeout_s)

@@ -251,6 +251,47 @@ def test_a_stuck_rank_is_named_with_its_group_and_phase_after_the_timeout(ray_cl
             ray.kill(rank)  # rank 1 is still blocked
 
 
+@pytest.mark.slow
+def test_a_rank_that_fails_is_named_at_once_while_the_others_still_wait(ray_cluster):
+    """A rank whose call fails (its start-up raised, or its process died) is named as soon as it fails: the other
+    ranks are typically waiting for it (a rendezvous, a collective) and would answer only at their own timeout."""
+    ray = pytest.importorskip("ray")
+    from rlhf_sg.workers import wait_ranks
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def __init__(self, fail_start: bool):
+            if fail_start:
+                raise OSError("rank 0 could not listen on its port")
+
+        def ping(self):
+            return "ok"
+
+        def fail(self):
+            raise ValueError("a bad micro-batch")
+
+        def block(self, seconds):
+            time.sleep(seconds)
+            return "late"
+
+    waiting = Rank.remote(False)
+    try:
+        for calls, error, match in (
+            ([("actor", 0, Rank.remote(True).ping.remote()), ("actor", 1, waiting.block.remote(60))], RuntimeError,
+             r"(?s)start-up: actor rank 0 died: .*rank 0 could not listen on its port"),
+            ([("critic", 0, waiting.block.remote(60)), ("critic", 1, Rank.remote(False).fail.remote())], ValueError,
+             "a bad micro-batch"),
+        ):
+            t0 = time.monotonic()
+            with pytest.raises(error, match=match) as raised:
+                wait_ranks(calls, "start-up", 120)
+            assert time.monotonic() - t0 < 30  # not the 60 s the waiting rank takes, nor the 120 s timeout
+            if error is ValueError:
+                assert "start-up: raised by critic rank 1" in "".join(getattr(raised.value, "__notes__", []))
+    finally:
+        ray.kill(waiting)
+
+
 # ---- an engine that dies while generating -------------------------------------------------------------------------
 
 

@@ -79,3 +79,39 @@ def test_colocated_groups_share_each_ranks_gpu_and_an_engine_sees_device_0(ray_c
         for g in groups:
             g.shutdown()
         shared.remove()
+
+
+def test_a_group_whose_rendezvous_port_is_taken_starts_again_on_another(ray_cluster, tiny_model, monkeypatch,
+                                                                          caplog):
+    """The port a group picks free on rank 0's node can be bound by another process (another job's ranks, Ray's
+    workers) before rank 0 binds it: rank 0 then fails at once with EADDRINUSE while the other ranks wait to meet
+    there. The group starts its ranks again on a port picked anew, and says so."""
+    import socket
+
+    from rlhf_sg import placement
+    from rlhf_sg.workers import ModelGroup
+
+    held = socket.socket()
+    held.bind(("", 0))  # every address, as the store binds its port
+    held.listen()
+    taken = held.getsockname()[1]
+    real, picks = placement.rendezvous_for_bundle, []
+
+    def pick(pg, bundle_index=0, timeout_s=60.0):
+        host, port = real(pg, bundle_index, timeout_s)
+        picks.append(taken if not picks else port)  # the first pick is taken before rank 0 binds it
+        return host, picks[-1]
+
+    monkeypatch.setattr(placement, "rendezvous_for_bundle", pick)
+    try:
+        with caplog.at_level("WARNING", logger="rlhf_sg"):
+            group = ModelGroup(_spec("ref", tiny_model, 2, train=False), num_cpus=1.0)
+        try:
+            seen = group.call("placement_seen")
+        finally:
+            group.shutdown()
+    finally:
+        held.close()
+    assert len(picks) == 2 and picks[1] != taken
+    assert [tuple(s["master"]) for s in seen] == [(seen[0]["node_address"], picks[1])] * 2
+    assert f"ref: rendezvous port {taken} on {seen[0]['node_address']} was taken by another process" in caplog.text
