@@ -70,18 +70,6 @@ class RendezvousPortTaken(TimeoutError):
     its own port starts again on another (:class:`rlhf_sg.workers.ModelGroup`)."""
 
 
-def _port_taken(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) is a store's listen failing on a port in use."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        text = str(exc)
-        if "EADDRINUSE" in text or "address already in use" in text.lower():
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
 def init_torch_distributed(
     rank: int,
     world_size: int,
@@ -131,7 +119,8 @@ def init_torch_distributed(
             verbose=False,
         )
     except Exception as exc:  # the rendezvous reports a missing peer as several exception types
-        if _port_taken(exc):
+        # the store's listen on a port in use: torch's libuv store names EADDRINUSE, its older one the errno's text
+        if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
             raise RendezvousPortTaken(
                 f"init_torch_distributed: {where}: port {master_port} is in use on {master_addr} (another process "
                 f"bound it after it was picked free): {type(exc).__name__}: {exc}. A group that picked its own port "

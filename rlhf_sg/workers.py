@@ -978,7 +978,8 @@ def wait_ranks(calls: list[tuple[str, int, Any]], phase: str, timeout_s: float) 
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
-            stuck = ", ".join(f"{role} rank {rank}" for role, rank, ref in calls if ref in set(pending))
+            late = set(pending)
+            stuck = ", ".join(f"{role} rank {rank}" for role, rank, ref in calls if ref in late)
             raise TimeoutError(
                 f"{phase}: no answer within {timeout_s:.0f} s (--train.timeout_s) from {stuck}; that rank is stuck "
                 "(a collective waiting for a rank that died, a hung reward or engine) or the cluster lacks the "

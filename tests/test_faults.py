@@ -215,6 +215,27 @@ def test_the_run_stops_after_max_nonfinite_steps_in_a_row_naming_the_last_checkp
 # ---- a rank that never answers ---------------------------------------------------------------------------------
 
 
+class _StandInRank:
+    """A rank as the driver sees it (a Ray actor answering calls): one that answers, raises, dies, fails its
+    start-up, or is stuck in an earlier call (as a rank blocked in a collective whose peer died)."""
+
+    def __init__(self, fail_start: bool = False):
+        if fail_start:
+            raise OSError("rank 0 could not listen on its port")
+
+    def ping(self):
+        return "ok"
+
+    def fail(self):
+        raise ValueError("a bad micro-batch")
+
+    def block(self, seconds):
+        time.sleep(seconds)  # the stuck call itself; no test waits for it (the actor is killed)
+
+    def die(self):
+        os._exit(1)
+
+
 @pytest.mark.slow
 def test_a_stuck_rank_is_named_with_its_group_and_phase_after_the_timeout(ray_cluster):
     """Two Ray actors answer a call; one of them is stuck in an earlier call (as a rank blocked in a collective
@@ -223,17 +244,7 @@ def test_a_stuck_rank_is_named_with_its_group_and_phase_after_the_timeout(ray_cl
     ray = pytest.importorskip("ray")
     from rlhf_sg.workers import wait_ranks
 
-    @ray.remote(num_cpus=0)
-    class Rank:
-        def ping(self):
-            return "ok"
-
-        def block(self, seconds):
-            time.sleep(seconds)
-
-        def die(self):
-            os._exit(1)
-
+    Rank = ray.remote(num_cpus=0)(_StandInRank)
     ranks = [Rank.remote(), Rank.remote()]
     try:
         assert wait_ranks([("actor", i, r.ping.remote()) for i, r in enumerate(ranks)], "warm-up", 60) == ["ok"] * 2
@@ -258,28 +269,14 @@ def test_a_rank_that_fails_is_named_at_once_while_the_others_still_wait(ray_clus
     ray = pytest.importorskip("ray")
     from rlhf_sg.workers import wait_ranks
 
-    @ray.remote(num_cpus=0)
-    class Rank:
-        def __init__(self, fail_start: bool):
-            if fail_start:
-                raise OSError("rank 0 could not listen on its port")
-
-        def ping(self):
-            return "ok"
-
-        def fail(self):
-            raise ValueError("a bad micro-batch")
-
-        def block(self, seconds):
-            time.sleep(seconds)
-            return "late"
-
-    waiting = Rank.remote(False)
+    Rank = ray.remote(num_cpus=0)(_StandInRank)
+    waiting = Rank.remote()
     try:
         for calls, error, match in (
-            ([("actor", 0, Rank.remote(True).ping.remote()), ("actor", 1, waiting.block.remote(60))], RuntimeError,
+            ([("actor", 0, Rank.remote(fail_start=True).ping.remote()), ("actor", 1, waiting.block.remote(60))],
+             RuntimeError,
              r"(?s)start-up: actor rank 0 died: .*rank 0 could not listen on its port"),
-            ([("critic", 0, waiting.block.remote(60)), ("critic", 1, Rank.remote(False).fail.remote())], ValueError,
+            ([("critic", 0, waiting.block.remote(60)), ("critic", 1, Rank.remote().fail.remote())], ValueError,
              "a bad micro-batch"),
         ):
             t0 = time.monotonic()

@@ -38,7 +38,6 @@ import json
 import os
 import re
 import tempfile
-import time
 
 import torch
 
@@ -186,17 +185,10 @@ def sustained_gemm(shape, threads: int, seconds: float, tokens: int = 1024) -> f
     torch.set_num_threads(max(1, threads))
     try:
         a, b = torch.randn(tokens, shape.hidden_size), torch.randn(shape.hidden_size, shape.intermediate_size)
-        torch.mm(a, b)  # warm up (allocation, thread pool)
-        calls, start = 0, time.perf_counter()
-        while True:
-            torch.mm(a, b)
-            calls += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= seconds:
-                break
+        per_call = _best_seconds(lambda: torch.mm(a, b), seconds, repeats=1)  # one timing: the mean over it all
     finally:
         torch.set_num_threads(before)
-    return 2.0 * tokens * shape.hidden_size * shape.intermediate_size * calls / elapsed / 1e12
+    return 2.0 * tokens * shape.hidden_size * shape.intermediate_size / per_call / 1e12
 
 
 def step_metrics(trace: str) -> dict | None:
